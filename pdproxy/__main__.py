@@ -1,0 +1,3 @@
+from pdproxy.cli import main
+
+raise SystemExit(main())
