@@ -1,0 +1,82 @@
+"""Start pdproxy components as real processes on loopback and wait until they answer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A child process whose output goes to a log file that tests can read on failure."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, name: str = "proc"):
+        self.args = args
+        self.log = Path(tempfile.mkstemp(prefix=f"pdproxy-{name}-", suffix=".log")[1])
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self._fh = open(self.log, "wb")
+        self.popen = subprocess.Popen(
+            args, stdout=self._fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_http(self, url: str, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.args} exited {self.popen.returncode}:\n{self.output()}")
+            try:
+                with urllib.request.urlopen(url, timeout=1) as r:
+                    if r.status < 500:
+                        return
+            except Exception:
+                time.sleep(0.05)
+        raise TimeoutError(f"{url} not ready after {timeout}s:\n{self.output()}")
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+        self._fh.close()
+        return self.popen.returncode
+
+
+def pdproxy(*args: str, env: dict[str, str] | None = None, name: str = "pdproxy") -> Proc:
+    return Proc([sys.executable, "-m", "pdproxy", *args], env=env, name=name)
+
+
+def start_sim(role: str, *extra: str, port: int | None = None, model: str = "sim-model") -> tuple[Proc, str]:
+    """A simulated vLLM instance; returns the process and its base URL."""
+    port = port or free_port()
+    proc = pdproxy("sim", "--role", role, "--host", HOST, "--port", str(port), "--model", model, *extra, name=f"sim-{role}")
+    url = f"http://{HOST}:{port}"
+    proc.wait_http(url + "/health")
+    return proc, url
+
+
+def start_proxy(*args: str, env: dict[str, str] | None = None, port: int | None = None) -> tuple[Proc, str]:
+    port = port or free_port()
+    proc = pdproxy("serve", "--host", HOST, "--port", str(port), *args, env=env, name="serve")
+    url = f"http://{HOST}:{port}"
+    proc.wait_http(url + "/health")
+    return proc, url
