@@ -1,0 +1,146 @@
+"""The bench's record file: one JSON object per line.
+
+```
+{"type": "run", ...}        first line: run id, label, conditions, workload, target, versions
+{"type": "request", ...}    one per request sent (failed and warm-up requests included)
+{"type": "summary", ...}    last line: the statistics of the measured requests (stats.run_stats)
+```
+
+A request line has the client-side timings in seconds (`ttft`, `e2e`, `itl` = the gaps between
+token-bearing chunks, `chunk_tokens` = tokens per chunk when the server streamed usage), the
+status and the failure reason, the ids sent (`request_id` as `X-Request-Id`, `trace_id` in
+`traceparent`), and never prompt or completion text unless the run was started with --save-text.
+Reading is tolerant of a missing summary (a run cut short still has its request lines).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, TextIO
+
+FORMAT = "pdproxy-bench/1"
+
+
+class RecordError(ValueError):
+    """A file that is not a readable record file; the message names the file and line."""
+
+
+@dataclass
+class Run:
+    """One bench run as read back: header, request records and the summary (if written)."""
+
+    header: dict[str, Any]
+    requests: list[dict[str, Any]]
+    summary: dict[str, Any] | None = None
+    source: str = ""
+    traces: dict[str, Any] = field(default_factory=dict)  # request_id → trace info, after the join
+
+    @property
+    def label(self) -> str:
+        return str(self.header.get("label") or self.header.get("run_id") or self.source)
+
+    @property
+    def conditions(self) -> dict[str, Any]:
+        return self.header.setdefault("conditions", {})
+
+
+def request_record(
+    *,
+    run_id: str,
+    request_id: str,
+    trace_id: str,
+    cls: str,
+    index: int,
+    seq: int,
+    warmup: bool,
+    start_wall: float,
+    start_offset: float,
+    prompt_words: int,
+    max_tokens: int,
+    outcome: Any,
+) -> dict[str, Any]:
+    """Turn a client outcome into the record written to disk."""
+    times = outcome.chunk_times
+    rec: dict[str, Any] = {
+        "type": "request",
+        "run_id": run_id,
+        "request_id": request_id,
+        "trace_id": trace_id,
+        "class": cls,
+        "index": index,
+        "seq": seq,
+        "warmup": warmup,
+        "start_time": round(start_wall, 6),
+        "start_offset": round(start_offset, 6),
+        "prompt_words": prompt_words,
+        "max_tokens": max_tokens,
+        "status": outcome.status,
+        "ok": outcome.ok,
+        "error": outcome.error,
+        "error_detail": outcome.error_detail,
+        "ttft": round(times[0], 7) if times else None,
+        "e2e": round(times[-1], 7) if times else None,
+        "end": round(outcome.end, 7) if outcome.end is not None else None,
+        "itl": [round(b - a, 7) for a, b in zip(times, times[1:])],
+        "chunk_tokens": outcome.chunk_tokens,
+        "chunks": len(times),
+        "output_tokens": outcome.output_tokens,
+        "prompt_tokens": outcome.prompt_tokens,
+        "finish_reason": outcome.finish_reason,
+    }
+    if outcome.text is not None:
+        rec["text"] = outcome.text
+    return rec
+
+
+class RecordWriter:
+    """Appends lines as they happen so a killed run still leaves its records behind."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._fh: TextIO = open(path, "w")
+
+    def write(self, obj: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(obj, separators=(",", ":")) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def read_run(path: str | Path) -> Run:
+    """Read one record file written by `pdproxy bench`."""
+    p = Path(path)
+    if not p.is_file():
+        raise RecordError(f"{p}: no such file")
+    header: dict[str, Any] | None = None
+    summary = None
+    reqs: list[dict[str, Any]] = []
+    with open(p) as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                raise RecordError(f"{p}:{n}: not JSON") from None
+            kind = obj.get("type") if isinstance(obj, dict) else None
+            if kind == "run":
+                header = obj
+            elif kind == "request":
+                reqs.append(obj)
+            elif kind == "summary":
+                summary = obj
+            else:
+                raise RecordError(f"{p}:{n}: not a pdproxy bench record (no type run/request/summary)")
+    if header is None:
+        raise RecordError(f"{p}: no run header line; is this a `pdproxy bench` record file?")
+    return Run(header=header, requests=reqs, summary=summary, source=str(p))
+
+
+def iter_measured(requests: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Requests that count: everything except warm-up (failures included)."""
+    return [r for r in requests if not r.get("warmup")]

@@ -1,0 +1,314 @@
+"""Build the comparison report (a plain dict, which is also the JSON output) from runs and traces.
+
+One entry per run (set-up): its fixed conditions (from bench flags, completed by the trace
+resource attributes), the statistics of `stats.run_stats`, the proxy-side stage breakdown and KV
+transfer joined from the traces by request id, the slowest and failed requests with trace ids,
+and CDF points for the plots. Then the comparison of conditions across runs and the verdict.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any, Sequence
+
+import numpy as np
+
+from pdproxy import __version__
+from pdproxy.bench import stats, traces
+from pdproxy.bench.records import Run
+from pdproxy.bench.verdict import Slo, decide
+
+KV_DEFINITION = (
+    "pd.kv_transfer span = prefill response read -> first decode token received: an upper bound "
+    "(proxy hand-off + decode queue + KV pull + one decode step). 'estimated' = that minus one median "
+    "ITL of the request (pd.kv_transfer.estimated). Single-instance set-ups have no transfer."
+)
+
+CONDITION_LABELS: dict[str, str] = {
+    "pd.run": "run label",
+    "pd.mode": "mode",
+    "vllm.version": "vLLM version",
+    "vllm.model": "model",
+    "vllm.model.revision": "model revision",
+    "vllm.dtype": "dtype",
+    "vllm.max_model_len": "max model len",
+    "vllm.enable_chunked_prefill": "chunked prefill",
+    "vllm.max_num_batched_tokens": "max-num-batched-tokens",
+    "gpu.kind": "GPU kind",
+    "gpu.count": "GPU count",
+    "pd.kv_connector": "KV connector",
+    "pd.kv_connector.version": "connector version",
+    "pd.prefill.count": "prefill instances",
+    "pd.decode.count": "decode instances",
+    "pd.prefill.tp": "prefill TP",
+    "pd.prefill.pp": "prefill PP",
+    "pd.decode.tp": "decode TP",
+    "pd.decode.pp": "decode PP",
+    "service.version": "proxy version",
+}
+
+# Condition keys grouped into the axes the evaluation plan varies one at a time.
+SETUP_KEYS = ("pd.mode", "vllm.enable_chunked_prefill", "vllm.max_num_batched_tokens", "pd.kv_connector",
+              "pd.kv_connector.version")
+RATIO_KEYS = ("pd.prefill.count", "pd.decode.count")
+PARALLEL_KEYS = ("pd.prefill.tp", "pd.prefill.pp", "pd.decode.tp", "pd.decode.pp")
+IGNORED_KEYS = {"pd.run", "gpu.count"}
+
+
+def _cdf(values: Sequence[float], points: int = 200) -> list[list[float]]:
+    """Down-sampled empirical CDF: [[value, fraction], ...] (exact for small sets)."""
+    if not values:
+        return []
+    arr = np.sort(np.asarray(values, dtype=float))
+    n = len(arr)
+    if n <= points:
+        return [[float(v), (i + 1) / n] for i, v in enumerate(arr)]
+    qs = np.linspace(0, 100, points)
+    return [[float(np.percentile(arr, q)), float(q / 100)] for q in qs]
+
+
+def _merge_conditions(run: Run, infos: list[traces.TraceInfo]) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    given = {k: v for k, v in run.conditions.items() if v is not None and v != ""}
+    from_traces = traces.resource_conditions(infos) if infos else {}
+    merged = dict(given)
+    sources = {k: "bench" for k in given}
+    notes = []
+    for k, v in from_traces.items():
+        if k not in merged:
+            merged[k] = v
+            sources[k] = "trace"
+        elif str(merged[k]) != str(v):
+            notes.append(f"{k}: bench says {merged[k]!r}, the proxy's traces say {v!r} (trace value used)")
+            merged[k] = v
+            sources[k] = "trace"
+    return merged, sources, notes
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else x * 1e3
+
+
+def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_threshold: float,
+              slowest: int) -> dict[str, Any]:
+    st = stats.run_stats(run.requests, unit=unit, stall_threshold=stall_threshold)
+    u = st["itl"]["unit"]
+    measured = [r for r in run.requests if not r.get("warmup")]
+    ok = [r for r in measured if r.get("ok")]
+    joined: dict[str, traces.TraceInfo] = {}
+    join_counts = None
+    if idx is not None:
+        joined, join_counts = traces.join(run.requests, idx)
+        run.traces = joined
+    ok_infos = [joined[r["request_id"]] for r in ok if r["request_id"] in joined]
+    conditions, sources, notes = _merge_conditions(run, list(joined.values()))
+    kv = None
+    stages = None
+    proxy_ttft = None
+    if ok_infos:
+        stages = {s: stats.describe(i.stages[s] for i in ok_infos if s in i.stages) for s in traces.STAGES}
+        proxy_ttft = stats.describe(i.attrs.get("gen_ai.response.time_to_first_chunk") for i in ok_infos)
+        kv_infos = [i for i in ok_infos if "kv_transfer" in i.stages]
+        if kv_infos:
+            kv = {
+                "definition": KV_DEFINITION,
+                "upper_bound": stats.describe(i.stages["kv_transfer"] for i in kv_infos),
+                "estimated": stats.describe(i.stage_attrs["kv_transfer"].get("pd.kv_transfer.estimated")
+                                            for i in kv_infos),
+                "handoff_gap": stats.describe(i.stage_attrs["kv_transfer"].get("pd.handoff.gap")
+                                              for i in kv_infos),
+                "decode_queue": stats.describe(i.stage_attrs["kv_transfer"].get("pd.decode.queue_time")
+                                               for i in kv_infos),
+            }
+    mode = conditions.get("pd.mode")
+    gpu = conditions.get("gpu.count")
+    try:
+        gpu_total = int(gpu) if gpu is not None else None
+    except (TypeError, ValueError):
+        gpu_total = None
+
+    def brief(r: dict[str, Any]) -> dict[str, Any]:
+        gaps = stats.request_gaps(r, u)
+        t = stats.tail(gaps)
+        info = joined.get(r["request_id"])
+        return {
+            "request_id": r["request_id"],
+            "trace_id": info.trace_id if info else r.get("trace_id"),
+            "traced": info is not None,
+            "class": r.get("class"),
+            "prompt_words": r.get("prompt_words"),
+            "status": r.get("status"),
+            "error": r.get("error"),
+            "error_detail": r.get("error_detail"),
+            "ttft": r.get("ttft"),
+            "itl_p99": t[0] if t else None,
+            "itl_max": t[1] if t else None,
+            "e2e": r.get("e2e"),
+            "stages": dict(info.stages) if info else None,
+            "failed_stage": info.attrs.get("pd.failed_stage") if info else None,
+            "instances": {k: info.attrs.get(f"pd.{k}.instance") for k in ("prefill", "decode")} if info else None,
+        }
+
+    by_ttft = sorted(ok, key=lambda r: r["ttft"], reverse=True)[:slowest]
+    with_tail = [(stats.tail(stats.request_gaps(r, u)), r) for r in ok]
+    by_tail = [r for t, r in sorted(((t, r) for t, r in with_tail if t), key=lambda x: x[0][1], reverse=True)][:slowest]
+    failed = [r for r in measured if not r.get("ok")]
+    pooled: list[float] = []
+    maxes: list[float] = []
+    for r in ok:
+        g = stats.request_gaps(r, u)
+        pooled.extend(g)
+        if g:
+            maxes.append(max(g))
+    return {
+        "label": run.label,
+        "run_id": run.header.get("run_id"),
+        "source": run.source,
+        "tool": run.header.get("tool", "pdproxy bench"),
+        "target": run.header.get("target"),
+        "started_at": run.header.get("started_at"),
+        "conditions": conditions,
+        "condition_sources": sources,
+        "condition_notes": notes,
+        "workload": run.header.get("workload"),
+        "sweep": run.header.get("sweep"),
+        "mode": mode,
+        "gpu_total": gpu_total,
+        "stats": st,
+        "traces": join_counts,
+        "proxy_ttft": proxy_ttft,
+        "stages": stages,
+        "kv_transfer": kv,
+        "slowest": {"ttft": [brief(r) for r in by_ttft], "tail_itl": [brief(r) for r in by_tail]},
+        "failed": [brief(r) for r in failed[:slowest * 2]],
+        "plots": {"ttft": _cdf([r["ttft"] for r in ok]), "itl": _cdf(pooled), "tail_itl": _cdf(maxes),
+                  "tail_itl_by_start": [[r["start_offset"], max(stats.request_gaps(r, u))] for r in ok
+                                        if stats.request_gaps(r, u)][:2000]},
+    }
+
+
+def _workload_axes(w: dict[str, Any] | None) -> dict[str, Any]:
+    if not w:
+        return {}
+    classes = w.get("classes") or []
+    return {
+        "prompt length": [(c.get("name"), c.get("prompt"), c.get("corpus")) for c in classes],
+        "output cap": [(c.get("name"), c.get("output")) for c in classes],
+        "load": [(c.get("name"), c.get("concurrency"), c.get("rate"), c.get("arrival")) for c in classes],
+        "other workload": {k: w.get(k) for k in ("model", "endpoint", "temperature", "seed", "requests", "duration",
+                                                 "warmup_requests", "warmup_seconds", "ignore_eos")},
+    }
+
+
+def compare(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Which axes differ between runs; a flag when more than one does, or when GPU totals differ."""
+    if len(entries) < 2:
+        return {"axes_differing": [], "flags": [], "resources": None, "unknown": []}
+    axes: dict[str, list[Any]] = {}
+    unknown: list[str] = []
+    modes_differ = len({str(e["conditions"].get("pd.mode")) for e in entries}) > 1
+
+    def group(name: str, keys: Sequence[str]) -> None:
+        vals = [tuple(str(e["conditions"].get(k)) for k in keys) for e in entries]
+        axes[name] = vals
+
+    group("set-up", SETUP_KEYS + (RATIO_KEYS if modes_differ else ()))
+    if not modes_differ:
+        group("P:D ratio", RATIO_KEYS)
+    group("TP/PP", PARALLEL_KEYS)
+    grouped = set(SETUP_KEYS) | set(RATIO_KEYS) | set(PARALLEL_KEYS) | IGNORED_KEYS
+    others = sorted({k for e in entries for k in e["conditions"]} - grouped)
+    for k in others:
+        present = [k in e["conditions"] for e in entries]
+        if not all(present):
+            unknown.append(k)
+            vals = [e["conditions"].get(k) for e in entries if k in e["conditions"]]
+            axes[CONDITION_LABELS.get(k, k)] = [str(v) for v in vals]
+        else:
+            axes[CONDITION_LABELS.get(k, k)] = [str(e["conditions"][k]) for e in entries]
+    wl = [_workload_axes(e.get("workload")) for e in entries]
+    if all(wl):
+        for name in wl[0]:
+            axes[name] = [json.dumps(w.get(name), sort_keys=True) for w in wl]
+    differing = [name for name, vals in axes.items() if len(set(map(str, vals))) > 1]
+    flags = []
+    if len(differing) > 1:
+        flags.append(f"runs differ in {len(differing)} conditions ({', '.join(differing)}): "
+                     "the evaluation plan varies one axis per comparison")
+    gpus = [e.get("gpu_total") for e in entries]
+    if any(g is None for g in gpus):
+        resources = "unknown (GPU count not recorded for every run)"
+    elif len(set(gpus)) > 1:
+        resources = "capacity"
+        flags.append("GPU totals differ (" + ", ".join(f"{e['label']}: {g}" for e, g in zip(entries, gpus))
+                     + "): a capacity comparison, not same resources")
+    else:
+        resources = "same resources"
+    return {"axes_differing": differing, "flags": flags, "resources": resources, "unknown": unknown}
+
+
+def pick_candidate(entries: list[dict[str, Any]], wanted: str | None) -> dict[str, Any]:
+    if wanted:
+        for e in entries:
+            if e["label"] == wanted:
+                return e
+        raise ValueError(f"--candidate {wanted!r} is not one of the runs: {[e['label'] for e in entries]}")
+    pd = [e for e in entries if str(e.get("mode")) == "pd"]
+    return pd[0] if pd else entries[-1]
+
+
+def build(runs: list[Run], idx: traces.TraceIndex | None = None, *, unit: str = "auto",
+          stall_threshold: float = stats.DEFAULT_STALL_THRESHOLD, slowest: int = 5, slo: Slo | None = None,
+          candidate: str | None = None, baselines: list[str] | None = None) -> dict[str, Any]:
+    if not runs:
+        raise ValueError("no runs to report")
+    labels = [r.label for r in runs]
+    if len(set(labels)) != len(labels):  # keep labels unique so the columns can be told apart
+        seen: dict[str, int] = {}
+        for r in runs:
+            n = seen.get(r.label, 0)
+            seen[r.label] = n + 1
+            if n:
+                r.header["label"] = f"{r.label}#{n + 1}"
+    entries = [run_entry(r, idx, unit=unit, stall_threshold=stall_threshold, slowest=slowest) for r in runs]
+    units = {e["stats"]["itl"]["unit"] for e in entries}
+    unit_note = None
+    if len(units) > 1:  # one ITL definition across the comparison
+        unit_note = "ITL split per token is not available for every run: all runs use per-chunk gaps"
+        entries = [run_entry(r, idx, unit="chunk", stall_threshold=stall_threshold, slowest=slowest) for r in runs]
+    report: dict[str, Any] = {
+        "generated_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "pdproxy_version": __version__,
+        "definitions": {
+            "percentiles": f"numpy.percentile, method={stats.PERCENTILE_METHOD}",
+            "itl_unit": entries[0]["stats"]["itl"]["unit"],
+            "itl_unit_note": unit_note,
+            "ttft": "client start -> first token-bearing SSE message (client clock)",
+            "tail_itl": "per request: p99 and max of its own gaps; then p50/p90/p99 across requests",
+            "stall_threshold_s": stall_threshold,
+            "kv_transfer": KV_DEFINITION,
+            "failures": "non-200, exception, error inside the stream, or no token-bearing message; counted in "
+                        "error rate, excluded from latency distributions",
+            "warmup": "warm-up requests are recorded but excluded from every statistic",
+        },
+        "traces": None if idx is None else {
+            "files": idx.sources, "spans": idx.spans, "traces": idx.traces,
+            "request_traces": len(idx.by_request), "shadow_traces": len(idx.shadow),
+            "duplicates": idx.duplicates,
+        },
+        "runs": entries,
+        "comparison": compare(entries),
+        "verdict": None,
+    }
+    if len(entries) > 1:
+        cand = pick_candidate(entries, candidate)
+        if baselines:
+            missing = [b for b in baselines if b not in labels and b not in [e["label"] for e in entries]]
+            if missing:
+                raise ValueError(f"--baseline {missing} not among the runs: {[e['label'] for e in entries]}")
+            bases = [e for e in entries if e["label"] in baselines and e is not cand]
+        else:
+            bases = [e for e in entries if e is not cand]
+        if bases:
+            report["verdict"] = decide(cand, bases, slo or Slo())
+    return report

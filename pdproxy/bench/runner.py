@@ -1,0 +1,208 @@
+"""Drive one workload against one endpoint and write the record file.
+
+Clock rule: every interval is measured on this process's monotonic clock; wall-clock start
+times are that clock shifted by one anchor taken at the start of the run, so records from one
+run never jump with NTP and can still be lined up with trace timestamps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import aiohttp
+
+from pdproxy import __version__
+from pdproxy.bench import client, records, stats
+from pdproxy.bench.workload import PlannedRequest, Workload, arrival_times, class_requests
+
+ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+@dataclass
+class Target:
+    """Where requests go and how."""
+
+    url: str
+    api_key: str | None = None
+    timeout: float = 600.0
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RunResult:
+    path: Path
+    header: dict[str, Any]
+    summary: dict[str, Any]
+    records: list[dict[str, Any]]
+
+
+class _Run:
+    """State shared by the senders of one run."""
+
+    def __init__(self, wl: Workload, target: Target, writer: records.RecordWriter, header: dict[str, Any],
+                 save_text: bool, on_done: Callable[[dict[str, Any]], None]):
+        self.wl, self.target, self.writer, self.header = wl, target, writer, header
+        self.save_text, self.on_done = save_text, on_done
+        self.run_id: str = header["run_id"]
+        self.prefix: str = header["request_id_prefix"]
+        self.url = target.url.rstrip("/") + ROUTES[wl.endpoint]
+        self.t0 = time.perf_counter()
+        self.wall0 = time.time()
+        self.seq = 0
+        self.per_class: dict[str, int] = {}
+        self.records: list[dict[str, Any]] = []
+        self.iters = [class_requests(wl, i) for i in range(len(wl.classes))]
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def may_send(self, ci: int) -> bool:
+        c = self.wl.classes[ci]
+        if self.wl.requests is not None and self.seq >= self.wl.requests:
+            return False
+        if self.wl.duration is not None and self.elapsed() >= self.wl.duration:
+            return False
+        if c.requests is not None and self.per_class.get(c.name, 0) >= c.requests:
+            return False
+        return True
+
+    def take(self, ci: int) -> tuple[PlannedRequest, int]:
+        req = next(self.iters[ci])
+        seq = self.seq
+        self.seq += 1
+        self.per_class[req.cls] = self.per_class.get(req.cls, 0) + 1
+        return req, seq
+
+    async def one(self, session: aiohttp.ClientSession, req: PlannedRequest, seq: int) -> None:
+        request_id = f"{self.prefix}{req.cls}-{req.index}"
+        traceparent, trace_id, _ = client.new_traceparent()
+        headers = {"X-Request-Id": request_id, "traceparent": traceparent, **self.target.headers}
+        if self.target.api_key:
+            headers["Authorization"] = f"Bearer {self.target.api_key}"
+        start_offset = self.elapsed()
+        warmup = seq < self.wl.warmup_requests or start_offset < self.wl.warmup_seconds
+        start, outcome = await client.send(
+            session, self.url, req.body(self.wl), headers,
+            chat=self.wl.endpoint == "chat", timeout=self.target.timeout, save_text=self.save_text,
+        )
+        start_offset = start - self.t0
+        rec = records.request_record(
+            run_id=self.run_id, request_id=request_id, trace_id=trace_id, cls=req.cls, index=req.index,
+            seq=seq, warmup=warmup, start_wall=self.wall0 + start_offset, start_offset=start_offset,
+            prompt_words=req.prompt_words, max_tokens=req.max_tokens, outcome=outcome,
+        )
+        self.records.append(rec)
+        self.writer.write(rec)
+        self.on_done(rec)
+
+    async def closed_loop(self, session: aiohttp.ClientSession, ci: int) -> None:
+        while self.may_send(ci):
+            req, seq = self.take(ci)
+            await self.one(session, req, seq)
+
+    async def open_loop(self, session: aiohttp.ClientSession, ci: int) -> None:
+        tasks: set[asyncio.Task[None]] = set()
+        for at in arrival_times(self.wl, ci):
+            delay = at - self.elapsed()
+            if self.wl.duration is not None and at >= self.wl.duration:
+                break
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if not self.may_send(ci):
+                break
+            req, seq = self.take(ci)
+            t = asyncio.ensure_future(self.one(session, req, seq))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+        if tasks:
+            await asyncio.gather(*tasks)
+
+
+def make_header(wl: Workload, target: Target, label: str, conditions: dict[str, Any],
+                sweep: dict[str, Any] | None = None) -> dict[str, Any]:
+    run_id = secrets.token_hex(4)
+    return {
+        "type": "run",
+        "format": records.FORMAT,
+        "run_id": run_id,
+        "label": label,
+        "request_id_prefix": f"bench-{run_id}-",
+        "target": target.url,
+        "route": ROUTES[wl.endpoint],
+        "bench_version": __version__,
+        "started_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "conditions": dict(conditions),
+        "workload": wl.to_dict(),
+        "sweep": sweep,
+        "definitions": {
+            "ttft": "client start -> first token-bearing SSE message",
+            "itl": "gaps between token-bearing SSE messages (per token when usage is streamed per chunk)",
+            "warmup": f"first {wl.warmup_requests} requests and requests started in the first {wl.warmup_seconds:g}s",
+        },
+    }
+
+
+async def run_async(wl: Workload, target: Target, out: Path, header: dict[str, Any], *,
+                    save_text: bool = False, progress: Any = None,
+                    stall_threshold: float = stats.DEFAULT_STALL_THRESHOLD) -> RunResult:
+    """Run the workload to completion (or cancellation) and write header, records and summary."""
+    writer = records.RecordWriter(out)
+    writer.write(header)
+    counts = {"ok": 0, "failed": 0}
+
+    def on_done(rec: dict[str, Any]) -> None:
+        counts["ok" if rec["ok"] else "failed"] += 1
+        if progress is not None:
+            progress(state, counts)
+
+    state = _Run(wl, target, writer, header, save_text, on_done)
+    if progress is not None:
+        progress(state, counts)
+    interrupted = False
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
+            for ci, c in enumerate(wl.classes):
+                if c.concurrency is not None:
+                    tasks += [asyncio.ensure_future(state.closed_loop(session, ci)) for _ in range(c.concurrency)]
+                else:
+                    tasks.append(asyncio.ensure_future(state.open_loop(session, ci)))
+            ticker = asyncio.ensure_future(_tick(state, counts, progress))
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                ticker.cancel()
+    except asyncio.CancelledError:
+        interrupted = True
+        for t in tasks:
+            t.cancel()
+    finally:
+        summary = {
+            "type": "summary",
+            "run_id": header["run_id"],
+            "label": header["label"],
+            "wall_s": round(state.elapsed(), 3),
+            "interrupted": interrupted,
+            "stats": stats.run_stats(state.records, stall_threshold=stall_threshold),
+        }
+        writer.write(summary)
+        writer.close()
+    if interrupted:
+        raise asyncio.CancelledError
+    return RunResult(out, header, summary, state.records)
+
+
+async def _tick(state: _Run, counts: dict[str, int], progress: Any) -> None:
+    """Refresh a duration-based progress bar even when no request finishes."""
+    if progress is None:
+        return
+    while True:
+        await asyncio.sleep(0.25)
+        progress(state, counts)

@@ -1,0 +1,183 @@
+"""The one place where numbers are defined. Everything the report shows is computed here.
+
+* Percentiles: `numpy.percentile(values, p)` with the default (`linear`) method, as
+  `vllm bench serve` does. An empty set has no percentile (shown as n/a, never as 0).
+* Which requests count: all non-warm-up requests. Failed ones count in the request total, the
+  error rate and the error reasons; latency distributions are over the successful ones (a failed
+  request has no complete TTFT/ITL), and each distribution says how many requests it covers.
+* TTFT: client start → first token-bearing message. E2E: start → last token-bearing message.
+* ITL (pooled): every gap of every successful request in one distribution. Unit `chunk` = one
+  sample per gap between token-bearing messages (vLLM's definition). Unit `token` = when the
+  server streamed usage on every chunk, a gap followed by a chunk of k tokens counts as k gaps of
+  gap/k (tokens that arrive in the first chunk are part of TTFT, not gaps). A run uses `token`
+  only when every successful request has per-chunk token counts; the unit is always reported.
+* Tail ITL: for each request, the p99 and the max of its own gaps; then p50/p90/p99 of those
+  values across requests (requests with at least one gap).
+* Stall share: requests with at least one gap above the threshold (default 100 ms).
+* TPOT: (E2E − TTFT) / (output tokens − 1), requests with more than one output token.
+* Throughput: over the measurement window = first measured start → last measured end;
+  output tokens/s (successful requests' tokens), requests/s (successful requests).
+* Error rate: failed / measured requests.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+PERCENTILE_METHOD = "linear"
+PERCENTILES = (50, 90, 99)
+DEFAULT_STALL_THRESHOLD = 0.1
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    if len(values) == 0:
+        return None
+    return float(np.percentile(np.asarray(values, dtype=float), p, method=PERCENTILE_METHOD))
+
+
+def describe(values: Iterable[float], ps: Sequence[int] = PERCENTILES) -> dict[str, Any]:
+    """count, mean, min, max and the percentiles of a list of numbers (seconds or counts)."""
+    vals = [float(v) for v in values if v is not None]
+    out: dict[str, Any] = {"count": len(vals)}
+    if not vals:
+        out.update({"mean": None, "min": None, "max": None, **{f"p{p}": None for p in ps}})
+        return out
+    arr = np.asarray(vals, dtype=float)
+    out.update({"mean": float(arr.mean()), "min": float(arr.min()), "max": float(arr.max())})
+    for p in ps:
+        out[f"p{p}"] = float(np.percentile(arr, p, method=PERCENTILE_METHOD))
+    return out
+
+
+def token_gaps(chunk_gaps: Sequence[float], chunk_tokens: Sequence[int] | None) -> list[float] | None:
+    """Split chunk gaps per token (see module doc); None when token counts are unknown."""
+    if chunk_tokens is None or len(chunk_tokens) != len(chunk_gaps) + 1:
+        return None
+    out: list[float] = []
+    carry = 0.0
+    for gap, k in zip(chunk_gaps, chunk_tokens[1:]):
+        if k <= 0:
+            # A chunk without new tokens (e.g. an empty-text delta): its gap merges into the next.
+            carry += gap
+            continue
+        total = carry + gap
+        carry = 0.0
+        out.extend([total / k] * k)
+    return out
+
+
+def request_gaps(rec: dict[str, Any], unit: str) -> list[float]:
+    gaps = [float(g) for g in rec.get("itl") or []]
+    if unit == "token":
+        split = token_gaps(gaps, rec.get("chunk_tokens"))
+        return split if split is not None else gaps
+    return gaps
+
+
+def choose_unit(ok: Sequence[dict[str, Any]], wanted: str = "auto") -> str:
+    """`token` when every successful request streamed per-chunk token counts, else `chunk`."""
+    if wanted in ("chunk", "token"):
+        if wanted == "token" and not _all_have_tokens(ok):
+            return "chunk"
+        return wanted
+    return "token" if ok and _all_have_tokens(ok) else "chunk"
+
+
+def _all_have_tokens(ok: Sequence[dict[str, Any]]) -> bool:
+    return all(token_gaps(r.get("itl") or [], r.get("chunk_tokens")) is not None for r in ok)
+
+
+def tpot(rec: dict[str, Any]) -> float | None:
+    n = rec.get("output_tokens")
+    if not rec.get("ok") or not n or n <= 1 or rec.get("e2e") is None or rec.get("ttft") is None:
+        return None
+    return (rec["e2e"] - rec["ttft"]) / (n - 1)
+
+
+def tail(gaps: Sequence[float]) -> tuple[float, float] | None:
+    """(p99, max) of one request's own gaps."""
+    if not gaps:
+        return None
+    arr = np.asarray(gaps, dtype=float)
+    return float(np.percentile(arr, 99, method=PERCENTILE_METHOD)), float(arr.max())
+
+
+def run_stats(
+    requests: Sequence[dict[str, Any]],
+    *,
+    unit: str = "auto",
+    stall_threshold: float = DEFAULT_STALL_THRESHOLD,
+    by_class: bool = True,
+) -> dict[str, Any]:
+    """Statistics of the measured (non-warm-up) requests of one run."""
+    measured = [r for r in requests if not r.get("warmup")]
+    ok = [r for r in measured if r.get("ok")]
+    failed = [r for r in measured if not r.get("ok")]
+    u = choose_unit(ok, unit)
+    pooled: list[float] = []
+    p99s: list[float] = []
+    maxes: list[float] = []
+    stalled = 0
+    for r in ok:
+        gaps = request_gaps(r, u)
+        pooled.extend(gaps)
+        t = tail(gaps)
+        if t:
+            p99s.append(t[0])
+            maxes.append(t[1])
+            stalled += t[1] > stall_threshold
+    starts = [r["start_time"] for r in measured]
+    ends = [r["start_time"] + (r.get("end") or 0.0) for r in measured]
+    window = (max(ends) - min(starts)) if measured else 0.0
+    out_tokens = sum(int(r.get("output_tokens") or 0) for r in ok)
+    in_tokens = sum(int(r.get("prompt_tokens") or 0) for r in ok)
+    reasons = Counter(str(r.get("error")) for r in failed)
+    stats: dict[str, Any] = {
+        "definitions": {
+            "percentiles": f"numpy.percentile, method={PERCENTILE_METHOD}",
+            "itl_unit": u,
+            "stall_threshold_s": stall_threshold,
+        },
+        "requests": {
+            "total": len(requests),
+            "warmup": len(requests) - len(measured),
+            "measured": len(measured),
+            "ok": len(ok),
+            "failed": len(failed),
+            "error_rate": (len(failed) / len(measured)) if measured else None,
+            "errors": dict(reasons.most_common()),
+        },
+        "ttft": describe(r["ttft"] for r in ok),
+        "e2e": describe(r["e2e"] for r in ok),
+        "tpot": describe(t for t in (tpot(r) for r in ok) if t is not None),
+        "itl": {"unit": u, **describe(pooled)},
+        "tail_itl": {"per_request_p99": describe(p99s), "per_request_max": describe(maxes)},
+        "stalls": {
+            "threshold_s": stall_threshold,
+            "requests": stalled,
+            "share": (stalled / len(maxes)) if maxes else None,
+        },
+        "throughput": {
+            "window_s": window,
+            "output_tokens": out_tokens,
+            "input_tokens": in_tokens,
+            "output_tokens_per_s": (out_tokens / window) if window > 0 else None,
+            "requests_per_s": (len(ok) / window) if window > 0 else None,
+        },
+    }
+    if by_class:
+        names = sorted({str(r.get("class")) for r in measured})
+        if len(names) > 1:
+            stats["classes"] = {
+                n: run_stats(
+                    [r for r in measured if str(r.get("class")) == n],
+                    unit=u,
+                    stall_threshold=stall_threshold,
+                    by_class=False,
+                )
+                for n in names
+            }
+    return stats

@@ -1,0 +1,178 @@
+"""The report as terminal tables (rich): conditions, metrics side by side, flags, verdict, drill-down."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from pdproxy.bench.report import CONDITION_LABELS
+
+
+def ms(x: float | None, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{x * 1e3:.{digits}f}"
+
+
+def trio(d: dict[str, Any] | None, keys: tuple[str, ...] = ("p50", "p90", "p99")) -> str:
+    if not d or not d.get("count"):
+        return "n/a"
+    return " / ".join(ms(d.get(k)) for k in keys)
+
+
+def _num(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "n/a" if x is None else fmt.format(x)
+
+
+def conditions_table(report: dict[str, Any]) -> Table:
+    runs = report["runs"]
+    t = Table(title="Fixed conditions", title_justify="left", show_lines=False)
+    t.add_column("condition", style="bold")
+    for e in runs:
+        t.add_column(e["label"])
+    keys: list[str] = []
+    for e in runs:
+        for k in e["conditions"]:
+            if k not in keys:
+                keys.append(k)
+    order = list(CONDITION_LABELS)
+    keys.sort(key=lambda k: (order.index(k) if k in order else len(order), k))
+    for k in keys:
+        t.add_row(CONDITION_LABELS.get(k, k), *[str(e["conditions"].get(k, "—")) for e in runs])
+    t.add_row("workload", *[_workload_brief(e.get("workload")) for e in runs])
+    t.add_row("tool / target", *[f"{e['tool']} → {e.get('target') or '?'}" for e in runs])
+    return t
+
+
+def _workload_brief(w: dict[str, Any] | None) -> str:
+    if not w:
+        return "—"
+    parts = []
+    for c in w.get("classes") or []:
+        load = f"c={c['concurrency']}" if c.get("concurrency") else f"{c.get('rate')}/s {c.get('arrival')}"
+        src = f"corpus {c['corpus']}" if c.get("corpus") else f"prompt {c.get('prompt')}"
+        parts.append(f"{c.get('name')}: {src}, out {c.get('output')}, {load}")
+    stop = f"{w['requests']} req" if w.get("requests") else f"{w.get('duration')}s"
+    warm = []
+    if w.get("warmup_requests"):
+        warm.append(f"{w['warmup_requests']} req")
+    if w.get("warmup_seconds"):
+        warm.append(f"{w['warmup_seconds']}s")
+    return "; ".join(parts) + f"; {stop}, seed {w.get('seed')}, warm-up {' + '.join(warm) or 'none'}"
+
+
+def metrics_table(report: dict[str, Any]) -> Table:
+    runs = report["runs"]
+    d = report["definitions"]
+    t = Table(title="Results (ms unless stated; p50 / p90 / p99)", title_justify="left")
+    t.add_column("metric", style="bold")
+    for e in runs:
+        t.add_column(e["label"], justify="right")
+
+    def row(name: str, fn: Callable[[dict[str, Any]], str]) -> None:
+        t.add_row(name, *[fn(e) for e in runs])
+
+    row("requests measured (ok / failed)", lambda e: "{measured} ({ok} / {failed})".format(**e["stats"]["requests"]))
+    row("TTFT", lambda e: trio(e["stats"]["ttft"]))
+    classes = sorted({c for e in runs for c in (e["stats"].get("classes") or {})})
+    for c in classes:
+        row(f"  TTFT [{c}]", lambda e, c=c: trio(((e["stats"].get("classes") or {}).get(c) or {}).get("ttft")))
+    row(f"ITL pooled (per {d['itl_unit']})", lambda e: trio(e["stats"]["itl"]))
+    row("tail ITL: per-request p99", lambda e: trio(e["stats"]["tail_itl"]["per_request_p99"]))
+    row("tail ITL: per-request max", lambda e: trio(e["stats"]["tail_itl"]["per_request_max"]))
+    for c in classes:
+        row(f"  per-request max [{c}]", lambda e, c=c: trio(
+            (((e["stats"].get("classes") or {}).get(c) or {}).get("tail_itl") or {}).get("per_request_max")))
+    row(f"requests with a gap > {d['stall_threshold_s'] * 1e3:g} ms",
+        lambda e: _num(e["stats"]["stalls"]["share"], "{:.1%}") if e["stats"]["stalls"]["share"] is not None else "n/a")
+    row("TPOT", lambda e: trio(e["stats"]["tpot"]))
+    row("E2E", lambda e: trio(e["stats"]["e2e"]))
+    row("KV transfer, upper bound", lambda e: trio((e.get("kv_transfer") or {}).get("upper_bound")) if e.get(
+        "kv_transfer") else ("n/a (no P/D)" if e.get("stages") else "n/a (no traces)"))
+    row("KV transfer, estimated", lambda e: trio((e.get("kv_transfer") or {}).get("estimated")) if e.get(
+        "kv_transfer") else "n/a")
+    row("proxy hand-off gap", lambda e: trio((e.get("kv_transfer") or {}).get("handoff_gap")) if e.get(
+        "kv_transfer") else "n/a")
+    row("stages p50: queue/prefill/kv/decode", _stage_split)
+    row("proxy TTFT (trace)", lambda e: trio(e.get("proxy_ttft")) if e.get("proxy_ttft") else "n/a")
+    row("throughput, output tokens/s", lambda e: _num(e["stats"]["throughput"]["output_tokens_per_s"]))
+    row("throughput, requests/s", lambda e: _num(e["stats"]["throughput"]["requests_per_s"], "{:.2f}"))
+    row("error rate", lambda e: _num(e["stats"]["requests"]["error_rate"], "{:.2%}")
+        if e["stats"]["requests"]["error_rate"] is not None else "n/a")
+    row("errors by reason", lambda e: ", ".join(f"{k}: {v}" for k, v in e["stats"]["requests"]["errors"].items())
+        or "none")
+    row("records joined to traces", lambda e: "{joined}/{records}".format(**e["traces"]) if e.get("traces") else "no traces")
+    return t
+
+
+def _stage_split(e: dict[str, Any]) -> str:
+    st = e.get("stages")
+    if not st:
+        return "n/a"
+    return " / ".join(ms(st[s]["p50"]) if st.get(s) and st[s]["count"] else "—"
+                      for s in ("queue", "prefill", "kv_transfer", "decode"))
+
+
+def verdict_text(report: dict[str, Any]) -> Group | None:
+    v = report.get("verdict")
+    if not v:
+        return None
+    style = "bold green" if v["decision"] == "adopt" else "bold red"
+    head = Text.assemble(("Verdict: ", "bold"), (v["decision"].upper(), style),
+                         f"  ({v['candidate']} vs {', '.join(v['baselines'])})")
+    t = Table(show_header=True, box=None, padding=(0, 1))
+    for col in ("", "criterion", "detail"):
+        t.add_column(col)
+    for c in v["criteria"]:
+        mark = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "[dim]—[/]"}[c["passed"]]
+        name = c["criterion"] + (f" vs {c['baseline']}" if c.get("baseline") else "")
+        t.add_row(mark, name, c["detail"])
+    lines: list[Any] = [head, Text(f"decided by: {v['reason']}"), t]
+    for n in v.get("notes") or []:
+        lines.append(Text(f"note: {n}", style="yellow"))
+    return Group(*lines)
+
+
+def drilldown_table(report: dict[str, Any], per_run: int = 3) -> Table:
+    t = Table(title="Slowest requests (drill-down: look the trace id up in your trace backend)",
+              title_justify="left")
+    for col in ("run", "by", "request id", "trace id", "class", "TTFT", "max ITL", "queue/prefill/kv/decode"):
+        t.add_column(col)
+    for e in report["runs"]:
+        for by in ("ttft", "tail_itl"):
+            for r in e["slowest"][by][:per_run]:
+                st = r.get("stages") or {}
+                split = " / ".join(ms(st.get(s)) if s in st else "—" for s in ("queue", "prefill", "kv_transfer",
+                                                                              "decode")) if st else "no trace"
+                t.add_row(e["label"], "TTFT" if by == "ttft" else "tail", r["request_id"], r["trace_id"] or "—",
+                          str(r["class"]), ms(r["ttft"]), ms(r["itl_max"]), split)
+        for r in e["failed"][:per_run]:
+            t.add_row(e["label"], "failed", r["request_id"], r["trace_id"] or "—", str(r["class"]),
+                      str(r.get("error")), str(r.get("failed_stage") or ""), (r.get("error_detail") or "")[:40])
+    return t
+
+
+def render(report: dict[str, Any], console: Console | None = None, drilldown: bool = True) -> None:
+    console = console or Console()
+    console.print(conditions_table(report))
+    for e in report["runs"]:
+        for n in e.get("condition_notes") or []:
+            console.print(f"[yellow]note[/] {e['label']}: {n}")
+    console.print(metrics_table(report))
+    d = report["definitions"]
+    console.print(Text(
+        f"Percentiles: {d['percentiles']}. ITL unit: {d['itl_unit']}"
+        + (f" ({d['itl_unit_note']})" if d.get("itl_unit_note") else "")
+        + f". Tail ITL: {d['tail_itl']}. KV transfer: {d['kv_transfer']} Failures: {d['failures']}.",
+        style="dim"))
+    comp = report["comparison"]
+    if comp.get("resources"):
+        console.print(Text(f"Comparison: {comp['resources']}", style="bold"))
+    for f in comp.get("flags") or []:
+        console.print(Text(f"FLAG: {f}", style="bold yellow"))
+    vt = verdict_text(report)
+    if vt is not None:
+        console.print(vt)
+    if drilldown:
+        console.print(drilldown_table(report))

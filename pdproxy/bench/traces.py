@@ -1,0 +1,213 @@
+"""Read pdproxy traces (OTLP-JSON) and join them to bench records by request id.
+
+Input: the proxy's `--trace-file` or a Collector's file exporter output — one
+`{"resourceSpans": [...]}` object per line (a file holding one pretty-printed object, or a JSON
+list of them, is read too). Spans of one trace may be spread over several lines.
+
+A request's trace is found through its root span's `pd.request_id` attribute (the client's
+`X-Request-Id`, docs/telemetry.md); the stage spans are that root's children named
+`pd.queue`, `pd.prefill`, `pd.kv_transfer`, `pd.decode`. Shadow copies
+(`pd.deployment=shadow`) are kept apart and never joined to the primary's records.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+STAGES = ("queue", "prefill", "kv_transfer", "decode")
+# Resource attributes that describe a process, not the run's fixed conditions.
+_NOT_CONDITIONS = {"service.name", "service.instance.id", "telemetry.sdk.name", "telemetry.sdk.language",
+                   "telemetry.sdk.version", "host.name", "process.pid", "process.runtime.version"}
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read; the message names the file and line."""
+
+
+@dataclass
+class TraceInfo:
+    """The part of one request's trace the report uses."""
+
+    trace_id: str
+    request_id: str
+    root_name: str
+    attrs: dict[str, Any]
+    resource: dict[str, Any]
+    stages: dict[str, float] = field(default_factory=dict)  # stage → duration (s)
+    stage_attrs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stage_status: dict[str, str] = field(default_factory=dict)
+    duration: float = 0.0
+    status: str = "UNSET"
+
+    @property
+    def deployment(self) -> str:
+        return str(self.attrs.get("pd.deployment", "primary"))
+
+
+@dataclass
+class TraceIndex:
+    by_request: dict[str, TraceInfo] = field(default_factory=dict)
+    shadow: dict[str, TraceInfo] = field(default_factory=dict)
+    spans: int = 0
+    traces: int = 0
+    roots_without_request_id: int = 0
+    duplicates: int = 0
+    sources: list[str] = field(default_factory=list)
+
+
+def attr_value(v: dict[str, Any]) -> Any:
+    """Decode one OTLP-JSON AnyValue (int64 arrives as a string in the JSON mapping)."""
+    if not isinstance(v, dict) or not v:
+        return None
+    if "stringValue" in v:
+        return v["stringValue"]
+    if "boolValue" in v:
+        return bool(v["boolValue"])
+    if "intValue" in v:
+        return int(v["intValue"])
+    if "doubleValue" in v:
+        return float(v["doubleValue"])
+    if "arrayValue" in v:
+        return [attr_value(x) for x in (v["arrayValue"] or {}).get("values", [])]
+    if "kvlistValue" in v:
+        return attrs_of((v["kvlistValue"] or {}).get("values", []))
+    if "bytesValue" in v:
+        return v["bytesValue"]
+    return None
+
+
+def attrs_of(items: list[dict[str, Any]] | None) -> dict[str, Any]:
+    return {a["key"]: attr_value(a.get("value") or {}) for a in items or [] if isinstance(a, dict) and "key" in a}
+
+
+def _documents(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    text = path.read_text()
+    stripped = text.lstrip()
+    if not stripped:
+        return
+    # One object per line (file exporter); otherwise a single JSON document.
+    try:
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                obj = json.loads(line)
+                if not isinstance(obj, dict):
+                    raise ValueError
+                yield n, obj
+        return
+    except ValueError:
+        pass
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        raise TraceError(f"{path}: neither OTLP-JSON lines nor one JSON document") from None
+    for i, obj in enumerate(doc if isinstance(doc, list) else [doc], 1):
+        if not isinstance(obj, dict):
+            raise TraceError(f"{path}: item {i} is not an OTLP-JSON object")
+        yield i, obj
+
+
+def read_traces(paths: list[str]) -> TraceIndex:
+    """Index every pdproxy request trace in the given files by request id."""
+    spans_by_trace: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
+    idx = TraceIndex()
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise TraceError(f"{p}: no such trace file")
+        idx.sources.append(str(path))
+        for n, obj in _documents(path):
+            rs_list = obj.get("resourceSpans")
+            if rs_list is None:
+                raise TraceError(f"{p}:{n}: no 'resourceSpans' (not OTLP-JSON trace data)")
+            for rs in rs_list or []:
+                resource = attrs_of((rs.get("resource") or {}).get("attributes"))
+                for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or []:
+                    for sp in ss.get("spans") or []:
+                        tid = str(sp.get("traceId", "")).lower()
+                        if not tid:
+                            raise TraceError(f"{p}:{n}: a span without traceId")
+                        spans_by_trace[tid].append((sp, resource))
+                        idx.spans += 1
+    idx.traces = len(spans_by_trace)
+    for tid, spans in spans_by_trace.items():
+        for info in _assemble(tid, spans, idx):
+            target = idx.shadow if info.deployment == "shadow" else idx.by_request
+            if info.request_id in target:
+                idx.duplicates += 1
+                continue
+            target[info.request_id] = info
+    return idx
+
+
+def _dur(sp: dict[str, Any]) -> float:
+    return (int(sp.get("endTimeUnixNano") or 0) - int(sp.get("startTimeUnixNano") or 0)) / 1e9
+
+
+def _status(sp: dict[str, Any]) -> str:
+    code = (sp.get("status") or {}).get("code", 0)
+    return {0: "UNSET", 1: "OK", 2: "ERROR"}.get(code, str(code)) if isinstance(code, int) else str(code).replace(
+        "STATUS_CODE_", "")
+
+
+def _assemble(tid: str, spans: list[tuple[dict[str, Any], dict[str, Any]]], idx: TraceIndex) -> list[TraceInfo]:
+    out = []
+    children: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for sp, _ in spans:
+        if sp.get("parentSpanId"):
+            children[str(sp["parentSpanId"])].append(sp)
+    for sp, resource in spans:
+        attrs = attrs_of(sp.get("attributes"))
+        if "pd.request_id" not in attrs or str(sp.get("name", "")).startswith("pd."):
+            continue
+        if not attrs["pd.request_id"]:
+            idx.roots_without_request_id += 1
+            continue
+        info = TraceInfo(trace_id=tid, request_id=str(attrs["pd.request_id"]), root_name=str(sp.get("name")),
+                         attrs=attrs, resource=resource, duration=_dur(sp), status=_status(sp))
+        for ch in children.get(str(sp.get("spanId")), []):
+            name = str(ch.get("name", ""))
+            if name.startswith("pd.") and name[3:] in STAGES:
+                stage = name[3:]
+                info.stages[stage] = _dur(ch)
+                info.stage_attrs[stage] = attrs_of(ch.get("attributes"))
+                info.stage_status[stage] = _status(ch)
+        out.append(info)
+    return out
+
+
+def resource_conditions(infos: list[TraceInfo]) -> dict[str, Any]:
+    """The most common value of each condition-like resource attribute (plus the root's pd.mode)."""
+    counts: dict[str, Counter[str]] = defaultdict(Counter)
+    raw: dict[tuple[str, str], Any] = {}
+    for info in infos:
+        items = {k: v for k, v in info.resource.items() if k not in _NOT_CONDITIONS}
+        if "pd.mode" in info.attrs:
+            items["pd.mode"] = info.attrs["pd.mode"]
+        for k, v in items.items():
+            key = json.dumps(v, sort_keys=True)
+            counts[k][key] += 1
+            raw[(k, key)] = v
+    return {k: raw[(k, c.most_common(1)[0][0])] for k, c in counts.items()}
+
+
+def join(requests: list[dict[str, Any]], idx: TraceIndex) -> tuple[dict[str, TraceInfo], dict[str, int]]:
+    """Match records to traces by request id; counts say how complete the join is."""
+    matched: dict[str, TraceInfo] = {}
+    mismatch = 0
+    for r in requests:
+        info = idx.by_request.get(str(r.get("request_id")))
+        if info is None:
+            continue
+        matched[r["request_id"]] = info
+        if r.get("trace_id") and r["trace_id"].lower() != info.trace_id:
+            mismatch += 1
+    return matched, {
+        "records": len(requests),
+        "joined": len(matched),
+        "records_without_trace": len(requests) - len(matched),
+        "trace_id_mismatch": mismatch,
+    }
