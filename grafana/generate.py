@@ -1,0 +1,563 @@
+"""Generate pdproxy's Grafana dashboards (Classic JSON model) from plain Python.
+
+    python grafana/generate.py           # write grafana/dashboards/*.json
+    python grafana/generate.py --check   # exit 1 when the committed JSON differs
+
+Metric and label names are the contract in docs/telemetry.md; span attributes in the TraceQL
+panels come from the same document. Datasources are referenced by the fixed uids that
+grafana/provisioning/datasources/datasources.yaml provisions: `prometheus` and `tempo`.
+
+Three ITL definitions appear side by side and every panel that shows one says which:
+  * pooled ITL   every gap between consecutive token-bearing chunks of every request, in one
+                 distribution (what vLLM and SGLang call ITL);
+  * TPOT         one value per request, its mean gap: (last token - first token) / (tokens - 1);
+  * tail ITL     one value per request, the largest gap (or the p99 of its own gaps), then
+                 percentiles across requests: "what share of users saw a stall".
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE / "dashboards"
+
+SCHEMA_VERSION = 39  # Classic JSON; Grafana 11 and later load it as is (13 migrates on load)
+PROM = {"type": "prometheus", "uid": "prometheus"}
+TEMPO = {"type": "tempo", "uid": "tempo"}
+
+# Bucket bounds offered by the threshold variables. PromQL can only count "at most X" at an
+# exact bucket bound, so these strings are `le` values of the proxy's histograms
+# (pdproxy/telemetry/names.py, formatted as the exposition formats them).
+STALL_CHOICES = ["0.05", "0.1", "0.2", "0.25", "0.5", "1.0"]  # GAP_BUCKETS; proxy default stall threshold 0.1
+TTFT_SLO_CHOICES = ["0.25", "0.5", "1.0", "2.0", "5.0"]  # LATENCY_BUCKETS
+
+ITL_DEFINITIONS = {
+    "pooled": "ITL definition: pooled — every gap between consecutive token-bearing chunks of every "
+              "request, in one distribution (vLLM's ITL). Long requests dominate its percentiles.",
+    "tpot": "ITL definition: TPOT — one value per request, its mean gap "
+            "(last token − first token) / (output tokens − 1). Hides stalls inside a request.",
+    "tail_max": "ITL definition: per-request tail ITL (max) — each request's largest gap, then "
+                "percentiles across requests: p99 = 99% of requests never waited longer than this "
+                "between two tokens.",
+    "tail_p99": "ITL definition: per-request tail ITL (p99) — the p99 of each request's own gaps "
+                "(numpy linear), then percentiles across requests.",
+    "stall": "ITL definition: stall — a request stalled when its largest gap exceeds the threshold "
+             "(per-request tail ITL, max).",
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# PromQL helpers: the patterns every panel uses, written once.
+
+
+def selector(*matchers: str, base: tuple[str, ...] = ()) -> str:
+    return "{" + ", ".join([*base, *matchers]) + "}"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The label matchers that the dashboard's template variables put on every series."""
+
+    matchers: tuple[str, ...]
+
+    def sel(self, *extra: str) -> str:
+        return selector(*extra, base=self.matchers)
+
+    def rate(self, metric: str, *extra: str, by: str = "") -> str:
+        grouping = f" by ({by})" if by else ""
+        return f"sum{grouping} (rate({metric}{self.sel(*extra)}[$__rate_interval]))"
+
+    def quantile(self, q: float, histogram: str, *extra: str, by: str = "") -> str:
+        labels = f"le, {by}" if by else "le"
+        return f"histogram_quantile({q}, sum by ({labels}) (rate({histogram}_bucket{self.sel(*extra)}[$__rate_interval])))"
+
+    def mean(self, histogram: str, *extra: str, by: str = "") -> str:
+        return f"{self.rate(histogram + '_sum', *extra, by=by)} / {self.rate(histogram + '_count', *extra, by=by)}"
+
+    def share_above(self, histogram: str, bound: str, *extra: str, by: str = "") -> str:
+        """Share of observations above an exact bucket bound: 1 - (at most bound) / all."""
+        at_most = self.rate(histogram + "_bucket", f'le="{bound}"', *extra, by=by)
+        return f"1 - ({at_most} / {self.rate(histogram + '_count', *extra, by=by)})"
+
+    def share_at_most(self, histogram: str, bound: str, *extra: str, by: str = "") -> str:
+        at_most = self.rate(histogram + "_bucket", f'le="{bound}"', *extra, by=by)
+        return f"{at_most} / {self.rate(histogram + '_count', *extra, by=by)}"
+
+    def heatmap(self, histogram: str, *extra: str) -> str:
+        return f"sum by (le) (increase({histogram}_bucket{self.sel(*extra)}[$__rate_interval]))"
+
+
+# The proxy's request-scoped series carry model, deployment and run (docs/telemetry.md).
+REQ = Scope(('model=~"$model"', 'deployment=~"$deployment"', 'run=~"$run"'))
+# Primary vs shadow panels compare deployments, so they do not filter on it.
+BOTH = Scope(('model=~"$model"', 'run=~"$run"'))
+# Span-derived series from the collector: attribute names translated by its Prometheus exporter.
+TRACE = Scope(('gen_ai_request_model=~"$model"', 'pd_deployment=~"$deployment"', 'pd_run=~"$run"'))
+SPANS = Scope(('service_name="pdproxy"', 'pd_run=~"$run"'))  # span_metrics
+RUN = Scope(('pd_run=~"$run"',))  # signal_to_metrics series without request attributes
+
+
+# ---------------------------------------------------------------------------------------------
+# Panels and layout.
+
+
+def prom(expr: str, legend: str = "", *, exemplar: bool = False, fmt: str = "time_series") -> dict:
+    target = {"datasource": PROM, "expr": expr, "legendFormat": legend or "__auto", "range": True}
+    if exemplar:
+        target["exemplar"] = True
+    if fmt != "time_series":
+        target["format"] = fmt
+    return target
+
+
+def traceql(query: str, *, table: str = "traces", limit: int = 20) -> dict:
+    return {"datasource": TEMPO, "queryType": "traceql", "query": query, "tableType": table, "limit": limit}
+
+
+def traceql_metrics(query: str, step: str = "1m") -> dict:
+    return {"datasource": TEMPO, "queryType": "traceql", "query": query, "metricsQueryType": "range", "step": step}
+
+
+def field_config(unit: str, *, stack: bool = False, max_: float | None = None) -> dict:
+    defaults: dict = {"unit": unit, "min": 0, "custom": {"fillOpacity": 10, "showPoints": "never", "spanNulls": True}}
+    if stack:
+        defaults["custom"].update({"stacking": {"mode": "normal", "group": "A"}, "fillOpacity": 60})
+    if max_ is not None:
+        defaults["max"] = max_
+    return {"defaults": defaults, "overrides": []}
+
+
+def timeseries(title: str, description: str, targets: list[dict], unit: str = "s", **kw) -> dict:
+    return {
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": targets[0]["datasource"],
+        "targets": targets,
+        "fieldConfig": field_config(unit, **kw),
+        "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]},
+                    "tooltip": {"mode": "multi", "sort": "desc"}},
+    }
+
+
+def stat(title: str, description: str, target: dict, unit: str, *, decimals: int = 3) -> dict:
+    return {
+        "type": "stat",
+        "title": title,
+        "description": description,
+        "datasource": target["datasource"],
+        "targets": [target],
+        "fieldConfig": {"defaults": {"unit": unit, "decimals": decimals}, "overrides": []},
+        "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                    "colorMode": "none", "graphMode": "area", "textMode": "value"},
+    }
+
+
+def heatmap(title: str, description: str, target: dict) -> dict:
+    return {
+        "type": "heatmap",
+        "title": title,
+        "description": description,
+        "datasource": target["datasource"],
+        "targets": [target],
+        "fieldConfig": {"defaults": {}, "overrides": []},
+        "options": {"calculate": False, "yAxis": {"unit": "s"}, "cellGap": 1,
+                    "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
+                    "tooltip": {"mode": "single", "yHistogram": True}},
+    }
+
+
+def trace_table(title: str, description: str, target: dict) -> dict:
+    return {
+        "type": "table",
+        "title": title,
+        "description": description,
+        "datasource": target["datasource"],
+        "targets": [target],
+        "fieldConfig": {"defaults": {}, "overrides": []},
+        "options": {"showHeader": True, "cellHeight": "sm"},
+    }
+
+
+@dataclass
+class Layout:
+    """Packs panels left to right on Grafana's 24-column grid, wrapping to a new line when full."""
+
+    panels: list[dict] = field(default_factory=list)
+    x: int = 0
+    y: int = 0
+    line_height: int = 0
+
+    def row(self, title: str) -> None:
+        self._newline()
+        self._place({"type": "row", "title": title, "collapsed": False, "panels": []}, 24, 1)
+        self._newline()
+
+    def add(self, panel: dict, w: int = 12, h: int = 8) -> None:
+        if self.x + w > 24:
+            self._newline()
+        self._place(panel, w, h)
+
+    def _place(self, panel: dict, w: int, h: int) -> None:
+        panel["id"] = len(self.panels) + 1
+        panel["gridPos"] = {"h": h, "w": w, "x": self.x, "y": self.y}
+        self.panels.append(panel)
+        self.x += w
+        self.line_height = max(self.line_height, h)
+
+    def _newline(self) -> None:
+        if self.x:
+            self.y += self.line_height
+        self.x, self.line_height = 0, 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Template variables.
+
+
+def query_variable(name: str, label: str, query: str) -> dict:
+    return {
+        "type": "query",
+        "name": name,
+        "label": label,
+        "datasource": PROM,
+        "definition": query,
+        "query": {"query": query, "refId": f"var-{name}"},
+        "refresh": 2,  # on time range change
+        "multi": True,
+        "includeAll": True,
+        "allValue": ".*",
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "sort": 1,
+    }
+
+
+def custom_variable(name: str, label: str, choices: list[str], default: str, description: str) -> dict:
+    return {
+        "type": "custom",
+        "name": name,
+        "label": label,
+        "description": description,
+        "query": ",".join(choices),
+        "options": [{"selected": c == default, "text": c, "value": c} for c in choices],
+        "current": {"selected": True, "text": default, "value": default},
+        "multi": False,
+        "includeAll": False,
+    }
+
+
+def proxy_variables() -> list[dict]:
+    return [
+        query_variable("run", "Run label", "label_values(pdproxy_requests_total, run)"),
+        query_variable("model", "Model", 'label_values(pdproxy_requests_total{run=~"$run"}, model)'),
+        query_variable("deployment", "Deployment", 'label_values(pdproxy_requests_total{run=~"$run"}, deployment)'),
+        custom_variable("stall", "Stall above (s)", STALL_CHOICES, "0.1",
+                        "A gap longer than this is a stall. Exact bucket bounds of the gap histograms only."),
+        custom_variable("ttft_slo", "TTFT SLO (s)", TTFT_SLO_CHOICES, "0.5",
+                        "TTFT target. Exact bucket bounds of the latency histograms only."),
+    ]
+
+
+def dashboard(uid: str, title: str, description: str, panels: list[dict], variables: list[dict], links: list[dict]) -> dict:
+    return {
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["pdproxy", "vllm", "prefill-decode"],
+        "editable": True,
+        "graphTooltip": 1,  # shared crosshair
+        "timezone": "browser",
+        "time": {"from": "now-30m", "to": "now"},
+        "refresh": "10s",
+        "schemaVersion": SCHEMA_VERSION,
+        "version": 1,
+        "links": links,
+        "annotations": {"list": [{
+            "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True, "hide": True,
+            "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard",
+        }]},
+        "templating": {"list": variables},
+        "panels": panels,
+    }
+
+
+def link_to(uid: str, title: str) -> dict:
+    return {"type": "link", "title": title, "url": f"/d/{uid}", "keepTime": True, "includeVars": True,
+            "icon": "dashboard", "targetBlank": False, "asDropdown": False, "tags": []}
+
+
+# ---------------------------------------------------------------------------------------------
+# Dashboard 1: everything the proxy measures itself (GET /metrics), plus the worst traces.
+
+OVERVIEW_UID = "pdproxy-overview"
+TRACES_UID = "pdproxy-traces"
+
+# Root-span attributes shown in the trace tables (docs/telemetry.md).
+TRACE_COLUMNS = ("span.gen_ai.response.time_to_first_chunk, span.pd.itl.max, span.pd.itl.p99, span.pd.e2e, "
+                 "span.pd.stalls, span.pd.failed_stage, span.pd.prefill.instance, span.pd.decode.instance")
+ROOT_FILTER = 'span.pd.run =~ "$run" && span.gen_ai.request.model =~ "$model" && span.pd.deployment =~ "$deployment"'
+
+
+FAILED = 'failed_stage!="none"'
+
+
+def quantiles(scope: Scope, histogram: str, label: str, *extra: str, qs=(0.5, 0.9, 0.99), exemplar_on=0.99) -> list[dict]:
+    return [prom(scope.quantile(q, histogram, *extra), f"{label} p{round(q * 100)}", exemplar=q == exemplar_on) for q in qs]
+
+
+def overview() -> dict:
+    L = Layout()
+
+    # Headline numbers.
+    L.add(stat("Requests/s", "Requests that ended (ok or failed), all routes.",
+               prom(REQ.rate("pdproxy_requests_total")), "reqps", decimals=2), w=4, h=4)
+    L.add(stat("Failed requests", "Share of requests that failed in any stage (failed_stage != none). Never success-only.",
+               prom(f"{REQ.rate('pdproxy_requests_total', FAILED)} / {REQ.rate('pdproxy_requests_total')}"),
+               "percentunit"), w=4, h=4)
+    L.add(stat("TTFT p99", "Received → first token-bearing chunk, as the proxy sees it.",
+               prom(REQ.quantile(0.99, "pdproxy_ttft_seconds")), "s"), w=4, h=4)
+    L.add(stat("Tail ITL p99 [per-request max]", ITL_DEFINITIONS["tail_max"],
+               prom(REQ.quantile(0.99, "pdproxy_request_itl_max_seconds")), "s"), w=4, h=4)
+    L.add(stat("Requests with a stall", ITL_DEFINITIONS["stall"] + " Threshold: the proxy's --stall-threshold.",
+               prom(f'{REQ.rate("pdproxy_requests_with_stall_total")} / {REQ.rate("pdproxy_request_itl_max_seconds_count")}'),
+               "percentunit"), w=4, h=4)
+    L.add(stat("Output tokens/s", "Output tokens from the instances' usage reports.",
+               prom(REQ.rate("pdproxy_tokens_total", 'type="output"')), "short", decimals=1), w=4, h=4)
+
+    L.row("Traffic and errors")
+    L.add(timeseries("Requests/s by HTTP status",
+                     "Every request exactly once, when it ends, by the status the client got.",
+                     [prom(REQ.rate("pdproxy_requests_total", by="code"), "{{code}}")], "reqps"), w=8)
+    L.add(timeseries("Failed requests/s by failed stage",
+                     "Failed requests by the stage that failed: queue, prefill, kv_transfer, decode, or client (went away).",
+                     [prom(REQ.rate("pdproxy_requests_total", FAILED, by="failed_stage"), "{{failed_stage}}")],
+                     "reqps", stack=True), w=8)
+    L.add(timeseries("Error ratio by failed stage",
+                     "Failed requests of each stage divided by all requests that ended.",
+                     [prom(f"{REQ.rate('pdproxy_requests_total', FAILED, by='failed_stage')} "
+                           f"/ ignoring(failed_stage) group_left {REQ.rate('pdproxy_requests_total')}", "{{failed_stage}}")],
+                     "percentunit", stack=True), w=8)
+    L.add(timeseries("Errors/s by stage and type",
+                     "Failed requests by stage and error type (timeout, connect_error, upstream_5xx, kv_load_failed, ...).",
+                     [prom(REQ.rate("pdproxy_request_errors_total", by="stage, error_type"), "{{stage}} {{error_type}}")],
+                     "reqps", stack=True), w=24, h=7)
+
+    L.row("TTFT: received → first token = queue + prefill + kv_transfer")
+    L.add(timeseries("TTFT p50 / p90 / p99",
+                     "Time to first token as the proxy sees it (successful first tokens). Exemplars on p99 link to traces.",
+                     [*quantiles(REQ, "pdproxy_ttft_seconds", "TTFT"), prom(REQ.mean("pdproxy_ttft_seconds"), "TTFT mean")]), w=12)
+    L.add(timeseries("TTFT stage split (mean per stage, stacked)",
+                     "Mean duration of the stage spans that make up TTFT; stacked, they add up to the mean TTFT. "
+                     "kv_transfer is an upper bound (hand-off + decode queue + KV pull + one decode step).",
+                     [prom(REQ.mean("pdproxy_stage_duration_seconds", 'stage=~"queue|prefill|kv_transfer"', by="stage"), "{{stage}}")],
+                     stack=True), w=12)
+    L.add(timeseries("Stage p90 and p99 (queue, prefill, kv_transfer)",
+                     "Percentiles per stage. Percentiles do not add up: use the stacked means for the split.",
+                     [prom(REQ.quantile(q, "pdproxy_stage_duration_seconds", 'stage=~"queue|prefill|kv_transfer"', by="stage"),
+                           f"{{{{stage}}}} p{round(q * 100)}", exemplar=q == 0.99) for q in (0.9, 0.99)]), w=12)
+    L.add(timeseries("TTFT SLO attainment (TTFT ≤ $ttft_slo s)",
+                     "Share of successful first tokens within the SLO variable (an exact bucket bound).",
+                     [prom(REQ.share_at_most("pdproxy_ttft_seconds", "$ttft_slo"), "TTFT ≤ $ttft_slo s")],
+                     "percentunit", max_=1), w=12)
+
+    L.row("Inter-token latency: pooled vs TPOT vs per-request tail")
+    L.add(timeseries("Pooled ITL vs TPOT [pooled ITL | TPOT]",
+                     ITL_DEFINITIONS["pooled"] + " " + ITL_DEFINITIONS["tpot"] + " The gap unit label says whether gaps "
+                     "were split per token (token) or are per chunk (chunk).",
+                     [*[prom(REQ.quantile(q, "pdproxy_itl_seconds", by="unit"), f"pooled ITL p{round(q * 100)} ({{{{unit}}}})",
+                             exemplar=q == 0.99) for q in (0.5, 0.99)],
+                      *[prom(REQ.quantile(q, "pdproxy_tpot_seconds"), f"TPOT p{round(q * 100)}") for q in (0.5, 0.99)]]), w=12)
+    L.add(timeseries("Tail ITL across requests [per-request max gap]",
+                     ITL_DEFINITIONS["tail_max"],
+                     quantiles(REQ, "pdproxy_request_itl_max_seconds", "max gap")), w=12)
+    L.add(timeseries("Tail ITL across requests [per-request p99 gap]",
+                     ITL_DEFINITIONS["tail_p99"],
+                     quantiles(REQ, "pdproxy_request_itl_p99_seconds", "p99 gap")), w=8)
+    L.add(heatmap("Tail ITL distribution [per-request max gap]",
+                  ITL_DEFINITIONS["tail_max"] + " Requests per bucket of their largest gap.",
+                  prom(REQ.heatmap("pdproxy_request_itl_max_seconds"), "{{le}}", fmt="heatmap")), w=8)
+    L.add(timeseries("Share of requests with a stall [per-request max gap]",
+                     ITL_DEFINITIONS["stall"] + " Two sources that should agree when $stall equals the proxy's "
+                     "--stall-threshold: the proxy's stall counter, and the max-gap histogram above $stall.",
+                     [prom(f'{REQ.rate("pdproxy_requests_with_stall_total")} / {REQ.rate("pdproxy_request_itl_max_seconds_count")}',
+                           "stall counter"),
+                      prom(REQ.share_above("pdproxy_request_itl_max_seconds", "$stall"), "max gap > $stall s")],
+                     "percentunit", max_=1), w=8)
+
+    L.row("KV transfer (prefill response → first decode token)")
+    L.add(timeseries("pd.kv_transfer p50 / p90 / p99 (upper bound)",
+                     "Duration of the pd.kv_transfer span: hand-off + decode queue + KV pull + one decode step. "
+                     "An upper bound on the transfer, never the transfer alone.",
+                     quantiles(REQ, "pdproxy_stage_duration_seconds", "kv_transfer", 'stage="kv_transfer"')), w=12)
+    L.add(timeseries("Proxy's own hand-off gap p50 / p99",
+                     "Prefill response read → decode request sent: the proxy's share of the hand-off.",
+                     quantiles(REQ, "pdproxy_handoff_gap_seconds", "hand-off", qs=(0.5, 0.99))), w=12)
+
+    L.row("Throughput and per-instance load")
+    L.add(timeseries("Tokens/s by type", "Input and output tokens from the instances' usage reports.",
+                     [prom(REQ.rate("pdproxy_tokens_total", by="type"), "{{type}}")], "short"), w=8)
+    L.add(timeseries("E2E p50 / p99", "Received → end of stream.",
+                     quantiles(REQ, "pdproxy_e2e_seconds", "E2E", qs=(0.5, 0.99))), w=8)
+    L.add(timeseries("Proxy in flight and waiting",
+                     "Requests inside the proxy, and requests waiting for admission (--max-inflight).",
+                     [prom('sum(pdproxy_inflight_requests{run=~"$run"})', "in flight"),
+                      prom('sum(pdproxy_queue_depth{run=~"$run"})', "waiting")], "short"), w=8)
+    L.add(timeseries("In flight per instance",
+                     "Requests in flight on each prefill and decode instance (per-instance load).",
+                     [prom('sum by (role, instance) (pdproxy_instance_inflight{run=~"$run"})', "{{role}} {{instance}}")],
+                     "short"), w=12)
+    L.add(timeseries("Instance health",
+                     "1 = healthy, 0 = ejected after consecutive failures until a health check passes.",
+                     [prom('min by (role, instance) (pdproxy_instance_healthy{run=~"$run"})', "{{role}} {{instance}}")],
+                     "short", max_=1), w=12)
+
+    L.row("Primary vs shadow (same requests)")
+    L.add(timeseries("TTFT p50 / p99 by deployment",
+                     "Primary (P/D) and shadow (baseline) on identical traffic.",
+                     [prom(BOTH.quantile(q, "pdproxy_ttft_seconds", by="deployment"), f"{{{{deployment}}}} p{round(q * 100)}",
+                           exemplar=q == 0.99) for q in (0.5, 0.99)]), w=8)
+    L.add(timeseries("Tail ITL p50 / p99 by deployment [per-request max gap]",
+                     ITL_DEFINITIONS["tail_max"],
+                     [prom(BOTH.quantile(q, "pdproxy_request_itl_max_seconds", by="deployment"),
+                           f"{{{{deployment}}}} p{round(q * 100)}", exemplar=q == 0.99) for q in (0.5, 0.99)]), w=8)
+    L.add(timeseries("Pooled ITL p99 and TPOT p50 by deployment [pooled ITL | TPOT]",
+                     ITL_DEFINITIONS["pooled"] + " " + ITL_DEFINITIONS["tpot"],
+                     [prom(BOTH.quantile(0.99, "pdproxy_itl_seconds", by="deployment"), "{{deployment}} pooled ITL p99"),
+                      prom(BOTH.quantile(0.5, "pdproxy_tpot_seconds", by="deployment"), "{{deployment}} TPOT p50")]), w=8)
+    L.add(timeseries("Error ratio by deployment",
+                     "Failed requests / all requests, per deployment.",
+                     [prom(f"{BOTH.rate('pdproxy_requests_total', FAILED, by='deployment')} "
+                           f"/ {BOTH.rate('pdproxy_requests_total', by='deployment')}", "{{deployment}}")],
+                     "percentunit"), w=8)
+    L.add(timeseries("Requests/s by deployment", "Requests that ended, per deployment.",
+                     [prom(BOTH.rate("pdproxy_requests_total", by="deployment"), "{{deployment}}")], "reqps"), w=8)
+    L.add(timeseries("Shadow mirroring outcomes",
+                     "Copies sent to the shadow, dropped because it was busy, failed, or not sampled.",
+                     [prom('sum by (outcome) (rate(pdproxy_shadow_requests_total{run=~"$run"}[$__rate_interval]))', "{{outcome}}")],
+                     "reqps", stack=True), w=8)
+
+    L.row("Slowest requests (Tempo: tail-sampled traces)")
+    L.add(trace_table("Slowest requests by TTFT (TTFT > $ttft_slo s)",
+                      "Root spans over the TTFT SLO with their stage breakdown; click a trace id to open the trace. "
+                      "Only traces kept by the collector's tail sampling (errors, slow TTFT, stalls, baseline share).",
+                      traceql(f"{{ {ROOT_FILTER} && span.gen_ai.response.time_to_first_chunk > $ttft_slo }} "
+                              f"| select({TRACE_COLUMNS})")), w=12, h=10)
+    L.add(trace_table("Requests with the worst tail ITL (max gap > $stall s) [per-request max gap]",
+                      ITL_DEFINITIONS["tail_max"] + " Click a trace id to open the trace.",
+                      traceql(f"{{ {ROOT_FILTER} && span.pd.itl.max > $stall }} | select({TRACE_COLUMNS})")), w=12, h=10)
+
+    return dashboard(OVERVIEW_UID, "pdproxy — P/D overview",
+                     "Measured by the proxy on every request (GET /metrics), with exemplars linking to traces.",
+                     L.panels, proxy_variables(), [link_to(TRACES_UID, "Computed from traces")])
+
+
+# ---------------------------------------------------------------------------------------------
+# Dashboard 2: the same quantities computed from the spans (collector connectors, Tempo).
+
+
+def trace_variables() -> list[dict]:
+    return [
+        query_variable("run", "Run label", "label_values(pdproxy_trace_requests_total, pd_run)"),
+        query_variable("model", "Model", 'label_values(pdproxy_trace_requests_total{pd_run=~"$run"}, gen_ai_request_model)'),
+        query_variable("deployment", "Deployment", 'label_values(pdproxy_trace_requests_total{pd_run=~"$run"}, pd_deployment)'),
+        custom_variable("stall", "Stall above (s)", STALL_CHOICES, "0.1",
+                        "A gap longer than this is a stall. Exact bucket bounds of the gap histograms only."),
+    ]
+
+
+def from_traces() -> dict:
+    L = Layout()
+
+    L.row("Stage durations from span_metrics (every span, before sampling)")
+    L.add(timeseries("Stage p50 / p99 from spans",
+                     "Durations of the pd.* stage spans (span_metrics connector). Exemplars link to traces.",
+                     [prom(SPANS.quantile(q, "traces_span_metrics_duration_seconds", 'span_name=~"pd\\\\..*"', by="span_name"),
+                           f"{{{{span_name}}}} p{round(q * 100)}", exemplar=q == 0.99) for q in (0.5, 0.99)]), w=12)
+    L.add(timeseries("Stage spans/s by status",
+                     "Calls per stage span and status code (STATUS_CODE_ERROR = the stage that failed).",
+                     [prom(SPANS.rate("traces_span_metrics_calls_total", 'span_name=~"pd\\\\..*"', by="span_name, status_code"),
+                           "{{span_name}} {{status_code}}")], "reqps"), w=12)
+
+    L.row("Attribute histograms from signal_to_metrics, next to the proxy's own")
+    L.add(timeseries("TTFT p50 / p99: traces vs proxy",
+                     "Same buckets on both sides; the lines should overlap when head sampling is 100%.",
+                     [*[prom(TRACE.quantile(q, "pdproxy_trace_ttft_seconds"), f"traces p{round(q * 100)}") for q in (0.5, 0.99)],
+                      *[prom(REQ.quantile(q, "pdproxy_ttft_seconds"), f"proxy p{round(q * 100)}") for q in (0.5, 0.99)]]), w=12)
+    L.add(timeseries("Tail ITL p50 / p99: traces vs proxy [per-request max gap]",
+                     ITL_DEFINITIONS["tail_max"],
+                     [*[prom(TRACE.quantile(q, "pdproxy_trace_request_itl_max_seconds"), f"traces p{round(q * 100)}")
+                        for q in (0.5, 0.99)],
+                      *[prom(REQ.quantile(q, "pdproxy_request_itl_max_seconds"), f"proxy p{round(q * 100)}") for q in (0.5, 0.99)]]),
+          w=12)
+    L.add(timeseries("Tail ITL from traces [per-request p99 gap]",
+                     ITL_DEFINITIONS["tail_p99"],
+                     quantiles(TRACE, "pdproxy_trace_request_itl_p99_seconds", "p99 gap", exemplar_on=None)), w=8)
+    L.add(timeseries("KV transfer estimate and hand-off gap from traces",
+                     "pd.kv_transfer.estimated = span duration minus one median ITL (an estimate, not a measurement); "
+                     "pd.handoff.gap = the proxy's own share.",
+                     [prom(RUN.quantile(0.5, "pdproxy_trace_kv_transfer_estimated_seconds"), "estimate p50"),
+                      prom(RUN.quantile(0.99, "pdproxy_trace_kv_transfer_estimated_seconds"), "estimate p99"),
+                      prom(RUN.quantile(0.99, "pdproxy_trace_handoff_gap_seconds"), "hand-off p99")]), w=8)
+    L.add(timeseries("Share of requests with a stall: traces vs proxy",
+                     ITL_DEFINITIONS["stall"],
+                     [prom(f'{TRACE.rate("pdproxy_trace_requests_stalled_total")} / {TRACE.rate("pdproxy_trace_requests_total")}',
+                           "traces"),
+                      prom(f'{REQ.rate("pdproxy_requests_with_stall_total")} / {REQ.rate("pdproxy_request_itl_max_seconds_count")}',
+                           "proxy")], "percentunit", max_=1), w=8)
+
+    L.row("TraceQL metrics (Tempo 3: any numeric span attribute)")
+    L.add(timeseries("Tail ITL quantiles from stored traces [per-request max gap]",
+                     ITL_DEFINITIONS["tail_max"] + " Computed by Tempo over the tail-sampled traces only: biased towards "
+                     "slow and failed requests, unlike the panels above.",
+                     [traceql_metrics(f"{{ {ROOT_FILTER} && span.pd.itl.max != nil }} "
+                                      "| quantile_over_time(span.pd.itl.max, 0.5, 0.9, 0.99)")]), w=12)
+    L.add(timeseries("Failed stages in stored traces",
+                     "Rate of stored root spans by failed stage.",
+                     [traceql_metrics(f"{{ {ROOT_FILTER} && span.pd.failed_stage != nil }} | rate() by (span.pd.failed_stage)")],
+                     "reqps"), w=12)
+
+    return dashboard(TRACES_UID, "pdproxy — computed from traces",
+                     "The proxy's numbers recomputed from its spans by the collector (span_metrics, signal_to_metrics) "
+                     "and by Tempo (TraceQL metrics). Needs the collector in front of Prometheus.",
+                     L.panels, trace_variables(), [link_to(OVERVIEW_UID, "P/D overview")])
+
+
+DASHBOARDS = {"pdproxy-overview.json": overview, "pdproxy-traces.json": from_traces}
+
+
+def render(build) -> str:
+    return json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="fail if the committed dashboards differ from the generated ones")
+    args = parser.parse_args(argv)
+
+    stale = []
+    for name, build in DASHBOARDS.items():
+        path, text = OUT / name, render(build)
+        if args.check:
+            current = path.read_text() if path.exists() else ""
+            if current != text:
+                stale.append(name)
+                sys.stdout.writelines(difflib.unified_diff(
+                    current.splitlines(keepends=True), text.splitlines(keepends=True), f"committed/{name}", f"generated/{name}", n=1))
+        else:
+            OUT.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            print(f"wrote {path.relative_to(HERE.parent)}")
+    if stale:
+        print(f"\nstale: {', '.join(stale)}; run: python grafana/generate.py", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
