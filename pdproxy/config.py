@@ -1,0 +1,354 @@
+"""Settings for `pdproxy serve`: vLLM's toy-proxy flags unchanged, plus pdproxy's own.
+
+Every setting can come from (highest first) a command-line flag, an environment variable
+`PDPROXY_<NAME>` (e.g. `PDPROXY_READ_TIMEOUT=30`, lists comma-separated), a YAML config file
+(`--config FILE`, keys are the flag names with `_` or `-`), or the built-in default.
+
+Instances are given either with the toy proxy's paired flags (`--prefiller-hosts a b
+--prefiller-ports 8100 8101`), with the demo/router URL forms (`--prefill URL [BOOTSTRAP_PORT]`,
+repeatable; `host:port` also accepted), or both. With no instance flag at all, the toy proxy's
+defaults apply (prefill localhost:8100, decode localhost:8200). With decode instances but no
+prefill instance, pdproxy forwards straight to them: the single-instance baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+TOY_DEFAULTS = {"prefiller_hosts": ["localhost"], "prefiller_ports": [8100], "decoder_hosts": ["localhost"], "decoder_ports": [8200]}
+POLICIES = ("round_robin", "least_inflight")
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; reported at start-up as one clear line."""
+
+
+@dataclass
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_urls: list[str] = field(default_factory=list)
+    decode_urls: list[str] = field(default_factory=list)
+    model: str | None = None
+    prefill_policy: str = "round_robin"
+    decode_policy: str = "round_robin"
+    connect_timeout: float = 10.0
+    read_timeout: float = 600.0
+    prefill_retries: int = 1
+    decode_retries: int = 1
+    retry_backoff: float = 0.05
+    health_check_interval: float = 5.0
+    health_check_timeout: float = 2.0
+    health_check_path: str = "/health"
+    eject_after_failures: int = 3
+    max_inflight: int = 0
+    max_queue: int = 1024
+    queue_timeout: float = 30.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    client_kv_params: str = "reject"
+    api_key: str | None = None
+    upstream_api_key: str | None = None
+    stall_threshold: float = 0.1
+    tracing: bool = True
+    otlp_endpoint: str | None = None
+    otlp_protocol: str | None = None
+    trace_file: str | None = None
+    span_queue_size: int = 8192
+    run_label: str = ""
+    resource_attrs: dict[str, str] = field(default_factory=dict)
+    capture_content: bool = False
+    shadow_url: str | None = None
+    shadow_prefill_urls: list[str] = field(default_factory=list)
+    shadow_sample_rate: float = 1.0
+    shadow_max_inflight: int = 32
+    shadow_timeout: float = 120.0
+    workers: int = 1
+    log_level: str = "info"
+
+    @property
+    def mode(self) -> str:
+        return "pd" if self.prefill_urls else "single"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `serve` flags. Defaults are suppressed so that env vars and the config file can fill gaps."""
+    parser.argument_default = argparse.SUPPRESS
+    parser.add_argument("--config", help="YAML file with any of these settings (flag names as keys)")
+
+    toy = parser.add_argument_group("vLLM toy-proxy flags (same names and pairing)")
+    toy.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    toy.add_argument("--port", type=int, help="port to bind (default 8000)")
+    toy.add_argument("--prefiller-hosts", "--prefiller-host", nargs="+", help="prefill hosts, paired with --prefiller-ports")
+    toy.add_argument("--prefiller-ports", "--prefiller-port", nargs="+", type=int, help="prefill ports (default 8100)")
+    toy.add_argument("--decoder-hosts", "--decoder-host", nargs="+", help="decode hosts, paired with --decoder-ports")
+    toy.add_argument("--decoder-ports", "--decoder-port", nargs="+", type=int, help="decode ports (default 8200)")
+
+    urls = parser.add_argument_group("instances as URLs (vllm-router / demo proxy forms)")
+    urls.add_argument("--prefill", "-p", nargs="+", action="append", metavar="URL",
+                      help="prefill instance URL, optionally followed by a bootstrap port or 'none' (repeatable); "
+                           "host:port also accepted")
+    urls.add_argument("--decode", "-d", nargs="+", action="append", metavar="URL",
+                      help="decode instance URL (repeatable); with no prefill instance this is the single-instance baseline")
+    urls.add_argument("--model", "-m", help="served model name (reported in /v1/models when no instance answers)")
+
+    route = parser.add_argument_group("routing and reliability")
+    route.add_argument("--policy", choices=POLICIES, help="selection policy for both pools (default round_robin)")
+    route.add_argument("--prefill-policy", choices=POLICIES, help="selection policy for prefill instances")
+    route.add_argument("--decode-policy", choices=POLICIES, help="selection policy for decode instances")
+    route.add_argument("--connect-timeout", type=float, help="seconds to open a connection to an instance (default 10)")
+    route.add_argument("--read-timeout", type=float, help="seconds an instance may stay silent mid-response (default 600)")
+    route.add_argument("--prefill-retries", type=int, help="extra prefill attempts on another instance after 5xx/connect errors (default 1)")
+    route.add_argument("--decode-retries", type=int, help="extra decode attempts before the first byte reached the client (default 1)")
+    route.add_argument("--retry-backoff", type=float, help="base of the jittered exponential backoff between attempts, seconds (default 0.05)")
+    route.add_argument("--health-check-interval", type=float, help="seconds between active health checks; 0 disables (default 5)")
+    route.add_argument("--health-check-timeout", type=float, help="seconds a health check may take (default 2)")
+    route.add_argument("--health-check-path", help="instance path probed by health checks (default /health)")
+    route.add_argument("--eject-after-failures", type=int, help="consecutive failures that eject an instance until a health check passes (default 3)")
+    route.add_argument("--max-inflight", type=int, help="requests served at once; 0 = unlimited (default 0)")
+    route.add_argument("--max-queue", type=int, help="requests waiting for a slot beyond --max-inflight before 503 (default 1024)")
+    route.add_argument("--queue-timeout", type=float, help="seconds a request may wait for a slot before 503 (default 30)")
+    route.add_argument("--max-body-bytes", type=int, help="largest request body accepted; larger gets 413 (default 32 MiB)")
+    route.add_argument("--client-kv-params", choices=("reject", "strip"),
+                       help="a client's own kv_transfer_params: 'reject' with 400 or 'strip' silently; never forwarded "
+                            "(default reject)")
+    route.add_argument("--workers", type=int, help="server processes sharing the port (default 1)")
+
+    sec = parser.add_argument_group("authentication")
+    sec.add_argument("--api-key", help="require 'Authorization: Bearer KEY' from clients (env PDPROXY_API_KEY)")
+    sec.add_argument("--upstream-api-key",
+                     help="key sent to instances as 'Authorization: Bearer KEY' (env OPENAI_API_KEY, as vLLM's proxies). "
+                          "Without it the client's Authorization header is forwarded, unless --api-key is set")
+
+    tel = parser.add_argument_group("telemetry")
+    tel.add_argument("--no-tracing", dest="tracing", action="store_false", help="do not create spans (metrics stay on)")
+    tel.add_argument("--otlp-endpoint", help="OTLP collector endpoint (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)")
+    tel.add_argument("--otlp-protocol", choices=("grpc", "http/protobuf"), help="OTLP protocol (default: OTEL_EXPORTER_OTLP_PROTOCOL or grpc)")
+    tel.add_argument("--trace-file", help="also write spans as OTLP-JSON lines (the Collector file-exporter format) to this file")
+    tel.add_argument("--span-queue-size", type=int, help="spans buffered for export before new ones are dropped and counted (default 8192)")
+    tel.add_argument("--stall-threshold", type=float, help="a token gap above this many seconds counts as a stall (default 0.1)")
+    tel.add_argument("--run-label", help="label of this run: resource attribute pd.run and metric label run")
+    tel.add_argument("--resource-attr", dest="resource_attrs", action="append", metavar="KEY=VALUE",
+                     help="fixed condition recorded on every span, e.g. vllm.version=0.23.0 gpu.kind=H200 (repeatable)")
+    tel.add_argument("--capture-content", action="store_true", help="record prompt and completion text in spans (off: never recorded)")
+    tel.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="log level (default info)")
+
+    sh = parser.add_argument_group("shadow traffic")
+    sh.add_argument("--shadow-url", help="baseline (single instance or decode of another pool) that receives a copy of sampled requests")
+    sh.add_argument("--shadow-prefill", dest="shadow_prefill_urls", nargs="+", metavar="URL",
+                    help="prefill instances of a shadow P/D pool (with --shadow-url as its decode)")
+    sh.add_argument("--shadow-sample-rate", type=float, help="fraction of requests mirrored (default 1.0)")
+    sh.add_argument("--shadow-max-inflight", type=int, help="mirrored requests in flight before new ones are dropped (default 32)")
+    sh.add_argument("--shadow-timeout", type=float, help="seconds a mirrored request may take (default 120)")
+
+
+def load_settings(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
+    """Merge flags, environment and config file into validated `Settings`."""
+    env = os.environ if environ is None else environ
+    given = vars(args)
+    file_values = _read_config_file(given.get("config") or env.get("PDPROXY_CONFIG"))
+
+    def pick(name: str) -> Any:
+        if name in given:
+            return given[name]
+        env_name = "PDPROXY_" + name.upper()
+        if env_name in env:
+            return env[env_name]
+        return file_values.get(name)
+
+    values: dict[str, Any] = {}
+    for f in fields(Settings):
+        if f.name in ("prefill_urls", "decode_urls"):
+            continue
+        raw = pick(f.name)
+        if raw is not None:
+            values[f.name] = _coerce(f.name, raw)
+
+    policy = pick("policy")
+    for side in ("prefill_policy", "decode_policy"):
+        values.setdefault(side, policy or "round_robin")
+        if values[side] not in POLICIES:
+            raise ConfigError(f"{side.replace('_', '-')} must be one of {', '.join(POLICIES)}")
+    if "api_key" not in values and env.get("PDPROXY_API_KEY"):
+        values["api_key"] = env["PDPROXY_API_KEY"]
+    if "upstream_api_key" not in values and env.get("OPENAI_API_KEY"):
+        values["upstream_api_key"] = env["OPENAI_API_KEY"]
+
+    values["prefill_urls"], values["decode_urls"] = _instances(pick)
+    settings = Settings(**values)
+    _validate(settings)
+    return settings
+
+
+def _instances(pick) -> tuple[list[str], list[str]]:
+    toy_given = {k: pick(k) for k in TOY_DEFAULTS if pick(k) is not None}
+    prefill = [u for group in _groups(pick("prefill")) for u in _parse_url_group(group)]
+    decode = [u for group in _groups(pick("decode")) for u in _parse_url_group(group)]
+    if toy_given or not (prefill or decode):
+        toy = {k: _as_list(toy_given.get(k, v)) for k, v in TOY_DEFAULTS.items()}
+        prefill = _pair(toy["prefiller_hosts"], toy["prefiller_ports"], "prefiller") + prefill
+        decode = _pair(toy["decoder_hosts"], toy["decoder_ports"], "decoder") + decode
+    if not decode:
+        raise ConfigError("no decode instance: give --decode URL or --decoder-hosts/--decoder-ports")
+    return prefill, decode
+
+
+def _pair(hosts: list[str], ports: list[Any], what: str) -> list[str]:
+    if len(hosts) != len(ports):
+        raise ConfigError(
+            f"--{what}-hosts has {len(hosts)} value(s) but --{what}-ports has {len(ports)}: they are paired one to one"
+        )
+    return [_url(h, _port(p)) for h, p in zip(hosts, ports)]
+
+
+def _groups(value: Any) -> list[list[str]]:
+    """`--prefill` values: a list of groups from argparse, or a flat list/str from env and files."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [[v] for v in re.split(r"[,\s]+", value.strip()) if v]
+    if all(isinstance(v, list) for v in value):
+        return value
+    return [[str(v)] for v in value]
+
+
+def _parse_url_group(group: list[str]) -> list[str]:
+    """`URL [BOOTSTRAP_PORT|none]` (router form) or one or more `host:port` (demo-proxy form)."""
+    urls: list[str] = []
+    for i, token in enumerate(group):
+        if re.fullmatch(r"\d+|none", token) and i > 0 and group[i - 1].startswith(("http://", "https://")):
+            continue  # a bootstrap port after a URL: only Mooncake uses it; NIXL needs none
+        if token.startswith(("http://", "https://")):
+            urls.append(token.rstrip("/"))
+        elif re.fullmatch(r"\[?[\w.:-]+\]?:\d+", token):
+            urls.append("http://" + token)
+        else:
+            raise ConfigError(f"instance {token!r} is neither a URL (http://host:port) nor host:port")
+    return urls
+
+
+def _url(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6 literal
+    return f"http://{host}:{port}"
+
+
+def _port(value: Any) -> int:
+    try:
+        port = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"port {value!r} is not a number") from None
+    if not 0 < port < 65536:
+        raise ConfigError(f"port {port} is out of range")
+    return port
+
+
+def _as_list(value: Any) -> list[Any]:
+    if isinstance(value, str):
+        return [v for v in re.split(r"[,\s]+", value.strip()) if v]
+    return list(value)
+
+
+_BOOL_TRUE = {"1", "true", "yes", "on"}
+_BOOL_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _coerce(name: str, raw: Any) -> Any:
+    """Convert env/file strings to the type of the Settings field."""
+    default = Settings.__dataclass_fields__[name]
+    kind = default.type
+    try:
+        if name == "resource_attrs":
+            return _parse_attrs(raw)
+        if name == "shadow_prefill_urls":
+            return [u for g in _groups(raw) for u in _parse_url_group(g)]
+        if kind == "bool":
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in _BOOL_TRUE | _BOOL_FALSE:
+                return text in _BOOL_TRUE
+            raise ValueError(raw)
+        if kind == "int":
+            return int(raw)
+        if kind == "float":
+            return float(raw)
+        return raw if raw is None else str(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"setting {name.replace('_', '-')}: {raw!r} is not a valid {kind}") from None
+
+
+def _parse_attrs(raw: Any) -> dict[str, str]:
+    if isinstance(raw, dict):
+        return {str(k): str(v) for k, v in raw.items()}
+    items = raw if isinstance(raw, list) else re.split(r"[,\s]+", str(raw).strip())
+    attrs: dict[str, str] = {}
+    for item in items:
+        if not item:
+            continue
+        key, sep, value = str(item).partition("=")
+        if not sep or not key:
+            raise ValueError(item)
+        attrs[key.strip()] = value.strip()
+    return attrs
+
+
+def _read_config_file(path: str | None) -> dict[str, Any]:
+    if not path:
+        return {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings")
+    known = {f.name for f in fields(Settings)} | set(TOY_DEFAULTS) | {"prefill", "decode", "policy"}
+    values = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
+    return values
+
+
+def _validate(s: Settings) -> None:
+    positive = ("connect_timeout", "read_timeout", "health_check_timeout", "queue_timeout", "shadow_timeout")
+    for name in positive:
+        if getattr(s, name) <= 0:
+            raise ConfigError(f"{name.replace('_', '-')} must be > 0")
+    non_negative = ("prefill_retries", "decode_retries", "retry_backoff", "health_check_interval", "max_inflight",
+                    "max_queue", "stall_threshold", "eject_after_failures")
+    for name in non_negative:
+        if getattr(s, name) < 0:
+            raise ConfigError(f"{name.replace('_', '-')} must be >= 0")
+    if s.max_body_bytes < 1024:
+        raise ConfigError("max-body-bytes must be at least 1024")
+    if not 0.0 <= s.shadow_sample_rate <= 1.0:
+        raise ConfigError("shadow-sample-rate must be between 0 and 1")
+    if s.shadow_prefill_urls and not s.shadow_url:
+        raise ConfigError("--shadow-prefill needs --shadow-url (the shadow pool's decode instance)")
+    if s.workers < 1:
+        raise ConfigError("workers must be >= 1")
+    if not 0 <= s.port < 65536:
+        raise ConfigError(f"port {s.port} is out of range")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`pdproxy serve`."""
+    import sys
+
+    try:
+        settings = load_settings(args)
+    except ConfigError as exc:
+        print(f"pdproxy serve: error: {exc}", file=sys.stderr)
+        return 2
+    from pdproxy.server import serve
+
+    return serve(settings)

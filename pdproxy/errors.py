@@ -1,0 +1,92 @@
+"""Errors the proxy answers with: OpenAI-style JSON bodies, or an SSE error event once streaming began.
+
+Every failure a client can see is a `ProxyError`: it knows its HTTP status, which stage of the
+P/D flow failed, and a short machine-readable `error_type` that also labels traces and metrics.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+# Stages a request passes through; `client` marks a request the client abandoned.
+QUEUE, PREFILL, KV_TRANSFER, DECODE, CLIENT = "queue", "prefill", "kv_transfer", "decode", "client"
+
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def openai_type(status: int) -> str:
+    return _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def error_body(message: str, status: int, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": openai_type(status), "param": param, "code": code}}
+
+
+class ProxyError(Exception):
+    """A request failure with everything needed to answer the client and to account for it."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        error_type: str,
+        stage: str | None = None,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.stage = stage
+        self.param = param
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.status, code=self.error_type, param=self.param)
+
+    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        headers = dict(headers or {})
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after)))
+        return web.json_response(self.body(), status=self.status, headers=headers)
+
+    def sse_event(self) -> bytes:
+        """The error as vLLM sends it inside a stream: one data event, then `[DONE]`."""
+        return b"data: " + json.dumps(self.body()).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+class UpstreamResponse(Exception):
+    """An instance's own error answer (e.g. a 4xx) that is relayed to the client unchanged."""
+
+    def __init__(self, status: int, body: bytes, content_type: str, *, stage: str, retry_after: str | None) -> None:
+        super().__init__(f"{stage} instance answered {status}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+        self.stage = stage
+        self.retry_after = retry_after
+        self.error_type = "upstream_4xx" if status < 500 else "upstream_5xx"
+
+    def response(self, headers: dict[str, str]) -> web.Response:
+        headers = {**headers, "Content-Type": self.content_type}
+        if self.retry_after:
+            headers["Retry-After"] = self.retry_after
+        return web.Response(status=self.status, body=self.body, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> ProxyError:
+    return ProxyError(400, message, error_type="invalid_request", param=param)

@@ -1,0 +1,129 @@
+"""vLLM's P/D wire protocol: what a client may send, and what each leg receives.
+
+See docs/protocol.md (summarising the research notes on vLLM's proxies): the prefill leg is the
+client's body made to stop after one token and to keep its KV for a decode instance; the decode
+leg is the client's original body plus the prefill's `kv_transfer_params`, verbatim.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pdproxy.errors import bad_request
+
+# The NIXL pull connector's request to a prefill instance; vLLM's own proxies send all six fields.
+NIXL_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII, no spaces: safe in logs and vLLM ids
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}(-.*)?")
+
+
+@dataclass(frozen=True)
+class Route:
+    path: str
+    name: str  # metric label
+    operation: str  # gen_ai.operation.name
+    chat: bool
+
+
+COMPLETIONS = Route("/v1/completions", "completions", "text_completion", chat=False)
+CHAT = Route("/v1/chat/completions", "chat_completions", "chat", chat=True)
+
+
+def request_id(headers: Any) -> str:
+    """The client's `X-Request-Id` when it is usable, else a fresh uuid4 (vLLM's toy proxy's choice)."""
+    given = headers.get("X-Request-Id")
+    if given is None:
+        return str(uuid.uuid4())
+    if not _REQUEST_ID.fullmatch(given):
+        raise bad_request("X-Request-Id must be 1-256 printable ASCII characters without spaces", param="X-Request-Id")
+    return given
+
+
+def check_trace_headers(headers: Any) -> None:
+    """Reject a malformed W3C `traceparent` rather than silently starting an unrelated trace."""
+    value = headers.get("traceparent")
+    if value is None:
+        return
+    value = value.strip()
+    match = _TRACEPARENT.fullmatch(value)
+    bad = (not match or value.startswith("ff") or set(value[3:35]) == {"0"} or set(value[36:52]) == {"0"}
+           or (value.startswith("00") and match.group(1)))
+    if bad:
+        raise bad_request("traceparent is not a valid W3C trace context header "
+                          "(expected 00-<32 hex trace id>-<16 hex span id>-<2 hex flags>)", param="traceparent")
+
+
+def validate(body: Any, route: Route, client_kv_params: str = "reject") -> dict[str, Any]:
+    """Check the fields the proxy relies on; everything else is the instance's business."""
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    if route.chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise bad_request("'messages' must be a non-empty list of message objects", param="messages")
+    else:
+        if not _valid_prompt(body.get("prompt")):
+            raise bad_request("'prompt' must be a string, a list of strings, or token ids", param="prompt")
+    _typed(body, "model", str)
+    _typed(body, "stream", bool)
+    for key in ("max_tokens", "max_completion_tokens", "min_tokens", "min_completion_tokens", "n"):
+        value = body.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise bad_request(f"'{key}' must be a non-negative integer", param=key)
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+        raise bad_request("'stream_options' must be an object", param="stream_options")
+    if "kv_transfer_params" in body:
+        if client_kv_params == "reject":
+            raise bad_request("kv_transfer_params is set by the proxy, not by clients", param="kv_transfer_params")
+        body = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # "strip": never forwarded
+    return body
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg: one token, no stream, and the KV kept for a remote decode."""
+    leg = dict(body)
+    leg["kv_transfer_params"] = dict(NIXL_PREFILL_PARAMS)
+    leg["stream"] = False
+    leg.pop("stream_options", None)
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    for key in ("min_tokens", "min_completion_tokens"):  # vLLM rejects min > max
+        if leg.get(key) is not None:
+            leg[key] = min(leg[key], 1)
+    return leg
+
+
+def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The decode leg: the client's body untouched, plus the prefill's KV coordinates when it gave any."""
+    if kv_transfer_params is None:
+        return body
+    return {**body, "kv_transfer_params": kv_transfer_params}
+
+
+def _typed(body: dict[str, Any], key: str, kind: type) -> None:
+    if body.get(key) is not None and not isinstance(body[key], kind):
+        raise bad_request(f"'{key}' must be a {kind.__name__}", param=key)
+
+
+def _valid_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    if all(isinstance(p, str) for p in prompt):
+        return True
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return True
+    return all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt)

@@ -1,0 +1,227 @@
+"""The aiohttp application: routes, start-up and shutdown, and errors as OpenAI-style JSON."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from pdproxy import __version__
+from pdproxy.admission import Admission
+from pdproxy.config import Settings
+from pdproxy.errors import ProxyError, error_body
+from pdproxy.pd import Proxy
+from pdproxy.pool import DECODE, PREFILL, HealthChecker, Pool
+from pdproxy.protocol import CHAT, COMPLETIONS
+from pdproxy.telemetry import setup as setup_telemetry
+
+log = logging.getLogger("pdproxy")
+
+PROXY_KEY = web.AppKey("proxy", Proxy)
+SHUTDOWN_GRACE = 10.0  # seconds in-flight requests get to finish on SIGTERM
+
+
+def create_app(settings: Settings) -> web.Application:
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[json_errors])
+    app.cleanup_ctx.append(lambda app: _lifecycle(app, settings))
+    app.router.add_post(COMPLETIONS.path, _inference(COMPLETIONS))
+    app.router.add_post(CHAT.path, _inference(CHAT))
+    app.router.add_get("/healthcheck", healthcheck)
+    app.router.add_get("/health", health)
+    app.router.add_get("/status", status)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def _lifecycle(app: web.Application, settings: Settings):
+    """One pooled session, the pools, health checks and telemetry for the app's lifetime."""
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",))
+    eject = settings.eject_after_failures
+    prefill = Pool(PREFILL, settings.prefill_urls, settings.prefill_policy, eject) if settings.prefill_urls else None
+    decode = Pool(DECODE, settings.decode_urls, settings.decode_policy, eject)
+    pools = [p for p in (prefill, decode) if p is not None]
+    recorder, tracing = setup_telemetry(settings)
+    admission = Admission(settings.max_inflight, settings.max_queue, settings.queue_timeout)
+    recorder.metrics.watch(
+        lambda: [(p.role, i.address, i.inflight, i.healthy) for p in pools for i in p.instances],
+        lambda: (admission.inflight, admission.waiting),
+    )
+    shadow = None
+    if settings.shadow_url:
+        from pdproxy.shadow import Shadow
+
+        shadow = Shadow(settings, session, recorder)
+    app[PROXY_KEY] = Proxy(settings, session, prefill, decode, admission, recorder, shadow)
+    checker = None
+    if settings.health_check_interval > 0:
+        auth = {"Authorization": f"Bearer {settings.upstream_api_key}"} if settings.upstream_api_key else None
+        checker = HealthChecker(pools, session, settings.health_check_path, settings.health_check_interval,
+                                settings.health_check_timeout, auth)
+        checker.start()
+    yield
+    if checker:
+        await checker.stop()
+    if shadow is not None:
+        await shadow.close()
+    await session.close()
+    if tracing is not None:
+        tracing.shutdown()
+
+
+def _inference(route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await request.app[PROXY_KEY].handle(request, route)
+
+    return handler
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Unknown routes, wrong methods and unexpected failures answer in OpenAI's error shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        message = {404: f"no route {request.path}", 405: f"method {request.method} is not allowed on {request.path}"}
+        return web.json_response(error_body(message.get(exc.status, exc.reason), exc.status), status=exc.status,
+                                 headers=headers)
+    except ProxyError as err:
+        return err.response()
+
+
+async def healthcheck(request: web.Request) -> web.Response:
+    """vLLM toy proxy's shape."""
+    proxy = request.app[PROXY_KEY]
+    return web.json_response({"status": "ok", "prefill_instances": len(proxy.prefill or ()),
+                              "decode_instances": len(proxy.decode)})
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 while every role has a healthy instance, else 503 (load balancers take it out)."""
+    proxy = request.app[PROXY_KEY]
+    pools = [p for p in (proxy.prefill, proxy.decode) if p is not None]
+    roles = {p.role: sum(i.healthy for i in p.instances) for p in pools}
+    ok = all(roles.values())
+    return web.json_response({"status": "ok" if ok else "unavailable", "healthy_instances": roles},
+                             status=200 if ok else 503)
+
+
+async def status(request: web.Request) -> web.Response:
+    """vLLM demo proxy's shape, plus health and load per instance."""
+    proxy = request.app[PROXY_KEY]
+    prefill = proxy.prefill.instances if proxy.prefill else []
+    decode = proxy.decode.instances
+
+    def describe(instances):
+        return [{"url": i.url, "healthy": i.healthy, "inflight": i.inflight} for i in instances]
+
+    return web.json_response({
+        "prefill_node_count": len(prefill), "decode_node_count": len(decode),
+        "prefill_nodes": [i.address for i in prefill], "decode_nodes": [i.address for i in decode],
+        "instances": {"prefill": describe(prefill), "decode": describe(decode)},
+        "mode": proxy.settings.mode, "version": __version__,
+    })
+
+
+async def models(request: web.Request) -> web.Response:
+    """Forwarded to a decode instance, so clients see the served model names."""
+    proxy = request.app[PROXY_KEY]
+    try:
+        instance = proxy.decode.choose()
+        headers = {}
+        if proxy.settings.upstream_api_key:
+            headers["Authorization"] = f"Bearer {proxy.settings.upstream_api_key}"
+        async with proxy.session.get(instance.url + "/v1/models", headers=headers, timeout=proxy.timeout) as resp:
+            body = await resp.read()
+            return web.Response(status=resp.status, body=body,
+                                headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        if proxy.settings.model:
+            return web.json_response({"object": "list", "data": [{"id": proxy.settings.model, "object": "model",
+                                                                  "owned_by": "vllm"}]})
+        err = ProxyError(502, f"decode instance did not answer /v1/models ({type(exc).__name__})",
+                         error_type="connect_error")
+        return err.response()
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[PROXY_KEY].recorder.metrics.exposition(request.headers.get("Accept", ""))
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+# -- running ------------------------------------------------------------------------------
+
+
+def serve(settings: Settings) -> int:
+    """Run until SIGINT/SIGTERM; with --workers N, N processes share the port (SO_REUSEPORT)."""
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    try:
+        sock = _bind(settings.host, settings.port, reuse_port=settings.workers > 1)
+    except OSError as exc:
+        print(f"pdproxy serve: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror}")
+        return 2
+    children = [_fork_worker(settings, sock) for _ in range(settings.workers - 1)]
+    log.info("pdproxy %s listening on http://%s:%d (%s mode: %d prefill, %d decode)", __version__, settings.host,
+             sock.getsockname()[1], settings.mode, len(settings.prefill_urls), len(settings.decode_urls))
+    code = _run_worker(settings, sock)
+    for pid in children:
+        os.kill(pid, signal.SIGTERM)
+    for pid in children:
+        os.waitpid(pid, 0)
+    return code
+
+
+def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(4096)
+    sock.setblocking(False)
+    return sock
+
+
+def _fork_worker(settings: Settings, sock: socket.socket) -> int:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(_run_worker(settings, sock))
+    return pid
+
+
+def _run_worker(settings: Settings, sock: socket.socket) -> int:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    return asyncio.run(_serve_forever(settings, sock))
+
+
+async def _serve_forever(settings: Settings, sock: socket.socket) -> int:
+    app = create_app(settings)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
+    await runner.setup()
+    site = web.SockSite(runner, sock)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    return 0
+

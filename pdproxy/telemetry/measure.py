@@ -1,0 +1,144 @@
+"""From a request's timestamps to the numbers both outputs (spans and metrics) report.
+
+Definitions (the same as the bench's, see docs/telemetry.md):
+* TTFT: request received → first token-bearing event from the decode (or single) instance.
+* gaps: time between consecutive token-bearing events; when every event reported its token count
+  (streamed `usage`), a gap of k tokens counts as k gaps of gap/k (`unit=token`), else one gap
+  per event (`unit=chunk`).
+* per-request ITL statistics: over that request's own gaps; percentiles are numpy's default
+  linear interpolation, computed here without numpy because the lists are short.
+* TPOT: (last token − first token) / (output tokens − 1), for streams with more than one token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pdproxy.telemetry.clock import seconds
+
+STAGES = ("queue", "prefill", "kv_transfer", "decode")
+
+
+@dataclass
+class Timeline:
+    """Monotonic-ns stamps of one request; absent stamps are stages never reached."""
+
+    received: int
+    admitted: int | None = None  # instances chosen; the first leg goes out now
+    prefill_done: int | None = None  # prefill response read (P/D only)
+    decode_sent: int | None = None
+    decode_headers: int | None = None
+    first_token: int | None = None
+    end: int | None = None
+
+    def stage_bounds(self, pd_mode: bool) -> dict[str, tuple[int, int]]:
+        """Start/end of each stage span reached; the last one reached ends with the request."""
+        end = self.end if self.end is not None else self.received
+        bounds: dict[str, tuple[int, int]] = {}
+        points = [("queue", self.received), ("prefill", self.admitted)]
+        if pd_mode:
+            points.append(("kv_transfer", self.prefill_done))
+        points.append(("decode", self.first_token))
+        reached = [(name, t) for name, t in points if t is not None]
+        for (name, start), nxt in zip(reached, reached[1:] + [(None, end)]):
+            bounds[name] = (start, nxt[1])
+        return bounds
+
+
+@dataclass
+class Measurement:
+    ok: bool
+    status: int
+    failed_stage: str | None
+    error_type: str | None
+    stages: dict[str, float]
+    ttft: float | None = None
+    e2e: float = 0.0
+    tpot: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    itl_unit: str = "chunk"
+    itl_mean: float | None = None
+    itl_p50: float | None = None
+    itl_p99: float | None = None
+    itl_max: float | None = None
+    stalls: int = 0
+    chunks: int = 0
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    handoff_gap: float | None = None
+    decode_headers_wait: float | None = None
+    decode_queue_time: float | None = None
+    kv_estimated: float | None = None
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    """numpy.percentile(values, q) with the default 'linear' method, on an already sorted list."""
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def token_gaps(chunk_times: list[int], chunk_tokens: list[int]) -> tuple[list[float], str]:
+    """Gaps between token-bearing events, split per token when every event said how many it carried."""
+    per_token = bool(chunk_tokens) and all(k > 0 for k in chunk_tokens)
+    gaps: list[float] = []
+    for i in range(1, len(chunk_times)):
+        gap = (chunk_times[i] - chunk_times[i - 1]) / 1e9
+        if per_token and chunk_tokens[i] > 1:
+            k = chunk_tokens[i]
+            gaps.extend([gap / k] * k)
+        else:
+            gaps.append(gap)
+    return gaps, "token" if per_token else "chunk"
+
+
+def measure(
+    t: Timeline,
+    *,
+    pd_mode: bool,
+    status: int,
+    failed_stage: str | None,
+    error_type: str | None,
+    chunk_times: list[int],
+    chunk_tokens: list[int],
+    usage: dict | None,
+    server_metrics: dict | None,
+    stall_threshold: float,
+) -> Measurement:
+    end = t.end if t.end is not None else t.received
+    stages = {name: seconds(a, b) for name, (a, b) in t.stage_bounds(pd_mode).items()}
+    m = Measurement(ok=error_type is None, status=status, failed_stage=failed_stage, error_type=error_type,
+                    stages=stages, e2e=seconds(t.received, end))
+    if t.first_token is not None:
+        m.ttft = seconds(t.received, t.first_token)
+    m.chunks = len(chunk_times)
+    m.gaps, m.itl_unit = token_gaps(chunk_times, chunk_tokens)
+    if m.gaps:
+        ordered = sorted(m.gaps)
+        m.itl_mean = sum(ordered) / len(ordered)
+        m.itl_p50 = percentile(ordered, 50)
+        m.itl_p99 = percentile(ordered, 99)
+        m.itl_max = ordered[-1]
+        m.stalls = sum(1 for g in ordered if g > stall_threshold)
+    if isinstance(usage, dict):
+        m.input_tokens = _int(usage.get("prompt_tokens"))
+        m.output_tokens = _int(usage.get("completion_tokens"))
+    out = m.output_tokens if m.output_tokens is not None else (sum(chunk_tokens) or len(chunk_times) or None)
+    if out and out > 1 and len(chunk_times) > 1:
+        m.tpot = seconds(chunk_times[0], chunk_times[-1]) / (out - 1)
+    if pd_mode and t.prefill_done is not None:
+        if t.decode_sent is not None:
+            m.handoff_gap = seconds(t.prefill_done, t.decode_sent)
+        if t.decode_sent is not None and t.decode_headers is not None:
+            m.decode_headers_wait = seconds(t.decode_sent, t.decode_headers)
+        if "kv_transfer" in stages and t.first_token is not None:
+            m.kv_estimated = max(0.0, stages["kv_transfer"] - (m.itl_p50 or 0.0))
+    if isinstance(server_metrics, dict) and isinstance(server_metrics.get("queue_time_ms"), (int, float)):
+        m.decode_queue_time = server_metrics["queue_time_ms"] / 1000.0
+    return m
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -1,0 +1,40 @@
+"""Span, attribute and metric names: the contract documented in docs/telemetry.md."""
+
+# span names
+QUEUE_SPAN, PREFILL_SPAN, KV_TRANSFER_SPAN, DECODE_SPAN = "pd.queue", "pd.prefill", "pd.kv_transfer", "pd.decode"
+
+# root-span attributes beyond the GenAI semantic conventions
+REQUEST_ID = "pd.request_id"
+MODE = "pd.mode"
+DEPLOYMENT = "pd.deployment"
+RUN = "pd.run"
+E2E = "pd.e2e"
+TPOT = "pd.tpot"
+ITL_UNIT = "pd.itl.unit"
+ITL_COUNT = "pd.itl.count"
+ITL_MEAN, ITL_P50, ITL_P99, ITL_MAX = "pd.itl.mean", "pd.itl.p50", "pd.itl.p99", "pd.itl.max"
+STALLS = "pd.stalls"
+CHUNKS = "pd.chunks"
+FAILED_STAGE = "pd.failed_stage"
+PREFILL_INSTANCE, DECODE_INSTANCE = "pd.prefill.instance", "pd.decode.instance"
+PREFILL_ATTEMPTS, DECODE_ATTEMPTS = "pd.prefill.attempts", "pd.decode.attempts"
+KV_PARAMS = "pd.kv_transfer_params"  # "received" | "missing": did prefill hand over KV coordinates
+
+# kv_transfer span attributes
+HANDOFF_GAP = "pd.handoff.gap"
+DECODE_HEADERS_WAIT = "pd.decode.headers_wait"
+DECODE_QUEUE_TIME = "pd.decode.queue_time"
+KV_ESTIMATED = "pd.kv_transfer.estimated"
+KV_DEFINITION = "pd.kv_transfer.definition"
+
+# Prometheus buckets (seconds): dense where TTFT and ITL SLOs live
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.125, 0.15,
+    0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 15.0, 20.0,
+    30.0, 60.0, 120.0, 300.0,
+)
+GAP_BUCKETS = (
+    0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.007, 0.008, 0.009, 0.01, 0.0125, 0.015, 0.0175, 0.02, 0.025,
+    0.03, 0.04, 0.05, 0.06, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+    30.0, 60.0,
+)

@@ -1,0 +1,255 @@
+"""The one recorder: a request's facts and timestamps in, spans and metrics out.
+
+The request flow (pdproxy/pd.py) only tells a `RequestTrace` what happened and when; this
+module turns that into one `Measurement` and writes it twice — as the request's trace and as
+Prometheus observations — so the two outputs cannot disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from opentelemetry.trace import SpanKind, set_span_in_context
+
+from pdproxy.errors import DECODE, KV_TRANSFER, PREFILL, QUEUE
+from pdproxy.stream import ResponseScan
+from pdproxy.telemetry import names as n
+from pdproxy.telemetry.clock import now, to_unix_ns
+from pdproxy.telemetry.measure import Measurement, Timeline, measure
+from pdproxy.telemetry.metrics import Metrics
+from pdproxy.telemetry.tracing import TraceIds, Tracing, set_error
+
+log = logging.getLogger("pdproxy.recorder")
+
+CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"
+_STAGE_SPANS = {QUEUE: (n.QUEUE_SPAN, SpanKind.INTERNAL), PREFILL: (n.PREFILL_SPAN, SpanKind.CLIENT),
+                KV_TRANSFER: (n.KV_TRANSFER_SPAN, SpanKind.INTERNAL), DECODE: (n.DECODE_SPAN, SpanKind.CLIENT)}
+
+
+class Recorder:
+    def __init__(self, metrics: Metrics, tracing: Tracing | None, *, stall_threshold: float, run_label: str = "",
+                 capture_content: bool = False) -> None:
+        self.metrics = metrics
+        self.tracing = tracing
+        self.stall_threshold = stall_threshold
+        self.run_label = run_label
+        self.capture_content = capture_content
+
+    def begin(self, *, route: str, operation: str, chat: bool, headers: Any, request_id: str, pd_mode: bool,
+              deployment: str = "primary", parent_ids: TraceIds | None = None) -> RequestTrace:
+        """Start recording a request; `parent_ids` puts a shadow request inside its primary's trace."""
+        ids = None
+        if self.tracing is not None:
+            ids = self.tracing.child_ids(parent_ids) if parent_ids else self.tracing.new_ids(headers)
+        return RequestTrace(self, route, operation, chat, request_id, pd_mode, deployment, ids, headers)
+
+
+class RequestTrace:
+    """Everything known about one request while it is served."""
+
+    def __init__(self, recorder: Recorder, route: str, operation: str, chat: bool, request_id: str, pd_mode: bool,
+                 deployment: str, ids: TraceIds | None, headers: Any) -> None:
+        self.recorder = recorder
+        self.t = Timeline(received=now())
+        self.route, self.operation, self.chat = route, operation, chat
+        self.request_id = request_id
+        self.pd_mode = pd_mode
+        self.deployment = deployment
+        self.ids = ids
+        self._client_trace_headers = {} if ids else _trace_headers(headers)
+        self.model = "unknown"
+        self.request_attrs: dict[str, Any] = {}
+        self.prefill_instance = self.decode_instance = None
+        self.prefill_attempts = self.decode_attempts = 0
+        self.prefill_status: int | None = None
+        self.decode_status: int | None = None
+        self.kv_params: str | None = None
+        self.scan = ResponseScan(chat)
+        self.status = 200
+        self.error_type: str | None = None
+        self.error_message = ""
+        self.failed_stage: str | None = None
+        self.finished: Measurement | None = None
+
+    # -- what the flow reports --------------------------------------------------------------
+
+    def leg_headers(self, leg: str) -> dict[str, str]:
+        """Trace context for a leg: the leg span's own id, so vLLM's spans become its children."""
+        if self.ids is None:
+            return self._client_trace_headers  # tracing off: pass the client's context through untouched
+        span_id = self.ids.decode if (leg == DECODE and self.pd_mode) else self.ids.prefill
+        headers = {"traceparent": self.ids.traceparent(span_id)}
+        if self.ids.tracestate:
+            headers["tracestate"] = self.ids.tracestate
+        return headers
+
+    def set_request(self, body: dict[str, Any]) -> None:
+        if isinstance(body.get("model"), str):
+            self.model = body["model"]
+        attrs = self.request_attrs
+        attrs["gen_ai.request.stream"] = bool(body.get("stream"))
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        if isinstance(limit, int) and not isinstance(limit, bool):
+            attrs["gen_ai.request.max_tokens"] = limit
+        for key, attr in (("temperature", "gen_ai.request.temperature"), ("top_p", "gen_ai.request.top_p"),
+                          ("seed", "gen_ai.request.seed")):
+            if isinstance(body.get(key), (int, float)) and not isinstance(body.get(key), bool):
+                attrs[attr] = body[key]
+        if self.recorder.capture_content:
+            content = body.get("messages") if self.chat else body.get("prompt")
+            attrs["gen_ai.input.messages"] = json.dumps(content)[:16384]
+
+    def admitted(self, prefill_address: str | None, decode_address: str) -> None:
+        self.t.admitted = now()
+        self.prefill_instance, self.decode_instance = prefill_address, decode_address
+
+    def prefill_done(self, address: str, status: int, attempts: int, kv_params: str) -> None:
+        self.t.prefill_done = now()
+        self.prefill_instance, self.prefill_status, self.prefill_attempts = address, status, attempts
+        self.kv_params = kv_params
+
+    def decode_sent(self, address: str) -> None:
+        self.t.decode_sent = now()
+        self.decode_instance = address
+        self.decode_attempts += 1
+
+    def decode_headers(self, status: int) -> None:
+        self.t.decode_headers = now()
+        self.decode_status = status
+
+    def fail(self, status: int, error_type: str, message: str) -> None:
+        """The request failed in whichever stage is open now; the first failure is the one reported."""
+        if self.error_type is not None:
+            return
+        self.status, self.error_type, self.error_message = status, error_type, message
+        self.failed_stage = self._open_stage()
+
+    def client_gone(self) -> None:
+        self.fail(CLIENT_CLOSED, "client_disconnect", "client closed the connection")
+
+    def finish(self) -> Measurement:
+        """Close the timeline and write spans and metrics; safe to call more than once."""
+        if self.finished is not None:
+            return self.finished
+        self.t.end = now()
+        self.t.first_token = self.scan.first_token_ns
+        if self.scan.error is not None and self.error_type is None:
+            # the instance reported an error inside a stream that had already started
+            message = str(self.scan.error.get("message", "error event in stream"))
+            self.fail(self.status, "stream_error", message)
+        m = measure(self.t, pd_mode=self.pd_mode, status=self.status, failed_stage=self.failed_stage,
+                    error_type=self.error_type, chunk_times=self.scan.chunk_times, chunk_tokens=self.scan.chunk_tokens,
+                    usage=self.scan.usage, server_metrics=self.scan.server_metrics,
+                    stall_threshold=self.recorder.stall_threshold)
+        self.finished = m
+        trace_id = None
+        if self.ids is not None and self.ids.sampled:
+            trace_id = f"{self.ids.trace_id:032x}"
+            try:
+                self._emit_spans(m)
+            except Exception:  # telemetry must never break serving
+                log.exception("could not record spans for request %s", self.request_id)
+        self.recorder.metrics.record(m, self.route, self.model, "pd" if self.pd_mode else "single", self.deployment,
+                                     trace_id)
+        return m
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _open_stage(self) -> str:
+        t = self.t
+        if t.admitted is None:
+            return QUEUE
+        if self.scan.first_token_ns is not None:
+            return DECODE
+        if self.pd_mode and t.prefill_done is not None:
+            return KV_TRANSFER
+        return PREFILL
+
+    def _emit_spans(self, m: Measurement) -> None:
+        tracing, ids, t = self.recorder.tracing, self.ids, self.t
+        root = tracing.span(f"{self.operation} {self.model}", SpanKind.SERVER, ids.parent, trace_id=ids.trace_id,
+                            span_id=ids.root, start_ns=to_unix_ns(t.received), attributes=self._root_attributes(m))
+        if not m.ok:
+            set_error(root, m.error_type, self.error_message)
+        parent = set_span_in_context(root)
+        bounds = t.stage_bounds(self.pd_mode)
+        if self.pd_mode and t.decode_sent is not None and DECODE not in bounds:
+            bounds[DECODE] = (t.end, t.end)  # the decode leg was sent: keep vLLM's span's parent in the trace
+        for stage, (start, end) in bounds.items():
+            name, kind = _STAGE_SPANS[stage]
+            span_id = {PREFILL: ids.prefill, DECODE: ids.decode if self.pd_mode else None}.get(stage)
+            span = tracing.span(name, kind, parent, trace_id=None, span_id=span_id, start_ns=to_unix_ns(start),
+                                attributes=self._stage_attributes(stage, m))
+            if stage == m.failed_stage:
+                set_error(span, m.error_type, self.error_message)
+            span.end(end_time=to_unix_ns(end))
+        root.end(end_time=to_unix_ns(t.end))
+
+    def _root_attributes(self, m: Measurement) -> dict[str, Any]:
+        a: dict[str, Any] = {
+            "gen_ai.operation.name": self.operation,
+            "gen_ai.provider.name": "vllm",
+            "gen_ai.request.model": self.model,
+            n.REQUEST_ID: self.request_id,
+            n.MODE: "pd" if self.pd_mode else "single",
+            n.DEPLOYMENT: self.deployment,
+            n.E2E: m.e2e,
+            n.CHUNKS: m.chunks,
+            "http.response.status_code": m.status,
+            **self.request_attrs,
+        }
+        if self.recorder.run_label:
+            a[n.RUN] = self.recorder.run_label
+        optional = {
+            "gen_ai.response.time_to_first_chunk": m.ttft,
+            "gen_ai.response.id": self.scan.response_id,
+            "gen_ai.usage.input_tokens": m.input_tokens,
+            "gen_ai.usage.output_tokens": m.output_tokens,
+            n.TPOT: m.tpot,
+            n.PREFILL_INSTANCE: self.prefill_instance,
+            n.DECODE_INSTANCE: self.decode_instance,
+            n.FAILED_STAGE: m.failed_stage,
+            n.KV_PARAMS: self.kv_params,
+        }
+        a.update({k: v for k, v in optional.items() if v is not None})
+        if self.scan.finish_reasons:
+            a["gen_ai.response.finish_reasons"] = self.scan.finish_reasons
+        if m.gaps:
+            a.update({n.ITL_UNIT: m.itl_unit, n.ITL_COUNT: len(m.gaps), n.ITL_MEAN: m.itl_mean, n.ITL_P50: m.itl_p50,
+                      n.ITL_P99: m.itl_p99, n.ITL_MAX: m.itl_max, n.STALLS: m.stalls})
+        return a
+
+    def _stage_attributes(self, stage: str, m: Measurement) -> dict[str, Any]:
+        if stage == PREFILL:
+            address, status = self.prefill_instance, self.prefill_status
+            if not self.pd_mode:
+                address, status = self.decode_instance, self.decode_status
+            attrs = _leg_attributes(address, "prefill", status)
+            if self.pd_mode:
+                attrs[n.PREFILL_ATTEMPTS] = max(self.prefill_attempts, 1)
+            return attrs
+        if stage == DECODE:
+            attrs = _leg_attributes(self.decode_instance, "decode", self.decode_status)
+            attrs[n.DECODE_ATTEMPTS] = self.decode_attempts
+            return attrs
+        if stage == KV_TRANSFER:
+            optional = {n.HANDOFF_GAP: m.handoff_gap, n.DECODE_HEADERS_WAIT: m.decode_headers_wait,
+                        n.DECODE_QUEUE_TIME: m.decode_queue_time, n.KV_ESTIMATED: m.kv_estimated}
+            return {n.KV_DEFINITION: "upper_bound", **{k: v for k, v in optional.items() if v is not None}}
+        return {}
+
+
+def _leg_attributes(address: str | None, phase: str, status: int | None) -> dict[str, Any]:
+    attrs: dict[str, Any] = {"vllm.request_phase": phase}
+    if address:
+        host, _, port = address.rpartition(":")
+        attrs["server.address"], attrs["server.port"] = host, int(port)
+    if status is not None:
+        attrs["http.response.status_code"] = status
+    return attrs
+
+
+def _trace_headers(headers: Any) -> dict[str, str]:
+    return {k: headers[k] for k in ("traceparent", "tracestate") if headers is not None and k in headers}
