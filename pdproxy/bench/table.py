@@ -25,12 +25,8 @@ def _num(x: float | None, fmt: str = "{:.1f}") -> str:
     return "n/a" if x is None else fmt.format(x)
 
 
-def conditions_table(report: dict[str, Any]) -> Table:
+def condition_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
     runs = report["runs"]
-    t = Table(title="Fixed conditions", title_justify="left", show_lines=False)
-    t.add_column("condition", style="bold")
-    for e in runs:
-        t.add_column(e["label"])
     keys: list[str] = []
     for e in runs:
         for k in e["conditions"]:
@@ -38,10 +34,19 @@ def conditions_table(report: dict[str, Any]) -> Table:
                 keys.append(k)
     order = list(CONDITION_LABELS)
     keys.sort(key=lambda k: (order.index(k) if k in order else len(order), k))
-    for k in keys:
-        t.add_row(CONDITION_LABELS.get(k, k), *[str(e["conditions"].get(k, "—")) for e in runs])
-    t.add_row("workload", *[_workload_brief(e.get("workload")) for e in runs])
-    t.add_row("tool / target", *[f"{e['tool']} → {e.get('target') or '?'}" for e in runs])
+    rows = [(CONDITION_LABELS.get(k, k), [str(e["conditions"].get(k, "—")) for e in runs]) for k in keys]
+    rows.append(("workload", [_workload_brief(e.get("workload")) for e in runs]))
+    rows.append(("tool / target", [f"{e['tool']} → {e.get('target') or '?'}" for e in runs]))
+    return rows
+
+
+def conditions_table(report: dict[str, Any]) -> Table:
+    t = Table(title="Fixed conditions", title_justify="left")
+    t.add_column("condition", style="bold")
+    for e in report["runs"]:
+        t.add_column(e["label"])
+    for name, cells in condition_rows(report):
+        t.add_row(name, *cells)
     return t
 
 
@@ -62,16 +67,14 @@ def _workload_brief(w: dict[str, Any] | None) -> str:
     return "; ".join(parts) + f"; {stop}, seed {w.get('seed')}, warm-up {' + '.join(warm) or 'none'}"
 
 
-def metrics_table(report: dict[str, Any]) -> Table:
+def metric_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """The comparison table as data: (metric, one cell per run). Shared by the terminal and HTML."""
     runs = report["runs"]
     d = report["definitions"]
-    t = Table(title="Results (ms unless stated; p50 / p90 / p99)", title_justify="left")
-    t.add_column("metric", style="bold")
-    for e in runs:
-        t.add_column(e["label"], justify="right")
+    rows: list[tuple[str, list[str]]] = []
 
     def row(name: str, fn: Callable[[dict[str, Any]], str]) -> None:
-        t.add_row(name, *[fn(e) for e in runs])
+        rows.append((name, [fn(e) for e in runs]))
 
     row("requests measured (ok / failed)", lambda e: "{measured} ({ok} / {failed})".format(**e["stats"]["requests"]))
     row("TTFT", lambda e: trio(e["stats"]["ttft"]))
@@ -85,7 +88,7 @@ def metrics_table(report: dict[str, Any]) -> Table:
         row(f"  per-request max [{c}]", lambda e, c=c: trio(
             (((e["stats"].get("classes") or {}).get(c) or {}).get("tail_itl") or {}).get("per_request_max")))
     row(f"requests with a gap > {d['stall_threshold_s'] * 1e3:g} ms",
-        lambda e: _num(e["stats"]["stalls"]["share"], "{:.1%}") if e["stats"]["stalls"]["share"] is not None else "n/a")
+        lambda e: _num(e["stats"]["stalls"]["share"], "{:.1%}"))
     row("TPOT", lambda e: trio(e["stats"]["tpot"]))
     row("E2E", lambda e: trio(e["stats"]["e2e"]))
     row("KV transfer, upper bound", lambda e: trio((e.get("kv_transfer") or {}).get("upper_bound")) if e.get(
@@ -98,11 +101,21 @@ def metrics_table(report: dict[str, Any]) -> Table:
     row("proxy TTFT (trace)", lambda e: trio(e.get("proxy_ttft")) if e.get("proxy_ttft") else "n/a")
     row("throughput, output tokens/s", lambda e: _num(e["stats"]["throughput"]["output_tokens_per_s"]))
     row("throughput, requests/s", lambda e: _num(e["stats"]["throughput"]["requests_per_s"], "{:.2f}"))
-    row("error rate", lambda e: _num(e["stats"]["requests"]["error_rate"], "{:.2%}")
-        if e["stats"]["requests"]["error_rate"] is not None else "n/a")
+    row("error rate", lambda e: _num(e["stats"]["requests"]["error_rate"], "{:.2%}"))
     row("errors by reason", lambda e: ", ".join(f"{k}: {v}" for k, v in e["stats"]["requests"]["errors"].items())
         or "none")
-    row("records joined to traces", lambda e: "{joined}/{records}".format(**e["traces"]) if e.get("traces") else "no traces")
+    row("records joined to traces",
+        lambda e: "{joined}/{records}".format(**e["traces"]) if e.get("traces") else "no traces")
+    return rows
+
+
+def metrics_table(report: dict[str, Any]) -> Table:
+    t = Table(title="Results (ms unless stated; p50 / p90 / p99)", title_justify="left")
+    t.add_column("metric", style="bold")
+    for e in report["runs"]:
+        t.add_column(e["label"], justify="right")
+    for name, cells in metric_rows(report):
+        t.add_row(name, *cells)
     return t
 
 

@@ -1,0 +1,205 @@
+"""The report as one self-contained HTML page: tables in HTML, plots drawn as SVG by inline JS.
+
+No CDN, no network: the report data is embedded as JSON and a small script (below) draws the
+TTFT and ITL CDFs, the per-request tail ITL (CDF and over time) and the stage breakdown. When
+every plot is drawn the script sets `data-rendered` on <body> to the number of plots (a test
+reads it back from a real browser); an error is shown on the page instead of failing silently.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import Any
+
+from pdproxy.bench.table import condition_rows, metric_rows, ms
+
+CSS = """
+body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1a1a1a;max-width:1400px}
+h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd}
+table{border-collapse:collapse;margin:6px 0} th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;
+vertical-align:top} td.num{text-align:right;font-variant-numeric:tabular-nums} th{background:#f4f4f4}
+.verdict{padding:10px 14px;border-radius:6px;margin:12px 0;font-size:15px}
+.adopt{background:#e6f6e6;border:1px solid #5a5} .reject{background:#fbe9e9;border:1px solid #c55}
+.flag{background:#fff6dc;border:1px solid #e0b000;padding:6px 10px;margin:4px 0;border-radius:4px}
+.pass{color:#1a7f1a;font-weight:600} .fail{color:#b00;font-weight:600} .dim{color:#777}
+.plots{display:flex;flex-wrap:wrap;gap:18px} .plot{border:1px solid #e3e3e3;border-radius:6px;padding:6px}
+.plot h3{font-size:14px;margin:2px 4px 4px} #js-error{color:#b00;font-weight:600}
+code{background:#f4f4f4;padding:0 3px}
+"""
+
+# Hand-written plotting: lines (CDFs), points (scatter) and stacked bars, as SVG elements.
+JS = r"""
+(function(){
+const data = JSON.parse(document.getElementById('report-data').textContent);
+const NS = 'http://www.w3.org/2000/svg';
+const COLORS = ['#1f77b4','#d62728','#2ca02c','#ff7f0e','#9467bd','#8c564b','#e377c2','#17becf'];
+function el(tag, attrs, parent){ const e = document.createElementNS(NS, tag);
+  for (const k in attrs) e.setAttribute(k, attrs[k]); if (parent) parent.appendChild(e); return e; }
+function ticks(lo, hi, n){ const span = hi - lo || 1; const step0 = span / n;
+  const mag = Math.pow(10, Math.floor(Math.log10(step0))); const err = step0 / mag;
+  const step = (err >= 5 ? 10 : err >= 2 ? 5 : err >= 1 ? 2 : 1) * mag; const out = [];
+  for (let v = Math.ceil(lo / step) * step; v <= hi + 1e-12; v += step) out.push(+v.toPrecision(12)); return out; }
+function frame(container, title, xlabel, ylabel, xmax, ymax, W, H, noY){
+  const box = document.createElement('div'); box.className = 'plot';
+  const h = document.createElement('h3'); h.textContent = title; box.appendChild(h);
+  const svg = el('svg', {width: W, height: H, viewBox: `0 0 ${W} ${H}`, role: 'img'}); box.appendChild(svg);
+  container.appendChild(box);
+  const m = {l: 56, r: 12, t: 8, b: noY ? 56 : 40}; const pw = W - m.l - m.r, ph = H - m.t - m.b;
+  const sx = v => m.l + (xmax ? v / xmax : 0) * pw, sy = v => m.t + ph - (ymax ? v / ymax : 0) * ph;
+  el('rect', {x: m.l, y: m.t, width: pw, height: ph, fill: '#fff', stroke: '#bbb'}, svg);
+  for (const t of ticks(0, xmax, 6)) { el('line', {x1: sx(t), x2: sx(t), y1: m.t, y2: m.t + ph, stroke: '#eee'}, svg);
+    const tx = el('text', {x: sx(t), y: m.t + ph + 14, 'font-size': 10, 'text-anchor': 'middle'}, svg); tx.textContent = t; }
+  if (!noY) for (const t of ticks(0, ymax, 5)) { el('line', {x1: m.l, x2: m.l + pw, y1: sy(t), y2: sy(t), stroke: '#eee'}, svg);
+    const ty = el('text', {x: m.l - 4, y: sy(t) + 3, 'font-size': 10, 'text-anchor': 'end'}, svg); ty.textContent = t; }
+  const xl = el('text', {x: m.l + pw / 2, y: H - 6, 'font-size': 11, 'text-anchor': 'middle'}, svg); xl.textContent = xlabel;
+  const yl = el('text', {x: 12, y: m.t + ph / 2, 'font-size': 11, 'text-anchor': 'middle',
+    transform: `rotate(-90 12 ${m.t + ph / 2})`}, svg); yl.textContent = ylabel;
+  return {svg, sx, sy, m, pw, ph, box};
+}
+function legend(f, names){ names.forEach((n, i) => {
+  const y = f.m.t + 14 + 14 * i, x = f.m.l + f.pw - 150;
+  el('rect', {x: x, y: y - 8, width: 10, height: 10, fill: COLORS[i % COLORS.length]}, f.svg);
+  const t = el('text', {x: x + 14, y: y + 1, 'font-size': 11}, f.svg); t.textContent = n; }); }
+function cdf(container, key, title, xlabel){
+  const runs = data.runs; let xmax = 0;
+  runs.forEach(r => (r.plots[key] || []).forEach(p => { xmax = Math.max(xmax, p[0] * 1000); }));
+  const f = frame(container, title, xlabel, 'fraction of samples', xmax * 1.05 || 1, 1, 560, 300);
+  f.box.dataset.plot = key;
+  runs.forEach((r, i) => { const pts = r.plots[key] || []; if (!pts.length) return;
+    let d = `M${f.sx(pts[0][0] * 1000)},${f.sy(0)}`;
+    for (const p of pts) d += ` L${f.sx(p[0] * 1000).toFixed(1)},${f.sy(p[1]).toFixed(1)}`;
+    el('path', {d: d, fill: 'none', stroke: COLORS[i % COLORS.length], 'stroke-width': 1.8, 'data-run': r.label}, f.svg); });
+  legend(f, runs.map(r => r.label));
+}
+function scatter(container){
+  const runs = data.runs; let xmax = 0, ymax = 0;
+  runs.forEach(r => (r.plots.tail_itl_by_start || []).forEach(p => { xmax = Math.max(xmax, p[0]); ymax = Math.max(ymax, p[1] * 1000); }));
+  const f = frame(container, 'Tail ITL per request (max gap) over the run', 'request start (s)', 'max gap (ms)',
+                  xmax * 1.02 || 1, ymax * 1.1 || 1, 560, 300);
+  f.box.dataset.plot = 'tail_itl_by_start';
+  runs.forEach((r, i) => { const g = el('g', {'data-run': r.label, fill: COLORS[i % COLORS.length], 'fill-opacity': 0.6}, f.svg);
+    for (const p of (r.plots.tail_itl_by_start || [])) el('circle', {cx: f.sx(p[0]).toFixed(1), cy: f.sy(p[1] * 1000).toFixed(1), r: 2.2}, g); });
+  legend(f, runs.map(r => r.label));
+}
+function stages(container){
+  const names = ['queue', 'prefill', 'kv_transfer', 'decode']; const runs = data.runs; let xmax = 0;
+  const vals = runs.map(r => names.map(s => (r.stages && r.stages[s] && r.stages[s].count) ? r.stages[s].mean * 1000 : 0));
+  vals.forEach(v => { xmax = Math.max(xmax, v.reduce((a, b) => a + b, 0)); });
+  const H = 70 + 34 * runs.length;
+  const f = frame(container, 'Stage breakdown (mean per request, from the proxy traces)', 'ms', '', xmax * 1.05 || 1, 1, 560, H, true);
+  f.box.dataset.plot = 'stages';
+  const bh = f.ph / runs.length * 0.6;
+  runs.forEach((r, i) => { let x0 = 0; const y = f.m.t + (i + 0.2) * f.ph / runs.length;
+    const lab = el('text', {x: f.m.l + 4, y: y - 2, 'font-size': 10}, f.svg); lab.textContent = r.label + (r.stages ? '' : ' (no traces)');
+    vals[i].forEach((v, j) => { if (v <= 0) return;
+      const rect = el('rect', {x: f.sx(x0), y: y, width: Math.max(0.5, f.sx(x0 + v) - f.sx(x0)), height: bh,
+        fill: COLORS[(j + 4) % COLORS.length], 'data-stage': names[j]}, f.svg);
+      const tt = el('title', {}, rect); tt.textContent = `${names[j]}: ${v.toFixed(1)} ms`; x0 += v; }); });
+  names.forEach((n, j) => { const x = f.m.l + 8 + 110 * j, y = f.m.t + f.ph + 30;
+    el('rect', {x: x, y: y - 8, width: 10, height: 10, fill: COLORS[(j + 4) % COLORS.length]}, f.svg);
+    const t = el('text', {x: x + 14, y: y + 1, 'font-size': 11}, f.svg); t.textContent = n; });
+}
+try {
+  const c = document.getElementById('plots');
+  cdf(c, 'ttft', 'TTFT, CDF over requests', 'TTFT (ms)');
+  cdf(c, 'itl', 'ITL (pooled, per ' + data.definitions.itl_unit + '), CDF over gaps', 'gap (ms)');
+  cdf(c, 'tail_itl', 'Tail ITL: per-request max gap, CDF over requests', 'max gap of a request (ms)');
+  scatter(c);
+  stages(c);
+  document.body.setAttribute('data-rendered', String(c.querySelectorAll('.plot svg').length));
+} catch (e) {
+  document.getElementById('js-error').textContent = 'plot error: ' + e;
+  document.body.setAttribute('data-rendered', 'error');
+}
+})();
+"""
+
+
+def _e(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def _table(head: list[str], rows: list[list[str]], num_from: int = 1) -> str:
+    out = ["<table><thead><tr>", *(f"<th>{_e(h)}</th>" for h in head), "</tr></thead><tbody>"]
+    for r in rows:
+        out.append("<tr>" + "".join(
+            f"<td class=\"{'num' if i >= num_from else ''}\">{_e(c)}</td>" for i, c in enumerate(r)) + "</tr>")
+    out.append("</tbody></table>")
+    return "".join(out)
+
+
+def _verdict(report: dict[str, Any]) -> str:
+    v = report.get("verdict")
+    if not v:
+        return ""
+    cls = "adopt" if v["decision"] == "adopt" else "reject"
+    rows = []
+    for c in v["criteria"]:
+        mark = {True: "<span class=pass>pass</span>", False: "<span class=fail>FAIL</span>",
+                None: "<span class=dim>—</span>"}[c["passed"]]
+        name = c["criterion"] + (f" vs {c['baseline']}" if c.get("baseline") else "")
+        rows.append(f"<tr><td>{mark}</td><td>{_e(name)}</td><td>{_e(c['detail'])}</td></tr>")
+    notes = "".join(f"<div class=flag>{_e(n)}</div>" for n in v.get("notes") or [])
+    return (f"<div class='verdict {cls}' id=verdict><b>Verdict: {_e(v['decision'].upper())}</b> "
+            f"({_e(v['candidate'])} vs {_e(', '.join(v['baselines']))})<br>decided by: {_e(v['reason'])}</div>"
+            f"<table id=criteria><thead><tr><th></th><th>criterion</th><th>detail</th></tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>{notes}")
+
+
+def _drill(report: dict[str, Any]) -> str:
+    rows = []
+    for e in report["runs"]:
+        for by, title in (("ttft", "TTFT"), ("tail_itl", "tail ITL")):
+            for r in e["slowest"][by]:
+                st = r.get("stages") or {}
+                rows.append([e["label"], title, r["request_id"], r["trace_id"] or "—", str(r["class"]),
+                             ms(r["ttft"]), ms(r["itl_max"]),
+                             *[ms(st.get(s)) if s in st else "—" for s in ("queue", "prefill", "kv_transfer",
+                                                                           "decode")]])
+    failed = []
+    for e in report["runs"]:
+        for r in e["failed"]:
+            failed.append([e["label"], r["request_id"], r["trace_id"] or "—", str(r.get("status")),
+                           str(r.get("error")), str(r.get("failed_stage") or ""), str(r.get("error_detail") or "")])
+    out = "<h2>Slowest requests (drill-down by trace id)</h2>" + _table(
+        ["run", "by", "request id", "trace id", "class", "TTFT ms", "max gap ms", "queue", "prefill", "kv_transfer",
+         "decode"], rows, num_from=5)
+    if failed:
+        out += "<h2>Failed requests</h2>" + _table(
+            ["run", "request id", "trace id", "status", "reason", "failed stage", "detail"], failed, num_from=99)
+    return out
+
+
+def render(report: dict[str, Any]) -> str:
+    runs = report["runs"]
+    labels = [e["label"] for e in runs]
+    d = report["definitions"]
+    comp = report["comparison"]
+    flags = "".join(f"<div class=flag>{_e(f)}</div>" for f in comp.get("flags") or [])
+    notes = "".join(f"<div class=flag>{_e(e['label'])}: {_e(n)}</div>" for e in runs for n in e["condition_notes"])
+    defs = "".join(f"<li><b>{_e(k)}</b>: {_e(v)}</li>" for k, v in d.items() if v is not None)
+    payload = json.dumps({"runs": [{"label": e["label"], "plots": e["plots"], "stages": e["stages"]} for e in runs],
+                          "definitions": d}, separators=(",", ":")).replace("</", "<\\/")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>pdproxy report: {_e(' vs '.join(labels))}</title>
+<style>{CSS}</style></head>
+<body>
+<h1>pdproxy report: {_e(' vs '.join(labels))}</h1>
+<div class=dim>generated {_e(report['generated_at'])} by pdproxy {_e(report['pdproxy_version'])}</div>
+{_verdict(report)}
+<h2>Fixed conditions</h2>
+{_table(['condition', *labels], [[n, *c] for n, c in condition_rows(report)], num_from=99)}
+{('<div><b>Comparison:</b> ' + _e(comp['resources']) + '</div>') if comp.get('resources') else ''}{flags}{notes}
+<h2>Results (ms unless stated; p50 / p90 / p99)</h2>
+<table id=metrics><thead><tr><th>metric</th>{''.join(f'<th>{_e(x)}</th>' for x in labels)}</tr></thead><tbody>
+{''.join('<tr><td>' + _e(n) + '</td>' + ''.join(f'<td class=num>{_e(c)}</td>' for c in cells) + '</tr>'
+         for n, cells in metric_rows(report))}
+</tbody></table>
+<h2>Plots</h2><div id=js-error></div><div class=plots id=plots></div>
+{_drill(report)}
+<h2>Definitions</h2><ul>{defs}</ul>
+<script type="application/json" id="report-data">{payload}</script>
+<script>{JS}</script>
+</body></html>
+"""
