@@ -1,0 +1,55 @@
+import json
+import urllib.request
+
+import pytest
+
+from procs import start_proxy, start_scripted
+
+
+class Scripted:
+    """Handle on a scripted backend process: queue answers, read the journal."""
+
+    def __init__(self, proc, url):
+        self.proc, self.url = proc, url
+
+    def _call(self, method, path, data=None):
+        req = urllib.request.Request(self.url + path, method=method,
+                                     data=None if data is None else json.dumps(data).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return json.loads(r.read())
+
+    def script(self, *steps):
+        self._call("POST", "/_script", list(steps))
+
+    def journal(self):
+        return self._call("GET", "/_journal")
+
+    def reset(self):
+        self._call("POST", "/_reset", {})
+
+
+@pytest.fixture(scope="module")
+def scripted_pd():
+    """Scripted prefill + decode behind a proxy (retries off so each fault shows as itself)."""
+    procs = []
+    try:
+        p = Scripted(*start_scripted("prefill"))
+        d = Scripted(*start_scripted("decode"))
+        procs += [p.proc, d.proc]
+        proxy, url = start_proxy("--prefill", p.url, "--decode", d.url, "--prefill-retries", "0",
+                                 "--decode-retries", "0", "--read-timeout", "2", "--health-check-interval", "0",
+                                 "--eject-after-failures", "0")
+        procs.append(proxy)
+        yield p, d, url, proxy
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.fixture
+def pd(scripted_pd):
+    p, d, url, proxy = scripted_pd
+    p.reset()
+    d.reset()
+    return scripted_pd

@@ -1,0 +1,126 @@
+"""A scripted vLLM-like instance for proxy tests: exact bytes, exact faults, a journal.
+
+Run: python tests/scripted_backend.py --port N --role prefill|decode
+
+By default it answers like a vLLM instance of its role (a prefill returns `kv_transfer_params`,
+a decode streams a fixed SSE body). Tests queue exact answers with `POST /_script` (a list of
+steps, one consumed per inference request) and read what arrived with `GET /_journal`.
+A step may set: status, headers, body (JSON or string), chunks (list of strings written one by
+one), delay (before the status line), chunk_delay, stall_after (chunks before a long pause),
+abort_after (chunks before the connection is cut).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+from aiohttp import web
+
+PREFILL_KV = {
+    "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "engine-p",
+    "remote_request_id": "cmpl-x-0-abcd1234", "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 1,
+}
+
+
+def default_stream(rid: str, chat: bool) -> list[str]:
+    rid = ("chatcmpl-" if chat else "cmpl-") + rid
+    chunks = []
+    if chat:  # vLLM opens a chat stream with a role-only delta
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        chunks.append("data: " + json.dumps({"id": rid, "choices": [role]}) + "\n\n")
+    for word in ["Hello", " P/D", " world", "!"]:
+        choice = {"index": 0, "delta": {"content": word}} if chat else {"index": 0, "text": word}
+        chunks.append("data: " + json.dumps({"id": rid, "choices": [{**choice, "finish_reason": None}]}) + "\n\n")
+    chunks.append('data: {"id":"x","choices":[],"usage":{"prompt_tokens":4,"completion_tokens":4,"total_tokens":8}}\n\n')
+    chunks.append("data: [DONE]\n\n")
+    return chunks
+
+
+class Backend:
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.script: list[dict] = []
+        self.journal: list[dict] = []
+
+    async def inference(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        entry = {"path": request.path, "headers": {k.lower(): v for k, v in request.headers.items()}, "body": body,
+                 "peer": list(request.transport.get_extra_info("peername") or ()), "completed": False, "aborted": False}
+        self.journal.append(entry)
+        step = self.script.pop(0) if self.script else {}
+        try:
+            response = await self._answer(request, step, body or {})
+            entry["completed"] = True
+            return response
+        except (asyncio.CancelledError, ConnectionError):
+            entry["aborted"] = True  # the proxy went away mid-answer
+            raise
+
+    async def _answer(self, request: web.Request, step: dict, body: dict) -> web.StreamResponse:
+        await asyncio.sleep(step.get("delay", 0))
+        rid = request.headers.get("X-Request-Id", "none")
+        chat = request.path.endswith("chat/completions")
+        status = step.get("status", 200)
+        headers = step.get("headers", {})
+        if "chunks" not in step and (status != 200 or "body" in step or self.role == "prefill" or not body.get("stream")):
+            answer = step.get("body")
+            if answer is None:
+                answer = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "object": "text_completion",
+                          "choices": [{"index": 0, "text": "Hello", "finish_reason": "length"}],
+                          "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}
+                if self.role == "prefill":
+                    answer["kv_transfer_params"] = PREFILL_KV
+            text = answer if isinstance(answer, str) else json.dumps(answer)
+            return web.Response(status=status, text=text, headers={"Content-Type": "application/json", **headers})
+        response = web.StreamResponse(status=status, headers={"Content-Type": "text/event-stream", **headers})
+        await response.prepare(request)
+        for i, chunk in enumerate(step.get("chunks") or default_stream(rid, chat)):
+            if i == step.get("abort_after"):
+                request.transport.abort()
+                return response
+            if i == step.get("stall_after"):
+                await asyncio.sleep(step.get("stall", 30))
+            await asyncio.sleep(step.get("chunk_delay", 0.005))
+            await response.write(chunk.encode())
+        await response.write_eof()
+        return response
+
+    async def set_script(self, request: web.Request) -> web.Response:
+        self.script = list(await request.json())
+        return web.json_response({"queued": len(self.script)})
+
+    async def get_journal(self, request: web.Request) -> web.Response:
+        return web.json_response(self.journal)
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.script.clear()
+        self.journal.clear()
+        return web.json_response({})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--role", choices=("prefill", "decode"), default="decode")
+    args = parser.parse_args()
+    backend = Backend(args.role)
+    app = web.Application()
+    app.router.add_post("/v1/completions", backend.inference)
+    app.router.add_post("/v1/chat/completions", backend.inference)
+    app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
+    app.router.add_get("/v1/models", lambda r: web.json_response(
+        {"object": "list", "data": [{"id": "scripted-model", "object": "model", "owned_by": "vllm"}]}))
+    app.router.add_post("/_script", backend.set_script)
+    app.router.add_get("/_journal", backend.get_journal)
+    app.router.add_post("/_reset", backend.reset)
+    web.run_app(app, host="127.0.0.1", port=args.port, print=None, handler_cancellation=True)
+
+
+if __name__ == "__main__":
+    main()
