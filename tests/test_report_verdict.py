@@ -1,0 +1,128 @@
+"""Verdict and comparison flags of `pdproxy report`, on record files written here with known numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def write_run(path: Path, label: str, ttfts: list[float], max_gap: float, *, failures: int = 0,
+              conditions: dict | None = None, prompt: str = "200") -> Path:
+    """A bench record file: each ok request has 10 gaps of 5 ms and one of `max_gap`."""
+    lines = [{"type": "run", "run_id": label, "label": label, "conditions": conditions or {},
+              "workload": {"model": "m", "endpoint": "completions", "seed": 0, "requests": len(ttfts) + failures,
+                           "classes": [{"name": "default", "prompt": prompt, "output": "12", "concurrency": 4}]}}]
+    t = 1000.0
+    for i, ttft in enumerate(ttfts):
+        gaps = [0.005] * 10 + [max_gap]
+        lines.append({"type": "request", "request_id": f"{label}-{i}", "trace_id": None, "class": "default",
+                      "warmup": False, "start_time": t + i * 0.1, "start_offset": i * 0.1, "ok": True,
+                      "status": 200, "error": None, "ttft": ttft, "e2e": ttft + sum(gaps),
+                      "end": ttft + sum(gaps) + 0.001, "itl": gaps, "chunk_tokens": [1] * 12, "output_tokens": 12})
+    for j in range(failures):
+        lines.append({"type": "request", "request_id": f"{label}-f{j}", "trace_id": None, "class": "default",
+                      "warmup": False, "start_time": t + j * 0.1, "start_offset": j * 0.1, "ok": False,
+                      "status": 500, "error": "http_500", "ttft": None, "e2e": None, "end": 0.01, "itl": [],
+                      "chunk_tokens": None, "output_tokens": None})
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def report(*args: str) -> dict:
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "report", "--no-table", "--json", "-", *args],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+SINGLE = {"pd.mode": "single", "gpu.count": "1", "pd.prefill.count": "0", "pd.decode.count": "1"}
+CHUNKED = {**SINGLE, "vllm.enable_chunked_prefill": "true"}
+PD = {"pd.mode": "pd", "gpu.count": "2", "pd.prefill.count": "1", "pd.decode.count": "1"}
+
+
+@pytest.fixture()
+def runs(tmp_path: Path) -> dict[str, Path]:
+    return {
+        "single": write_run(tmp_path / "single.jsonl", "single", [0.200 + 0.001 * i for i in range(50)], 0.150,
+                            conditions=SINGLE),
+        "chunked": write_run(tmp_path / "chunked.jsonl", "chunked", [0.180 + 0.001 * i for i in range(50)], 0.060,
+                             conditions=CHUNKED),
+        "pd_good": write_run(tmp_path / "pd.jsonl", "pd", [0.100 + 0.001 * i for i in range(50)], 0.040,
+                             conditions=PD),
+        "pd_slowtail": write_run(tmp_path / "pd2.jsonl", "pd", [0.100 + 0.001 * i for i in range(50)], 0.080,
+                                 conditions=PD),
+        "pd_errors": write_run(tmp_path / "pd3.jsonl", "pd", [0.100 + 0.001 * i for i in range(50)], 0.040,
+                               failures=3, conditions=PD),
+    }
+
+
+def test_adopt_when_every_criterion_passes(runs: dict[str, Path]) -> None:
+    r = report(str(runs["single"]), str(runs["chunked"]), str(runs["pd_good"]), "--slo-ttft-ms", "300",
+               "--slo-tail-itl-ms", "100")
+    v = r["verdict"]
+    assert v["candidate"] == "pd" and v["baselines"] == ["single", "chunked"]
+    assert v["decision"] == "adopt"
+    assert all(c["passed"] is not False for c in v["criteria"])
+    # TTFT p99: 0.1 + 0.001*49*0.99... recomputed by hand (linear): values 0.100..0.149, p99 = 0.14851
+    ttft = next(c for c in v["criteria"] if c["criterion"] == "TTFT p99 SLO")
+    assert ttft["value"] == pytest.approx(0.100 + 0.049 * 0.99 * 1.0, abs=1e-9)
+    # the closest criterion is named: tail ITL vs chunked (40 ms vs 60 ms, margin 1/3) is smaller than
+    # TTFT vs chunked (148.5 vs 228.5 ms), TTFT SLO (148.5 vs 300 ms) and tail SLO (40 vs 100 ms)
+    assert v["decided_by"] == "tail ITL (per-request max) p99 improved vs chunked"
+    assert any("capacity" in n for n in v["notes"])
+    assert r["comparison"]["resources"] == "capacity"
+
+
+def test_dont_adopt_names_the_deciding_criterion(runs: dict[str, Path]) -> None:
+    v = report(str(runs["single"]), str(runs["chunked"]), str(runs["pd_slowtail"]))["verdict"]
+    assert v["decision"] == "don't adopt"
+    # improved on single (80 < 150 ms) but not on chunked (80 > 60 ms): chunked decides
+    assert v["decided_by"] == "tail ITL (per-request max) p99 improved vs chunked"
+    crit = {(c["criterion"], c["baseline"]): c["passed"] for c in v["criteria"]}
+    assert crit[("tail ITL (per-request max) p99 improved", "single")] is True
+    assert crit[("tail ITL (per-request max) p99 improved", "chunked")] is False
+
+    v = report(str(runs["single"]), str(runs["pd_errors"]), "--max-error-rate", "0.05")["verdict"]
+    assert v["decision"] == "don't adopt" and v["decided_by"] == "error rate"
+    er = v["criteria"][0]
+    assert er["value"] == pytest.approx(3 / 53)
+
+    v = report(str(runs["single"]), str(runs["pd_good"]), "--slo-ttft-ms", "120")["verdict"]
+    assert v["decision"] == "don't adopt" and v["decided_by"] == "TTFT p99 SLO"
+
+    # a KV bound without traces cannot be checked, so it cannot pass
+    v = report(str(runs["single"]), str(runs["pd_good"]), "--max-kv-transfer-ms", "50")["verdict"]
+    assert v["decision"] == "don't adopt" and v["decided_by"] == "KV transfer p99"
+
+
+def test_flags_more_than_one_differing_condition(runs: dict[str, Path], tmp_path: Path) -> None:
+    same = report(str(runs["single"]), str(runs["chunked"]))
+    assert same["comparison"]["axes_differing"] == ["set-up"]
+    assert same["comparison"]["flags"] == [] and same["comparison"]["resources"] == "same resources"
+    other = write_run(tmp_path / "o.jsonl", "pd-long", [0.1] * 50, 0.04, conditions=PD, prompt="long")
+    r = report(str(runs["single"]), str(other))
+    assert set(r["comparison"]["axes_differing"]) == {"set-up", "prompt length"}
+    assert any("differ in 2 conditions" in f for f in r["comparison"]["flags"])
+    assert any("GPU totals differ" in f for f in r["comparison"]["flags"])
+
+
+def test_failed_requests_are_counted_not_dropped(runs: dict[str, Path]) -> None:
+    r = report(str(runs["pd_errors"]))
+    req = r["runs"][0]["stats"]["requests"]
+    assert (req["measured"], req["ok"], req["failed"]) == (53, 50, 3)
+    assert req["errors"] == {"http_500": 3}
+    assert r["runs"][0]["stats"]["ttft"]["count"] == 50
+    assert [f["request_id"] for f in r["runs"][0]["failed"]] == ["pd-f0", "pd-f1", "pd-f2"]
+
+
+def test_report_errors_are_clear(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text('{"hello": 1}\n')
+    for args in ([str(junk)], [str(tmp_path / "nope.jsonl")], [str(junk), "--traces", str(junk)]):
+        p = subprocess.run([sys.executable, "-m", "pdproxy", "report", *args], capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 2 and "pdproxy report:" in p.stderr and "Traceback" not in p.stderr, p.stderr
