@@ -95,6 +95,8 @@ class Scope:
 
 # The proxy's request-scoped series carry model, deployment and run (docs/telemetry.md).
 REQ = Scope(('model=~"$model"', 'deployment=~"$deployment"', 'run=~"$run"'))
+# Gauges (in flight, queue, instance health), the shadow and span-drop counters are per process
+# and carry only their own labels (pdproxy/telemetry/metrics.py): no request scope on those.
 # Primary vs shadow panels compare deployments, so they do not filter on it.
 BOTH = Scope(('model=~"$model"', 'run=~"$run"'))
 # Span-derived series from the collector: attribute names translated by its Prometheus exporter.
@@ -406,16 +408,21 @@ def overview() -> dict:
                      quantiles(REQ, "pdproxy_e2e_seconds", "E2E", qs=(0.5, 0.99))), w=8)
     L.add(timeseries("Proxy in flight and waiting",
                      "Requests inside the proxy, and requests waiting for admission (--max-inflight).",
-                     [prom('sum(pdproxy_inflight_requests{run=~"$run"})', "in flight"),
-                      prom('sum(pdproxy_queue_depth{run=~"$run"})', "waiting")], "short"), w=8)
+                     [prom("sum(pdproxy_inflight_requests)", "in flight"),
+                      prom("sum(pdproxy_queue_depth)", "waiting")], "short"), w=8)
     L.add(timeseries("In flight per instance",
                      "Requests in flight on each prefill and decode instance (per-instance load).",
-                     [prom('sum by (role, instance) (pdproxy_instance_inflight{run=~"$run"})', "{{role}} {{instance}}")],
+                     [prom("sum by (role, instance) (pdproxy_instance_inflight)", "{{role}} {{instance}}")],
                      "short"), w=12)
     L.add(timeseries("Instance health",
                      "1 = healthy, 0 = ejected after consecutive failures until a health check passes.",
-                     [prom('min by (role, instance) (pdproxy_instance_healthy{run=~"$run"})', "{{role}} {{instance}}")],
-                     "short", max_=1), w=12)
+                     [prom("min by (role, instance) (pdproxy_instance_healthy)", "{{role}} {{instance}}")],
+                     "short", max_=1), w=6)
+    L.add(timeseries("Spans dropped/s (telemetry health)",
+                     "Spans lost on the way to the collector: export queue full, or export failed. "
+                     "Derived metrics and traces undercount while this is above zero.",
+                     [prom("sum by (reason) (rate(pdproxy_spans_dropped_total[$__rate_interval]))", "{{reason}}")],
+                     "short"), w=6)
 
     L.row("Primary vs shadow (same requests)")
     L.add(timeseries("TTFT p50 / p99 by deployment",
@@ -428,7 +435,7 @@ def overview() -> dict:
                            f"{{{{deployment}}}} p{round(q * 100)}", exemplar=q == 0.99) for q in (0.5, 0.99)]), w=8)
     L.add(timeseries("Pooled ITL p99 and TPOT p50 by deployment [pooled ITL | TPOT]",
                      ITL_DEFINITIONS["pooled"] + " " + ITL_DEFINITIONS["tpot"],
-                     [prom(BOTH.quantile(0.99, "pdproxy_itl_seconds", by="deployment"), "{{deployment}} pooled ITL p99"),
+                     [prom(BOTH.quantile(0.99, "pdproxy_itl_seconds", by="deployment"), "{{deployment}} pooled ITL p99", exemplar=True),
                       prom(BOTH.quantile(0.5, "pdproxy_tpot_seconds", by="deployment"), "{{deployment}} TPOT p50")]), w=8)
     L.add(timeseries("Error ratio by deployment",
                      "Failed requests / all requests, per deployment.",
@@ -439,13 +446,14 @@ def overview() -> dict:
                      [prom(BOTH.rate("pdproxy_requests_total", by="deployment"), "{{deployment}}")], "reqps"), w=8)
     L.add(timeseries("Shadow mirroring outcomes",
                      "Copies sent to the shadow, dropped because it was busy, failed, or not sampled.",
-                     [prom('sum by (outcome) (rate(pdproxy_shadow_requests_total{run=~"$run"}[$__rate_interval]))', "{{outcome}}")],
+                     [prom("sum by (outcome) (rate(pdproxy_shadow_requests_total[$__rate_interval]))", "{{outcome}}")],
                      "reqps", stack=True), w=8)
 
     L.row("Slowest requests (Tempo: tail-sampled traces)")
-    L.add(trace_table("Slowest requests by TTFT (TTFT > $ttft_slo s)",
+    L.add(trace_table("Slowest requests by TTFT (TTFT > $ttft_slo s) [per-request max/p99 gap columns]",
                       "Root spans over the TTFT SLO with their stage breakdown; click a trace id to open the trace. "
-                      "Only traces kept by the collector's tail sampling (errors, slow TTFT, stalls, baseline share).",
+                      "Only traces kept by the collector's tail sampling (errors, slow TTFT, stalls, baseline share). "
+                      "Columns pd.itl.max / pd.itl.p99: " + ITL_DEFINITIONS["tail_max"],
                       traceql(f"{{ {ROOT_FILTER} && span.gen_ai.response.time_to_first_chunk > $ttft_slo }} "
                               f"| select({TRACE_COLUMNS})")), w=12, h=10)
     L.add(trace_table("Requests with the worst tail ITL (max gap > $stall s) [per-request max gap]",
