@@ -328,6 +328,8 @@ def _validate(s: Settings) -> None:
     for name in non_negative:
         if getattr(s, name) < 0:
             raise ConfigError(f"{name.replace('_', '-')} must be >= 0")
+    if s.span_queue_size < 1:
+        raise ConfigError("span-queue-size must be >= 1")
     if s.max_body_bytes < 1024:
         raise ConfigError("max-body-bytes must be at least 1024")
     if not 0.0 <= s.shadow_sample_rate <= 1.0:

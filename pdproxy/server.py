@@ -42,13 +42,13 @@ def create_app(settings: Settings) -> web.Application:
 
 async def _lifecycle(app: web.Application, settings: Settings):
     """One pooled session, the pools, health checks and telemetry for the app's lifetime."""
+    recorder, tracing = setup_telemetry(settings)
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",))
     eject = settings.eject_after_failures
     prefill = Pool(PREFILL, settings.prefill_urls, settings.prefill_policy, eject) if settings.prefill_urls else None
     decode = Pool(DECODE, settings.decode_urls, settings.decode_policy, eject)
     pools = [p for p in (prefill, decode) if p is not None]
-    recorder, tracing = setup_telemetry(settings)
     admission = Admission(settings.max_inflight, settings.max_queue, settings.queue_timeout)
     recorder.metrics.watch(
         lambda: [(p.role, i.address, i.inflight, i.healthy) for p in pools for i in p.instances],

@@ -122,7 +122,7 @@ class BoundedProcessor(SpanProcessor):
         self.lock = threading.Lock()  # `pending` moves on the serving thread and the export thread
         delay = float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", 1000))
         self.inner = BatchSpanProcessor(_CountingExporter(exporter, self), max_queue_size=queue_size,
-                                        schedule_delay_millis=delay)
+                                        schedule_delay_millis=delay, max_export_batch_size=min(512, queue_size))
 
     def on_start(self, span, parent_context=None) -> None:
         pass
