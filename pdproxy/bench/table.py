@@ -166,7 +166,8 @@ def drilldown_table(report: dict[str, Any], per_run: int = 3) -> Table:
     return t
 
 
-def render(report: dict[str, Any], console: Console | None = None, drilldown: bool = True) -> None:
+def render(report: dict[str, Any], console: Console | None = None, drilldown: bool = True,
+           drilldown_rows: int = 3) -> None:
     console = console or Console()
     console.print(conditions_table(report))
     for e in report["runs"]:
@@ -188,4 +189,4 @@ def render(report: dict[str, Any], console: Console | None = None, drilldown: bo
     if vt is not None:
         console.print(vt)
     if drilldown:
-        console.print(drilldown_table(report))
+        console.print(drilldown_table(report, drilldown_rows))

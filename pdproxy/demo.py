@@ -1,0 +1,280 @@
+"""`pdproxy demo`: single vs chunked prefill vs P/D on simulated vLLM instances, end to end.
+
+For each set-up, one after the other, it starts real processes on loopback — simulated vLLM
+instances (`pdproxy sim`) and the proxy (`pdproxy serve --trace-file ...`) in front of them —
+drives the same seeded load through the proxy with `pdproxy bench`, stops them, and finally
+prints `pdproxy report`'s comparison of the three (TTFT, ITL, tail ITL, KV transfer, throughput,
+error rate) with the adopt / don't-adopt verdict, plus where records, traces and the HTML page are.
+
+The load is the shape measured on real H200s (research/real-vllm-h200.md): closed-loop streams
+with short prompts plus one long prompt at a steady rate. Long prefills stall the streams'
+decode steps on a single instance; chunked prefill bounds the stall; P/D moves prefill off the
+decode instance but pays a KV transfer. The simulated instances run `--time-scale` times slower
+than the preset's real timings so that two CPU cores keep up with the token stream; all numbers
+printed are measured at that scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from pdproxy import __version__
+from pdproxy.bench import html, report, runner, table, traces
+from pdproxy.bench.records import Run
+from pdproxy.bench.report_cli import slo_from
+from pdproxy.bench.workload import TrafficClass, Workload
+
+HOST = "127.0.0.1"
+SETUPS = ("single", "chunked", "pd")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = "Defaults finish in well under 2 minutes on 2 cores. Ctrl-C stops everything it started."
+    p.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of single,chunked,pd")
+    p.add_argument("--xpyd", default="1P1D", help="P/D topology, e.g. 1P1D, 2P1D, 1P2D (default 1P1D)")
+    p.add_argument("--duration", type=float, default=16.0, help="seconds of load per set-up, warm-up included (16)")
+    p.add_argument("--warmup", type=float, default=3.0, help="seconds excluded from statistics (3)")
+    p.add_argument("--streams", type=int, default=8, help="closed-loop streams with short prompts (8)")
+    p.add_argument("--stream-prompt", default="200", help="stream prompt length in tokens: N or LOW-HIGH (200)")
+    p.add_argument("--stream-output", default="64", help="stream max_tokens: N or LOW-HIGH (64)")
+    p.add_argument("--long-prompt", default="3000", help="long prompt length in tokens (3000)")
+    p.add_argument("--long-output", default="16", help="long prompt max_tokens (16)")
+    p.add_argument("--long-every", type=float, default=1.5, help="one long prompt every S seconds (1.5); 0 = none")
+    p.add_argument("--chunk-tokens", type=int, default=2048, help="max-num-batched-tokens of the chunked set-up")
+    p.add_argument("--batch-tokens", type=int, default=16384, help="max-num-batched-tokens of the other set-ups")
+    p.add_argument("--preset", default="h200-llama8b-2gpu", help="simulator preset (default h200-llama8b-2gpu)")
+    p.add_argument("--time-scale", type=float, default=4.0,
+                   help="simulated instances run this many times slower than the preset (4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", help="run directory (default ./pdproxy-demo-YYYYmmdd-HHMMSS)")
+    v = p.add_argument_group("verdict SLOs (as in pdproxy report)")
+    v.add_argument("--slo-ttft-ms", type=float)
+    v.add_argument("--slo-tail-itl-ms", type=float)
+    v.add_argument("--slo-percentile", type=int, default=99, choices=[50, 90, 99])
+    v.add_argument("--max-kv-transfer-ms", type=float)
+    v.add_argument("--kv-metric", choices=["upper_bound", "estimated"], default="upper_bound")
+    v.add_argument("--max-error-rate", type=float, default=0.01)
+    v.add_argument("--min-improvement", type=float, default=0.0)
+
+
+class DemoError(RuntimeError):
+    """Something the user can act on (a port, a process that would not start)."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    url: str
+
+    def stop(self, timeout: float = 8.0) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+            except ProcessLookupError:
+                pass
+
+
+@dataclass
+class Processes:
+    """Every child process the demo started; stopped in reverse order, whatever happens."""
+
+    logs: Path
+    children: list[Child] = field(default_factory=list)
+
+    def start(self, name: str, args: list[str]) -> Child:
+        port = free_port()
+        log = self.logs / f"{name}.log"
+        fh = open(log, "wb")
+        cmd = [sys.executable, "-m", "pdproxy", *args, "--host", HOST, "--port", str(port)]
+        popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        fh.close()
+        child = Child(name, popen, log, f"http://{HOST}:{port}")
+        self.children.append(child)
+        return child
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        for c in self.children:
+            while True:
+                if c.popen.poll() is not None:
+                    tail = c.log.read_text(errors="replace")[-1500:]
+                    raise DemoError(f"{c.name} exited with {c.popen.returncode}; its log ({c.log}):\n{tail}")
+                try:
+                    with urllib.request.urlopen(c.url + "/health", timeout=1) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise DemoError(f"{c.name} not healthy after {timeout:g}s; see {c.log}")
+                time.sleep(0.05)
+
+    def stop_all(self) -> None:
+        for c in reversed(self.children):
+            c.stop()
+        self.children.clear()
+
+
+def parse_xpyd(spec: str) -> tuple[int, int]:
+    m = re.fullmatch(r"(\d+)[pP](\d+)[dD]", spec.strip())
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise DemoError(f"--xpyd {spec!r}: expected like 1P1D or 2P1D")
+    return int(m.group(1)), int(m.group(2))
+
+
+def workload(args: argparse.Namespace) -> Workload:
+    classes = [TrafficClass(name="stream", prompt=args.stream_prompt, output=args.stream_output,
+                            concurrency=args.streams)]
+    if args.long_every > 0:
+        classes.append(TrafficClass(name="long", prompt=args.long_prompt, output=args.long_output,
+                                    rate=1.0 / args.long_every))
+    wl = Workload(model="sim-model", seed=args.seed, duration=args.duration, warmup_seconds=args.warmup,
+                  classes=classes)
+    wl.validate()
+    return wl
+
+
+def setup_plan(name: str, args: argparse.Namespace, xpyd: tuple[int, int]) -> dict[str, Any]:
+    """The processes and fixed conditions of one set-up."""
+    common = ["--preset", args.preset, "--time-scale", f"{args.time_scale:g}", "--model", "sim-model"]
+    batch = ["--max-num-batched-tokens", str(args.batch_tokens)]
+    cond: dict[str, Any] = {
+        "vllm.version": f"pdproxy sim {__version__}",
+        "vllm.model": "sim-model",
+        "gpu.kind": f"simulated ({args.preset}, time scale {args.time_scale:g})",
+        "service.version": __version__,
+        "pd.run": name,
+    }
+    if name == "pd":
+        x, y = xpyd
+        sims = [(f"prefill{i}", ["sim", "--role", "prefill", *common, *batch]) for i in range(x)]
+        sims += [(f"decode{i}", ["sim", "--role", "decode", *common, *batch]) for i in range(y)]
+        cond.update({"pd.mode": "pd", "gpu.count": x + y, "pd.prefill.count": x, "pd.decode.count": y,
+                     "pd.kv_connector": "simulated NIXL pull", "vllm.enable_chunked_prefill": "false",
+                     "vllm.max_num_batched_tokens": args.batch_tokens})
+    else:
+        chunked = name == "chunked"
+        tokens = args.chunk_tokens if chunked else args.batch_tokens
+        flags = ["--max-num-batched-tokens", str(tokens)] + (["--enable-chunked-prefill"] if chunked else [])
+        sims = [("single", ["sim", "--role", "single", *common, *flags])]
+        cond.update({"pd.mode": "single", "gpu.count": 1, "pd.prefill.count": 0, "pd.decode.count": 1,
+                     "vllm.enable_chunked_prefill": str(chunked).lower(), "vllm.max_num_batched_tokens": tokens})
+    return {"sims": sims, "conditions": cond}
+
+
+def run_setup(name: str, plan: dict[str, Any], wl: Workload, out: Path, console: Console) -> tuple[Run, Path]:
+    procs = Processes(out / "logs")
+    trace_file = out / f"traces-{name}.jsonl"
+    records = out / f"records-{name}.jsonl"
+    try:
+        sims = [procs.start(f"{name}-{n}", a) for n, a in plan["sims"]]
+        procs.wait_ready()
+        serve = ["serve", "--trace-file", str(trace_file), "--run-label", name]
+        for k, v in plan["conditions"].items():
+            if k not in ("pd.run", "service.version", "pd.mode", "pd.prefill.count", "pd.decode.count"):
+                serve += ["--resource-attr", f"{k}={v}"]
+        prefill = [c.url for c in sims if "prefill" in c.name]
+        decode = [c.url for c in sims if "prefill" not in c.name]
+        if prefill:
+            serve += ["--prefill", *prefill]
+        serve += ["--decode", *decode]
+        proxy = procs.start(f"{name}-proxy", serve)
+        procs.wait_ready()
+        parts = ", ".join(f"{c.name.split('-', 1)[1]} {c.url}" for c in sims)
+        console.print(f"[bold]{name}[/]: {parts}; proxy {proxy.url}")
+        target = runner.Target(url=proxy.url, timeout=120)
+        header = runner.make_header(wl, target, name, plan["conditions"])
+        from pdproxy.bench.cli import _progress_bar
+
+        prog, update = _progress_bar(console, wl, name)
+        with prog:
+            res = asyncio.run(runner.run_async(wl, target, records, header, progress=update))
+    finally:
+        procs.stop_all()  # the proxy flushes its trace file on SIGTERM
+    return Run(header=res.header, requests=res.records, summary=res.summary, source=str(records)), trace_file
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    out_console = Console(width=None if sys.stdout.isatty() else 150)
+    err = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        setups = [s.strip() for s in args.setups.split(",") if s.strip()]
+        bad = [s for s in setups if s not in SETUPS]
+        if bad or not setups:
+            raise DemoError(f"--setups: unknown {bad}; choose from {', '.join(SETUPS)}")
+        xpyd = parse_xpyd(args.xpyd)
+        wl = workload(args)
+        stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        out = Path(args.out_dir or f"pdproxy-demo-{stamp}").resolve()
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        err.print(f"pdproxy demo: {', '.join(setups)}; {args.streams} streams (prompt {args.stream_prompt}, "
+                  f"out {args.stream_output})"
+                  + (f" + one {args.long_prompt}-token prompt every {args.long_every:g}s" if args.long_every > 0 else "")
+                  + f"; {args.duration:g}s per set-up, first {args.warmup:g}s warm-up; run directory {out}")
+        runs: list[Run] = []
+        trace_files: list[Path] = []
+        for name in setups:
+            run_, tf = run_setup(name, setup_plan(name, args, xpyd), wl, out, err)
+            runs.append(run_)
+            trace_files.append(tf)
+        existing = [str(t) for t in trace_files if t.exists()]
+        idx = traces.read_traces(existing) if existing else None
+        rep = report.build(runs, idx, slo=slo_from(args), candidate="pd" if "pd" in setups else None)
+        (out / "report.json").write_text(json.dumps(rep, indent=1))
+        (out / "report.html").write_text(html.render(rep))
+        table.render(rep, out_console, drilldown=True, drilldown_rows=2)
+        wall = time.monotonic() - t0
+        out_console.print(f"\nRun directory: {out}")
+        for r, tf in zip(runs, trace_files):
+            out_console.print(f"  {r.label:8s} records {Path(r.source).name}, traces {tf.name}"
+                              + ("" if tf.exists() else " (missing: the proxy wrote no trace file)"))
+        out_console.print(f"  report   report.html (plots), report.json; process logs in logs/\n"
+                          f"Re-run the report: pdproxy report {' '.join(Path(r.source).name for r in runs)} "
+                          f"--traces {' --traces '.join(t.name for t in trace_files)} --html report.html"
+                          f"  (in {out})\nWall time: {wall:.1f}s")
+        return 0
+    except DemoError as e:
+        err.print(f"[red]pdproxy demo: {e}[/]")
+        return 1
+    except KeyboardInterrupt:
+        err.print("[yellow]pdproxy demo: interrupted; every process it started has been stopped[/]")
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
