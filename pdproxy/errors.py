@@ -74,6 +74,7 @@ class UpstreamResponse(Exception):
 
     def __init__(self, status: int, body: bytes, content_type: str, *, stage: str, retry_after: str | None) -> None:
         super().__init__(f"{stage} instance answered {status}")
+        self.message = str(self)
         self.status = status
         self.body = body
         self.content_type = content_type

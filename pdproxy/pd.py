@@ -16,8 +16,8 @@ import json
 import logging
 import random
 import uuid
-from contextlib import suppress
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -32,6 +32,7 @@ from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.telemetry.clock import now
 
 log = logging.getLogger("pdproxy.pd")
+T = TypeVar("T")
 
 
 class Proxy:
@@ -50,6 +51,7 @@ class Proxy:
                                              sock_connect=settings.connect_timeout, sock_read=settings.read_timeout)
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
+        """Serve one client request: check it, mirror it if asked, forward it, answer."""
         try:
             rid, id_error = request_id(request.headers), None
         except ProxyError as err:
@@ -57,9 +59,6 @@ class Proxy:
         trace = self.recorder.begin(route=route.name, operation=route.operation, chat=route.chat,
                                     headers=request.headers, request_id=rid, pd_mode=self.prefill is not None)
         reply_headers = {"X-Request-Id": rid}
-        upstream: aiohttp.ClientResponse | None = None
-        decode_instance: Instance | None = None
-        response: web.StreamResponse | None = None
         try:
             if id_error:
                 raise id_error
@@ -67,29 +66,14 @@ class Proxy:
             self._authenticate(request)
             body = await self._read_body(request, route)
             trace.set_request(body)
+            headers = self._leg_headers(request, trace)
             if self.shadow is not None:
-                self.shadow.mirror(body, route, trace)
-            async with self.admission.slot():
-                prefill_instance = self.prefill.choose() if self.prefill else None
-                decode_instance = self.decode.choose()
-                trace.admitted(prefill_instance and prefill_instance.address, decode_instance.address)
-                leg_headers = self._leg_headers(request, trace)
-                kv_params = None
-                if prefill_instance is not None:
-                    kv_params = await self._prefill(body, route, trace, prefill_instance, leg_headers)
-                upstream, decode_instance = await self._open_decode(body, kv_params, route, trace, decode_instance,
-                                                                    leg_headers)
-                response = await self._respond(request, upstream, trace, reply_headers)
-                return response
-        except ProxyError as err:
+                self.shadow.mirror(body, route, trace, headers)
+            return await self.forward(body, route, trace, headers,
+                                      lambda upstream: self._respond(request, upstream, trace, reply_headers))
+        except (ProxyError, UpstreamResponse) as err:
             trace.fail(err.status, err.error_type, err.message)
             return err.response(reply_headers)
-        except UpstreamResponse as answer:
-            trace.fail(answer.status, answer.error_type, f"{answer.stage} instance answered {answer.status}")
-            return answer.response(reply_headers)
-        except ClientGone:
-            trace.client_gone()
-            return response
         except asyncio.CancelledError:
             trace.client_gone()  # aiohttp cancels the handler when the client disconnects
             raise
@@ -99,11 +83,28 @@ class Proxy:
             trace.fail(err.status, err.error_type, err.message)
             return err.response(reply_headers)
         finally:
-            if upstream is not None:
-                # closing (not releasing) an unfinished response aborts the request on the instance
-                upstream.release() if trace.error_type is None else upstream.close()
-                decode_instance.inflight -= 1
             trace.finish()
+
+    async def forward(self, body: dict[str, Any], route: Route, trace: RequestTrace, headers: dict[str, str],
+                      deliver: Callable[[aiohttp.ClientResponse], Awaitable[T]]) -> T:
+        """Admit, choose instances, prefill, open the decode and hand its answer to `deliver`.
+
+        The same path serves client requests and their shadow copies; only `deliver` differs.
+        """
+        async with self.admission.slot():
+            prefill_instance = self.prefill.choose() if self.prefill else None
+            decode_instance = self.decode.choose()
+            trace.admitted(prefill_instance and prefill_instance.address, decode_instance.address)
+            kv_params = None
+            if prefill_instance is not None:
+                kv_params = await self._prefill(body, route, trace, prefill_instance, headers)
+            upstream, decode_instance = await self._open_decode(body, kv_params, route, trace, decode_instance, headers)
+            try:
+                return await deliver(upstream)
+            finally:
+                # an answer not read to its end is closed, not pooled: that aborts it on the instance
+                upstream.release() if upstream.content.at_eof() else upstream.close()
+                decode_instance.inflight -= 1
 
     # -- the prefill leg -------------------------------------------------------------------
 
@@ -214,18 +215,14 @@ class Proxy:
                                       headers={**reply_headers, "Content-Type": content_type, "Cache-Control": "no-cache"})
         await response.prepare(request)
         try:
-            await relay(upstream, response, trace.scan)
-            if not trace.scan.done and trace.scan.error is None:
-                raise ProxyError(502, "decode instance ended the stream without [DONE]", error_type="stream_truncated",
-                                 stage=DECODE)
-        except ProxyError as err:
-            trace.fail(response.status, err.error_type, err.message)  # the client already has its 200
-            with suppress(ConnectionError):
+            try:
+                await relay(upstream, response, trace.scan)
+            except ProxyError as err:
+                trace.fail(response.status, err.error_type, err.message)  # the client already has its 200
                 await response.write(err.sse_event())
-        try:
             await response.write_eof()
-        except ConnectionError:
-            raise ClientGone() from None
+        except (ClientGone, ConnectionError):
+            trace.client_gone()
         return response
 
     # -- helpers ----------------------------------------------------------------------------

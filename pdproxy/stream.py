@@ -125,10 +125,11 @@ class ResponseScan:
         return bool(part.get("content") or part.get("reasoning_content") or part.get("reasoning") or part.get("tool_calls"))
 
 
-async def relay(upstream: aiohttp.ClientResponse, downstream: web.StreamResponse, scan: ResponseScan) -> None:
-    """Copy the upstream body to the client, timing it on the way.
+async def relay(upstream: aiohttp.ClientResponse, downstream: web.StreamResponse | None, scan: ResponseScan) -> None:
+    """Copy the upstream stream to the client (or nowhere, for shadow traffic), timing it on the way.
 
-    Upstream failures surface as `ProxyError(stage=decode)`, a client that went away as `ClientGone`.
+    Upstream failures, including a stream that ends without `[DONE]`, surface as
+    `ProxyError(stage=decode)`; a client that went away as `ClientGone`.
     """
     clock = time.monotonic_ns
     content = upstream.content
@@ -142,9 +143,13 @@ async def relay(upstream: aiohttp.ClientResponse, downstream: web.StreamResponse
             raise ProxyError(502, f"decode instance broke the stream: {exc.__class__.__name__}",
                              error_type="stream_broken", stage=DECODE) from None
         if not data:
-            return
+            break
         scan.feed(data, clock())
-        try:
-            await downstream.write(data)
-        except ConnectionError:
-            raise ClientGone() from None
+        if downstream is not None:
+            try:
+                await downstream.write(data)
+            except ConnectionError:
+                raise ClientGone() from None
+    if not scan.done and scan.error is None:
+        raise ProxyError(502, "decode instance ended the stream without [DONE]", error_type="stream_truncated",
+                         stage=DECODE)

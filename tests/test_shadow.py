@@ -1,0 +1,134 @@
+"""Shadow mode: the same live requests also go to a baseline, which can never hurt the primary."""
+
+import statistics
+import time
+
+import httpx
+import pytest
+
+from otlp import TapReceiver, attrs
+from procs import free_port, start_proxy, start_scripted
+
+BODY = {"model": "m", "prompt": "a b c", "max_tokens": 8, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def backends():
+    started = [start_scripted("prefill"), start_scripted("decode"), start_scripted("decode")]
+    try:
+        yield [url for _, url in started]
+    finally:
+        for proc, _ in started:
+            proc.stop()
+
+
+def reset(*urls):
+    for url in urls:
+        httpx.post(url + "/_reset", json={})
+
+
+def metric(url, name, **labels):
+    total = 0.0
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.split()[-1])
+    return total
+
+
+def run_load(url, n=20):
+    latencies = []
+    with httpx.Client(timeout=20) as client:
+        for i in range(n):
+            started = time.monotonic()
+            r = client.post(url + "/v1/completions", json=BODY, headers={"X-Request-Id": f"req-{i}"})
+            assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+            latencies.append(time.monotonic() - started)
+    return latencies
+
+
+def test_shadow_gets_the_same_requests_in_the_same_trace(backends):
+    p, d, shadow = backends
+    reset(p, d, shadow)
+    tap = TapReceiver()
+    proxy, url = start_proxy("--prefill", p, "--decode", d, "--shadow-url", shadow, "--health-check-interval", "0",
+                             "--otlp-endpoint", tap.endpoint, "--otlp-protocol", "http/protobuf",
+                             env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
+    try:
+        run_load(url, 5)
+        deadline = time.monotonic() + 5
+        while len(httpx.get(shadow + "/_journal").json()) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        mirrored = httpx.get(shadow + "/_journal").json()
+        primary = httpx.get(d + "/_journal").json()
+        assert sorted(e["headers"]["x-request-id"] for e in mirrored) == [f"req-{i}" for i in range(5)]
+        assert all(e["body"] == BODY for e in mirrored)  # the shadow is a single instance: the client's body as is
+        assert all("kv_transfer_params" in e["body"] for e in primary)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            roots = [s for s in tap.spans() if attrs(s).get("pd.request_id") == "req-0" and s["kind"] == 2]
+            if len(roots) == 2:
+                break
+            time.sleep(0.1)
+        by_deployment = {attrs(s)["pd.deployment"]: s for s in roots}
+        assert set(by_deployment) == {"primary", "shadow"}
+        assert by_deployment["shadow"]["traceId"] == by_deployment["primary"]["traceId"]
+        assert by_deployment["shadow"]["parentSpanId"] == by_deployment["primary"]["spanId"]
+        assert attrs(by_deployment["shadow"])["pd.mode"] == "single"
+        assert metric(url, "pdproxy_requests_total", deployment="shadow") == 5
+        assert metric(url, "pdproxy_requests_total", deployment="primary") == 5
+    finally:
+        proxy.stop()
+        tap.stop()
+
+
+def test_dead_or_slow_shadow_leaves_the_primary_unchanged(backends):
+    p, d, shadow = backends
+    reset(p, d, shadow)
+    baseline, url = start_proxy("--prefill", p, "--decode", d, "--health-check-interval", "0")
+    try:
+        run_load(url, 5)  # warm-up
+        base = run_load(url, 20)
+    finally:
+        baseline.stop()
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy, url = start_proxy("--prefill", p, "--decode", d, "--shadow-url", dead, "--health-check-interval", "0")
+    try:
+        with_dead = run_load(url, 20)
+        assert metric(url, "pdproxy_shadow_requests_total", outcome="failed") >= 19
+        shadow_failed = (metric(url, "pdproxy_requests_total", deployment="shadow")
+                         - metric(url, "pdproxy_requests_total", deployment="shadow", failed_stage="none"))
+        assert shadow_failed >= 19  # traced and counted like any request, never dropped from the statistics
+    finally:
+        proxy.stop()
+
+    httpx.post(shadow + "/_script", json=[{"delay": 5}] * 10)
+    proxy, url = start_proxy("--prefill", p, "--decode", d, "--shadow-url", shadow, "--shadow-max-inflight", "2",
+                             "--health-check-interval", "0")
+    try:
+        with_slow = run_load(url, 20)
+        assert metric(url, "pdproxy_shadow_requests_total", outcome="dropped_busy") >= 15
+        assert metric(url, "pdproxy_shadow_requests_total", outcome="sent") == 2
+    finally:
+        proxy.stop()
+
+    base_p50 = statistics.median(base)
+    print(f"primary p50: no shadow {base_p50 * 1e3:.1f} ms, dead shadow {statistics.median(with_dead) * 1e3:.1f} ms, "
+          f"slow shadow {statistics.median(with_slow) * 1e3:.1f} ms")
+    for run in (with_dead, with_slow):
+        assert statistics.median(run) < base_p50 * 1.5 + 0.02
+        assert max(run) < 1.0  # never waits for the 5 s shadow
+
+
+def test_sample_rate_mirrors_a_fraction(backends):
+    p, d, shadow = backends
+    reset(shadow)
+    proxy, url = start_proxy("--decode", d, "--shadow-url", shadow, "--shadow-sample-rate", "0.3",
+                             "--health-check-interval", "0")
+    try:
+        run_load(url, 40)
+        sent = metric(url, "pdproxy_shadow_requests_total", outcome="sent")
+        skipped = metric(url, "pdproxy_shadow_requests_total", outcome="sampled_out")
+        assert sent + skipped == 40 and 2 <= sent <= 25
+    finally:
+        proxy.stop()
