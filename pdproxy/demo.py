@@ -226,8 +226,8 @@ def run_setup(name: str, plan: dict[str, Any], wl: Workload, out: Path, console:
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
-    out_console = Console(width=None if sys.stdout.isatty() else 150)
-    err = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
+    out_console = table.make_console()
+    err = table.make_console(stderr=True)
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_term(signum: int, frame: Any) -> None:

@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +197,7 @@ def run_many(wl: Workload, target: runner.Target, label: str, conditions: dict[s
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console(stderr=False)
+    console = table.make_console()
     err = Console(stderr=True)
     try:
         wl, target, label, conditions, sweep, file_opts = build(args)
@@ -224,6 +223,3 @@ def run(args: argparse.Namespace) -> int:
         return 1
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(run(argparse.Namespace()))

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"[red]pdproxy report: {e}[/]")
         return 2
     if not args.no_table:
-        table.render(rep, Console(stderr=args.json == "-"))
+        table.render(rep, table.make_console(stderr=args.json == "-"))
     if args.json:
         text = json.dumps(rep, indent=1)
         if args.json == "-":

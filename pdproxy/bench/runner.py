@@ -85,13 +85,12 @@ class _Run:
         headers = {"X-Request-Id": request_id, "traceparent": traceparent, **self.target.headers}
         if self.target.api_key:
             headers["Authorization"] = f"Bearer {self.target.api_key}"
-        start_offset = self.elapsed()
-        warmup = seq < self.wl.warmup_requests or start_offset < self.wl.warmup_seconds
         start, outcome = await client.send(
             session, self.url, req.body(self.wl), headers,
             chat=self.wl.endpoint == "chat", timeout=self.target.timeout, save_text=self.save_text,
         )
         start_offset = start - self.t0
+        warmup = seq < self.wl.warmup_requests or start_offset < self.wl.warmup_seconds
         rec = records.request_record(
             run_id=self.run_id, request_id=request_id, trace_id=trace_id, cls=req.cls, index=req.index,
             seq=seq, warmup=warmup, start_wall=self.wall0 + start_offset, start_offset=start_offset,

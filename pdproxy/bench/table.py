@@ -11,6 +11,12 @@ from rich.text import Text
 from pdproxy.bench.report import CONDITION_LABELS
 
 
+def make_console(stderr: bool = False) -> Console:
+    """A console that is wide enough for side-by-side columns even when output is piped."""
+    probe = Console(stderr=stderr)
+    return Console(stderr=stderr, width=None if probe.is_terminal else 150)
+
+
 def ms(x: float | None, digits: int = 1) -> str:
     return "n/a" if x is None else f"{x * 1e3:.{digits}f}"
 
@@ -46,7 +52,7 @@ def conditions_table(report: dict[str, Any]) -> Table:
     for e in report["runs"]:
         t.add_column(e["label"])
     for name, cells in condition_rows(report):
-        t.add_row(name, *cells)
+        t.add_row(Text(name), *map(Text, cells))
     return t
 
 
@@ -55,15 +61,15 @@ def _workload_brief(w: dict[str, Any] | None) -> str:
         return "—"
     parts = []
     for c in w.get("classes") or []:
-        load = f"c={c['concurrency']}" if c.get("concurrency") else f"{c.get('rate')}/s {c.get('arrival')}"
+        load = f"c={c['concurrency']}" if c.get("concurrency") else f"{c.get('rate'):.3g}/s {c.get('arrival')}"
         src = f"corpus {c['corpus']}" if c.get("corpus") else f"prompt {c.get('prompt')}"
         parts.append(f"{c.get('name')}: {src}, out {c.get('output')}, {load}")
-    stop = f"{w['requests']} req" if w.get("requests") else f"{w.get('duration')}s"
+    stop = f"{w['requests']} req" if w.get("requests") else f"{w.get('duration'):g}s"
     warm = []
     if w.get("warmup_requests"):
         warm.append(f"{w['warmup_requests']} req")
     if w.get("warmup_seconds"):
-        warm.append(f"{w['warmup_seconds']}s")
+        warm.append(f"{w['warmup_seconds']:g}s")
     return "; ".join(parts) + f"; {stop}, seed {w.get('seed')}, warm-up {' + '.join(warm) or 'none'}"
 
 
@@ -80,12 +86,12 @@ def metric_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
     row("TTFT", lambda e: trio(e["stats"]["ttft"]))
     classes = sorted({c for e in runs for c in (e["stats"].get("classes") or {})})
     for c in classes:
-        row(f"  TTFT [{c}]", lambda e, c=c: trio(((e["stats"].get("classes") or {}).get(c) or {}).get("ttft")))
+        row(f"  TTFT, class {c}", lambda e, c=c: trio(((e["stats"].get("classes") or {}).get(c) or {}).get("ttft")))
     row(f"ITL pooled (per {d['itl_unit']})", lambda e: trio(e["stats"]["itl"]))
     row("tail ITL: per-request p99", lambda e: trio(e["stats"]["tail_itl"]["per_request_p99"]))
     row("tail ITL: per-request max", lambda e: trio(e["stats"]["tail_itl"]["per_request_max"]))
     for c in classes:
-        row(f"  per-request max [{c}]", lambda e, c=c: trio(
+        row(f"  per-request max, class {c}", lambda e, c=c: trio(
             (((e["stats"].get("classes") or {}).get(c) or {}).get("tail_itl") or {}).get("per_request_max")))
     row(f"requests with a gap > {d['stall_threshold_s'] * 1e3:g} ms",
         lambda e: _num(e["stats"]["stalls"]["share"], "{:.1%}"))
@@ -115,7 +121,7 @@ def metrics_table(report: dict[str, Any]) -> Table:
     for e in report["runs"]:
         t.add_column(e["label"], justify="right")
     for name, cells in metric_rows(report):
-        t.add_row(name, *cells)
+        t.add_row(Text(name), *map(Text, cells))
     return t
 
 
@@ -140,7 +146,7 @@ def verdict_text(report: dict[str, Any]) -> Group | None:
     for c in v["criteria"]:
         mark = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "[dim]—[/]"}[c["passed"]]
         name = c["criterion"] + (f" vs {c['baseline']}" if c.get("baseline") else "")
-        t.add_row(mark, name, c["detail"])
+        t.add_row(mark, Text(name), Text(c["detail"]))
     lines: list[Any] = [head, Text(f"decided by: {v['reason']}"), t]
     for n in v.get("notes") or []:
         lines.append(Text(f"note: {n}", style="yellow"))
@@ -158,11 +164,12 @@ def drilldown_table(report: dict[str, Any], per_run: int = 3) -> Table:
                 st = r.get("stages") or {}
                 split = " / ".join(ms(st.get(s)) if s in st else "—" for s in ("queue", "prefill", "kv_transfer",
                                                                               "decode")) if st else "no trace"
-                t.add_row(e["label"], "TTFT" if by == "ttft" else "tail", r["request_id"], r["trace_id"] or "—",
-                          str(r["class"]), ms(r["ttft"]), ms(r["itl_max"]), split)
+                t.add_row(*map(Text, (e["label"], "TTFT" if by == "ttft" else "tail", r["request_id"],
+                                      r["trace_id"] or "—", str(r["class"]), ms(r["ttft"]), ms(r["itl_max"]), split)))
         for r in e["failed"][:per_run]:
-            t.add_row(e["label"], "failed", r["request_id"], r["trace_id"] or "—", str(r["class"]),
-                      str(r.get("error")), str(r.get("failed_stage") or ""), (r.get("error_detail") or "")[:40])
+            t.add_row(*map(Text, (e["label"], "failed", r["request_id"], r["trace_id"] or "—", str(r["class"]),
+                                  str(r.get("error")), str(r.get("failed_stage") or ""),
+                                  (r.get("error_detail") or "")[:40])))
     return t
 
 

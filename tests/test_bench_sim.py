@@ -1,0 +1,169 @@
+"""`pdproxy bench` against simulated vLLM instances (real processes on loopback).
+
+The simulator's request journal (`GET /sim/requests`) is the independent witness of what the bench
+sent, and its token rule (one token per word) checks prompt lengths; summary statistics are
+recomputed here from the request lines with numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from procs import HOST, free_port, start_sim
+
+
+def bench(out: Path, url: str, *args: str, expect: int = 0) -> tuple[dict, list[dict], dict]:
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "bench", "--url", url, "--out", str(out), "--no-progress",
+                        *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == expect, p.stdout + p.stderr
+    assert "Traceback" not in p.stderr
+    return read(out)
+
+
+def read(path: Path) -> tuple[dict, list[dict], dict]:
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert lines[0]["type"] == "run" and lines[-1]["type"] == "summary"
+    return lines[0], [x for x in lines if x["type"] == "request"], lines[-1]
+
+
+def journal(url: str, clear: bool = False) -> list[dict]:
+    with urllib.request.urlopen(url + "/sim/requests", timeout=5) as r:
+        entries = json.loads(r.read())["requests"]
+    if clear:
+        urllib.request.urlopen(urllib.request.Request(url + "/sim/requests", method="DELETE"), timeout=5).read()
+    return entries
+
+
+@pytest.fixture(scope="module")
+def sim():
+    proc, url = start_sim("single", "--time-scale", "0.5")
+    yield url
+    proc.stop()
+
+
+def test_records_match_what_the_server_saw(sim: str, tmp_path: Path) -> None:
+    journal(sim, clear=True)
+    header, reqs, summary = bench(tmp_path / "r.jsonl", sim, "--requests", "24", "--concurrency", "4",
+                                  "--prompt-len", "20-60", "--output-len", "5-12", "--warmup-requests", "4",
+                                  "--seed", "5", "--label", "direct", "--gpu-count", "1", "--condition", "vllm.dtype=bf16")
+    assert header["conditions"] == {"gpu.count": "1", "vllm.dtype": "bf16", "pd.run": "direct"}
+    assert len(reqs) == 24 and all(r["ok"] for r in reqs)
+    seen = {e["headers"]["x-request-id"]: e for e in journal(sim)}
+    for r in reqs:
+        e = seen[r["request_id"]]
+        assert e["headers"]["traceparent"].split("-")[1] == r["trace_id"]
+        assert len(e["body"]["prompt"].split()) == r["prompt_words"] == r["prompt_tokens"]  # sim: word = token
+        assert e["body"]["max_tokens"] == r["max_tokens"] == r["output_tokens"] == r["chunks"]
+        assert e["body"]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+        assert "text" not in r and "prompt" not in r  # no text unless --save-text
+        assert r["warmup"] == (r["seq"] < 4)
+        assert len(r["itl"]) == r["chunks"] - 1 and r["e2e"] == pytest.approx(r["ttft"] + sum(r["itl"]), abs=1e-5)
+
+    # the summary, recomputed from the request lines
+    st = summary["stats"]
+    measured = [r for r in reqs if not r["warmup"]]
+    assert st["requests"] == {"total": 24, "warmup": 4, "measured": 20, "ok": 20, "failed": 0, "error_rate": 0.0,
+                              "errors": {}}
+    ttft = [r["ttft"] for r in measured]
+    gaps = [g for r in measured for g in r["itl"]]  # one token per chunk here, so chunk gaps = token gaps
+    maxes = [max(r["itl"]) for r in measured]
+    p99s = [np.percentile(r["itl"], 99) for r in measured]
+    for p in (50, 90, 99):
+        assert st["ttft"][f"p{p}"] == pytest.approx(np.percentile(ttft, p))
+        assert st["itl"][f"p{p}"] == pytest.approx(np.percentile(gaps, p))
+        assert st["tail_itl"]["per_request_max"][f"p{p}"] == pytest.approx(np.percentile(maxes, p))
+        assert st["tail_itl"]["per_request_p99"][f"p{p}"] == pytest.approx(np.percentile(p99s, p))
+    window = max(r["start_time"] + r["end"] for r in measured) - min(r["start_time"] for r in measured)
+    assert st["throughput"]["output_tokens_per_s"] == pytest.approx(sum(r["output_tokens"] for r in measured) / window)
+    assert st["throughput"]["requests_per_s"] == pytest.approx(20 / window)
+    tpot = [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in measured]
+    assert st["tpot"]["p50"] == pytest.approx(np.percentile(tpot, 50))
+    assert st["itl"]["unit"] == "token"
+
+
+def test_same_seed_sends_identical_bodies(sim: str, tmp_path: Path) -> None:
+    def bodies(seed: str, name: str) -> dict:
+        journal(sim, clear=True)
+        _, reqs, _ = bench(tmp_path / name, sim, "--requests", "8", "--concurrency", "3", "--prompt-len", "short",
+                           "--output-len", "2-6", "--seed", seed)
+        seen = {e["headers"]["x-request-id"]: e["body"] for e in journal(sim)}
+        return {r["index"]: seen[r["request_id"]] for r in reqs}
+
+    a, b, c = bodies("9", "a.jsonl"), bodies("9", "b.jsonl"), bodies("10", "c.jsonl")
+    assert a == b and sorted(a) == list(range(8))
+    assert all(a[i]["prompt"] != c[i]["prompt"] for i in a)
+
+
+def test_failures_are_counted_with_reasons(tmp_path: Path) -> None:
+    proc, url = start_sim("single", "--time-scale", "0.5", "--error-rate", "0.25", "--error-status", "503",
+                          "--disconnect-rate", "0.2", "--disconnect-after-chunks", "2", "--seed", "3")
+    try:
+        wl = tmp_path / "w.yaml"
+        wl.write_text("requests: 40\nseed: 1\nclasses:\n"
+                      "  - {name: ok, prompt: 10, output: 6, concurrency: 3}\n"
+                      "  - {name: huge, prompt: 5000, output: 4, concurrency: 1, requests: 3}\n")
+        _, reqs, summary = bench(tmp_path / "f.jsonl", url, "--workload", str(wl))
+    finally:
+        proc.stop()
+    assert len(reqs) == 40
+    reasons: dict[str, int] = {}
+    for r in reqs:
+        if not r["ok"]:
+            reasons[r["error"]] = reasons.get(r["error"], 0) + 1
+            assert r["ttft"] is None or r["error"] in ("stream_broken", "incomplete_stream")
+    # every prompt over max-model-len is refused (HTTP 400) ...
+    huge = [r for r in reqs if r["class"] == "huge"]
+    assert len(huge) == 3 and all(not r["ok"] for r in huge)
+    assert all(r["status"] in (400, 503) for r in huge)
+    # ... the injected 503s and cut streams show up with their own reasons
+    assert reasons.get("http_503", 0) > 0
+    assert reasons.get("stream_broken", 0) + reasons.get("incomplete_stream", 0) > 0
+    st = summary["stats"]["requests"]
+    assert st["errors"] == reasons and st["failed"] == sum(reasons.values())
+    assert st["error_rate"] == pytest.approx(sum(reasons.values()) / 40)
+    assert summary["stats"]["ttft"]["count"] == 40 - st["failed"]
+
+
+def test_connection_refused_is_a_failure_not_a_crash(tmp_path: Path) -> None:
+    dead = f"http://{HOST}:{free_port()}"
+    _, reqs, summary = bench(tmp_path / "d.jsonl", dead, "--requests", "3", "--concurrency", "1", expect=1)
+    assert [r["error"] for r in reqs] == ["connect_error"] * 3
+    assert summary["stats"]["requests"]["error_rate"] == 1.0
+
+
+def test_chat_ttft_skips_the_role_chunk(sim: str, tmp_path: Path) -> None:
+    _, reqs, _ = bench(tmp_path / "c.jsonl", sim, "--endpoint", "chat", "--requests", "4", "--concurrency", "2",
+                       "--prompt-len", "8", "--output-len", "5")
+    assert all(r["ok"] and r["chunks"] == 5 == r["output_tokens"] for r in reqs), reqs
+
+
+def test_sweep_runs_one_file_per_value(sim: str, tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "bench", "--url", sim, "--out-dir", str(tmp_path),
+                        "--no-progress", "--requests", "6", "--concurrency", "1", "--prompt-len", "10",
+                        "--output-len", "3", "--sweep", "concurrency=1,3", "--label", "sw"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    files = [Path(x) for x in p.stdout.splitlines() if x.endswith(".jsonl")]
+    assert len(files) == 2
+    heads = [read(f)[0] for f in files]
+    assert [h["workload"]["classes"][0]["concurrency"] for h in heads] == [1, 3]
+    assert [h["sweep"] for h in heads] == [{"axis": "concurrency", "value": "1"}, {"axis": "concurrency", "value": "3"}]
+    assert [h["label"] for h in heads] == ["sw-concurrency=1", "sw-concurrency=3"]
+    assert all(len(read(f)[1]) == 6 for f in files)
+
+
+def test_poisson_rate_for_a_duration(sim: str, tmp_path: Path) -> None:
+    _, reqs, summary = bench(tmp_path / "p.jsonl", sim, "--rate", "25", "--arrival", "poisson", "--duration", "1.2",
+                             "--warmup-seconds", "0.2", "--prompt-len", "10", "--output-len", "3", "--seed", "4")
+    assert 12 <= len(reqs) <= 60
+    offsets = sorted(r["start_offset"] for r in reqs)
+    assert offsets[-1] < 1.25
+    assert all(r["warmup"] == (r["start_offset"] < 0.2) for r in reqs)
+    assert summary["stats"]["requests"]["warmup"] == sum(r["warmup"] for r in reqs) > 0
