@@ -99,9 +99,11 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     leg["max_tokens"] = 1
     if "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
-    for key in ("min_tokens", "min_completion_tokens"):  # vLLM rejects min > max
-        if leg.get(key) is not None:
-            leg[key] = min(leg[key], 1)
+    # vLLM rejects min > max. min_tokens=1 (as vllm-router forces it) also stops the prefill from
+    # sampling EOS first: it then finishes length-capped, the state in which every connector offers its KV
+    leg["min_tokens"] = 1
+    if leg.get("min_completion_tokens") is not None:
+        leg["min_completion_tokens"] = min(leg["min_completion_tokens"], 1)
     return leg
 
 

@@ -38,8 +38,8 @@ def test_prefill_leg_adds_no_field_the_client_did_not_send(pd):
     body = {"model": "m", "prompt": "a b", "max_tokens": 8}
     assert post(url, body).status_code == 200
     sent = p.journal()[0]["body"]
-    assert "max_completion_tokens" not in sent and "min_tokens" not in sent and "stream_options" not in sent
-    assert sent["max_tokens"] == 1 and sent["stream"] is False
+    assert "max_completion_tokens" not in sent and "min_completion_tokens" not in sent and "stream_options" not in sent
+    assert sent["max_tokens"] == 1 and sent["stream"] is False and sent["min_tokens"] == 1
 
 
 def test_decode_leg_is_the_original_body_plus_prefill_params_verbatim(pd):
