@@ -1,6 +1,6 @@
 """vLLM's P/D wire protocol: what a client may send, and what each leg receives.
 
-See docs/protocol.md (summarising the research notes on vLLM's proxies): the prefill leg is the
+See docs/protocol.md (which summarises the research notes on vLLM's proxies): the prefill leg is the
 client's body made to stop after one token and to keep its KV for a decode instance; the decode
 leg is the client's original body plus the prefill's `kv_transfer_params`, verbatim.
 """
