@@ -1,0 +1,112 @@
+"""`pdproxy demo` with its default settings (the README's main-job command), and Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROWS = ("TTFT", "ITL pooled", "tail ITL: per-request p99", "tail ITL: per-request max", "KV transfer, upper bound",
+        "throughput, output tokens/s", "throughput, requests/s", "error rate", "Verdict:")
+
+
+def children_of(pid: int) -> set[int]:
+    """Direct children of a process, from /proc (the demo starts its children in their own sessions)."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.add(int(d.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return stat[0] != "Z"
+
+
+def test_demo_defaults_finish_in_two_minutes_with_the_comparison(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "demo", "--out-dir", str(out)], capture_output=True,
+                       text=True, timeout=180)
+    wall = time.monotonic() - t0
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert wall < 120, f"demo took {wall:.0f}s"
+    text = p.stdout
+    for row in ROWS:
+        assert row in text, row
+    assert re.search(r"single\s+.*chunked\s+.*pd", text)  # side by side
+    assert f"Run directory: {out}" in text and "traces-pd.jsonl" in text
+    for name in ("records-single.jsonl", "records-chunked.jsonl", "records-pd.jsonl", "traces-single.jsonl",
+                 "traces-chunked.jsonl", "traces-pd.jsonl", "report.json", "report.html"):
+        assert (out / name).stat().st_size > 0, name
+    rep = json.loads((out / "report.json").read_text())
+    by = {e["label"]: e for e in rep["runs"]}
+    assert set(by) == {"single", "chunked", "pd"}
+    for label, e in by.items():
+        lines = [json.loads(x) for x in (out / f"records-{label}.jsonl").read_text().splitlines()]
+        ok = [x for x in lines if x["type"] == "request" and not x["warmup"] and x["ok"]]
+        assert len(ok) > 30 and e["traces"]["records_without_trace"] == 0
+        assert e["stats"]["ttft"]["p90"] == pytest.approx(np.percentile([x["ttft"] for x in ok], 90))
+        printed = f"{e['stats']['ttft']['p50'] * 1e3:.1f} / {e['stats']['ttft']['p90'] * 1e3:.1f}"
+        assert printed in text  # the table shows the report's numbers
+    # the workload shows the phenomena: a long prefill stalls streams on a single instance, chunking
+    # bounds the stall, P/D removes it from decode but pays a KV transfer on long prompts
+    mx = {k: by[k]["stats"]["classes"]["stream"]["tail_itl"]["per_request_max"]["p90"] for k in by}
+    assert mx["pd"] < mx["chunked"] < mx["single"]
+    assert by["pd"]["kv_transfer"]["upper_bound"]["count"] > 0 and by["single"]["kv_transfer"] is None
+    long_ttft = {k: by[k]["stats"]["classes"]["long"]["ttft"]["p50"] for k in by}
+    assert long_ttft["pd"] > long_ttft["single"]
+    assert rep["verdict"]["candidate"] == "pd" and rep["verdict"]["decision"] in ("adopt", "don't adopt")
+    assert rep["verdict"]["decided_by"] in text
+
+
+def test_demo_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    demo = subprocess.Popen([sys.executable, "-m", "pdproxy", "demo", "--out-dir", str(out), "--duration", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        kids: set[int] = set()
+        while time.monotonic() < deadline:  # wait until the single set-up is under load
+            kids = children_of(demo.pid)
+            if len(kids) >= 2 and (out / "records-single.jsonl").exists():
+                break
+            time.sleep(0.2)
+        assert len(kids) >= 2, "sim and proxy should be running"
+        time.sleep(1.0)
+        demo.send_signal(signal.SIGINT)
+        stdout, stderr = demo.communicate(timeout=30)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    assert demo.returncode == 130, stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    time.sleep(0.2)
+    assert not [k for k in kids if alive(k)], "children left running"
+    lines = (out / "records-single.jsonl").read_text().splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["type"] == "summary" and summary["interrupted"] is True
+
+
+@pytest.mark.parametrize("args, msg", [(["--setups", "single,warp"], "unknown"), (["--xpyd", "1P"], "1P1D")])
+def test_demo_bad_flags(args: list[str], msg: str, tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "demo", "--out-dir", str(tmp_path), *args],
+                       capture_output=True, text=True, timeout=60, env={**os.environ})
+    assert p.returncode == 1 and msg in p.stderr and "Traceback" not in p.stderr
