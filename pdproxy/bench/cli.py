@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         print(res.path)
     if not args.quiet:
         runs = [Run(header=r.header, requests=r.records, summary=r.summary, source=str(r.path)) for r in results]
-        rep = report_mod.build(runs)
+        rep = report_mod.build(runs, verdict=False)  # a sweep is a series, not a candidate and baselines
         table.render(rep, console, drilldown=False)
     failed_all = all(r.summary["stats"]["requests"]["ok"] == 0 for r in results)
     if failed_all:

@@ -259,7 +259,7 @@ def pick_candidate(entries: list[dict[str, Any]], wanted: str | None) -> dict[st
 
 def build(runs: list[Run], idx: traces.TraceIndex | None = None, *, unit: str = "auto",
           stall_threshold: float = stats.DEFAULT_STALL_THRESHOLD, slowest: int = 5, slo: Slo | None = None,
-          candidate: str | None = None, baselines: list[str] | None = None) -> dict[str, Any]:
+          candidate: str | None = None, baselines: list[str] | None = None, verdict: bool = True) -> dict[str, Any]:
     if not runs:
         raise ValueError("no runs to report")
     labels = [r.label for r in runs]
@@ -300,7 +300,7 @@ def build(runs: list[Run], idx: traces.TraceIndex | None = None, *, unit: str = 
         "comparison": compare(entries),
         "verdict": None,
     }
-    if len(entries) > 1:
+    if verdict and len(entries) > 1:
         cand = pick_candidate(entries, candidate)
         if baselines:
             missing = [b for b in baselines if b not in labels and b not in [e["label"] for e in entries]]

@@ -189,6 +189,7 @@ async def run_async(wl: Workload, target: Target, out: Path, header: dict[str, A
             "label": header["label"],
             "wall_s": round(state.elapsed(), 3),
             "interrupted": interrupted,
+            "conditions": header["conditions"],
             "stats": stats.run_stats(state.records, stall_threshold=stall_threshold),
         }
         writer.write(summary)
