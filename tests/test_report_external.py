@@ -78,3 +78,24 @@ def test_aiperf_records_recomputed_independently_and_joined_to_traces(tmp_path: 
         assert tail[f"p{p}"] == pytest.approx(np.percentile(maxes, p))
     ttfts = [x["metrics"]["time_to_first_token"]["value"] / 1e3 for x in ok]
     assert run["slowest"]["ttft"][0]["ttft"] == pytest.approx(max(ttfts))
+
+
+def test_trace_file_variants(tmp_path: Path) -> None:
+    """Collector output as lines, as one pretty-printed document, and with a cut last line."""
+    from pdproxy.bench import traces
+
+    def batch(i: int) -> dict:
+        root = {"traceId": f"{i:032x}", "spanId": f"{i:016x}", "name": "chat m", "startTimeUnixNano": "0",
+                "endTimeUnixNano": "1000", "attributes": [{"key": "pd.request_id", "value": {"stringValue": f"r{i}"}}]}
+        return {"resourceSpans": [{"resource": {}, "scopeSpans": [{"spans": [root]}]}]}
+
+    lines = [json.dumps(batch(i)) for i in range(1, 5)]
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "b.json").write_text(json.dumps([batch(i) for i in range(1, 5)], indent=2))
+    (tmp_path / "c.jsonl").write_text("\n".join(lines[:3]) + "\n" + lines[3][:40])
+    assert sorted(traces.read_traces([str(tmp_path / "a.jsonl")]).by_request) == ["r1", "r2", "r3", "r4"]
+    assert sorted(traces.read_traces([str(tmp_path / "b.json")]).by_request) == ["r1", "r2", "r3", "r4"]
+    assert sorted(traces.read_traces([str(tmp_path / "c.jsonl")]).by_request) == ["r1", "r2", "r3"]
+    (tmp_path / "d.jsonl").write_text('{"resourceSpans": [}\n' + lines[0] + "\n")
+    with pytest.raises(traces.TraceError):
+        traces.read_traces([str(tmp_path / "d.jsonl")])

@@ -89,17 +89,24 @@ def _documents(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     stripped = text.lstrip()
     if not stripped:
         return
-    # One object per line (file exporter); otherwise a single JSON document.
-    try:
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                obj = json.loads(line)
-                if not isinstance(obj, dict):
-                    raise ValueError
-                yield n, obj
+    # One object per line (file exporter); otherwise a single JSON document. A cut last line (a
+    # process killed mid-write) is skipped rather than losing the whole file.
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    parsed: list[tuple[int, dict[str, Any]]] = []
+    bad: list[int] = []
+    for n, line in lines:
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            bad.append(n)
+            continue
+        if isinstance(obj, dict):
+            parsed.append((n, obj))
+        else:
+            bad.append(n)
+    if not bad or (parsed and bad == [lines[-1][0]] and lines[0][1].lstrip().startswith("{\"")):
+        yield from parsed
         return
-    except ValueError:
-        pass
     try:
         doc = json.loads(text)
     except ValueError:
