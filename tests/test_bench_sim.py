@@ -167,3 +167,18 @@ def test_poisson_rate_for_a_duration(sim: str, tmp_path: Path) -> None:
     assert offsets[-1] < 1.25
     assert all(r["warmup"] == (r["start_offset"] < 0.2) for r in reqs)
     assert summary["stats"]["requests"]["warmup"] == sum(r["warmup"] for r in reqs) > 0
+
+
+def test_fixed_corpus_in_order_and_save_text(sim: str, tmp_path: Path) -> None:
+    corpus = tmp_path / "c.jsonl"
+    prompts = [{"prompt": "alpha beta gamma", "max_tokens": 2}, {"prompt": "one two three four five"},
+               {"prompt": "x y", "max_tokens": 4}]
+    corpus.write_text("\n".join(json.dumps(p) for p in prompts) + "\n")
+    journal(sim, clear=True)
+    _, reqs, _ = bench(tmp_path / "k.jsonl", sim, "--corpus", str(corpus), "--requests", "5", "--concurrency", "1",
+                       "--output-len", "3", "--save-text")
+    seen = {e["headers"]["x-request-id"]: e["body"] for e in journal(sim)}
+    sent = [(seen[r["request_id"]]["prompt"], seen[r["request_id"]]["max_tokens"]) for r in sorted(reqs, key=lambda r: r["index"])]
+    assert sent == [("alpha beta gamma", 2), ("one two three four five", 3), ("x y", 4), ("alpha beta gamma", 2),
+                    ("one two three four five", 3)]
+    assert all(isinstance(r["text"], str) and r["text"] for r in reqs)  # kept only because of --save-text
