@@ -1,0 +1,174 @@
+"""`pdproxy sim`: run one simulated vLLM instance (prefill, decode or single) until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+
+from aiohttp import web
+
+from pdproxy.sim.faults import FaultRates
+from pdproxy.sim.presets import DEFAULT_PRESET, PRESETS
+from pdproxy.sim.settings import ROLES, SimSettings, preset_with
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("Presets: " + "; ".join(f"{p.name}: {p.description}" for p in PRESETS.values())
+                     + ". Token rule: one token per whitespace-separated word (see docs/sim.md).")
+    g = parser.add_argument_group("instance")
+    g.add_argument("--role", choices=ROLES, default="single",
+                   help="prefill, decode (both run a NIXL-like KV connector) or single (no connector: "
+                        "the non-disaggregated baseline; kv_transfer_params are ignored). Default: single")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8100, help="port to listen on (default 8100)")
+    g.add_argument("--advertise-host", default=None,
+                   help="host a decode should pull KV from, put into remote_host (default: --host; "
+                        "127.0.0.1 when --host is a wildcard)")
+    g.add_argument("--model", default="sim-model",
+                   help="served model name; requests naming another model get 404 (default sim-model)")
+    g.add_argument("--engine-id", default="", help="KV engine id in kv_transfer_params (default: random)")
+    g.add_argument("--tp-size", type=int, default=1, help="tp_size reported in kv_transfer_params (default 1)")
+    g.add_argument("--seed", type=int, default=None, help="seed of the random faults (default: random)")
+
+    g = parser.add_argument_group("timing model")
+    g.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
+                   help=f"calibrated parameter set (default {DEFAULT_PRESET}); 'instant' has no delays and "
+                        "no capacity limits, for measuring a proxy's own overhead")
+    g.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply every simulated duration (steps, transfers, overheads) by this; 0.5 runs "
+                        "twice as fast. Leases and faults' seconds are wall time. Default 1.0")
+    g.add_argument("--frontend-overhead-ms", type=float, default=None,
+                   help="per-request API-server latency before the engine queue (preset: 8 ms)")
+    g.add_argument("--kv-pull-overhead-ms", type=float, default=None,
+                   help="decode-side cost of taking over a remote prefill, besides the transfer (preset: 6 ms)")
+
+    g = parser.add_argument_group("scheduler and KV cache (vLLM flags)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one engine step (preset: 16384)")
+    chunk = g.add_mutually_exclusive_group()
+    chunk.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_true", default=None,
+                       help="split prompts longer than the remaining step budget into chunks (the default, as "
+                            "in vLLM V1)")
+    chunk.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                       help="prompts must fit the remaining budget whole; one longer than the whole budget "
+                            "still runs whole in one step")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step (preset: 1024)")
+    g.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="KV cache size in blocks; requests queue when it is full (preset: 50000; 0 = unbounded)")
+    g.add_argument("--block-size", type=int, default=None, help="tokens per KV block (preset: 16)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + max_tokens above this gets HTTP 400 (preset: 4608)")
+
+    g = parser.add_argument_group("KV transfer (P/D)")
+    g.add_argument("--kv-lease-seconds", type=float, default=30.0,
+                   help="how long a prefill holds KV blocks for a decode to read (default 30, like NIXL)")
+    g.add_argument("--kv-bandwidth-gbps", type=float, default=None,
+                   help="GB/s of this prefill's outgoing KV link; transfers share it one at a time "
+                        "(preset: 0.341, two instances on one H200; 0 = infinite)")
+    g.add_argument("--kv-latency-ms", type=float, default=None, help="fixed latency per KV transfer (preset: 2)")
+    g.add_argument("--kv-bytes-per-token", type=int, default=None,
+                   help="KV bytes per prompt token (preset: 131072, Llama-3.1-8B bf16)")
+    g.add_argument("--skip-kv-pull", action="store_true",
+                   help="decode: trust kv_transfer_params without contacting the prefill (no transfer time)")
+
+    g = parser.add_argument_group("output")
+    g.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per SSE chunk, like vLLM's --stream-interval (default 1; under load several "
+                        "tokens that are ready at once share a chunk, as in vLLM)")
+    g.add_argument("--enable-per-request-metrics", action="store_true",
+                   help="add vLLM's per-request `metrics` object to responses (final usage chunk of a stream)")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="echo X-Request-Id on responses, like vLLM's flag of the same name")
+    g.add_argument("--eos-after-tokens", type=int, default=0,
+                   help="finish with 'stop' after this many tokens unless ignore_eos (min_tokens respected); "
+                        "0 = never (the default: output runs to max_tokens)")
+
+    g = parser.add_argument_group("faults (random, per request; POST /sim/faults queues one-shot faults)")
+    g.add_argument("--error-rate", type=float, default=0.0, help="probability of answering with --error-status")
+    g.add_argument("--error-status", type=int, default=500, help="HTTP status of injected errors (default 500)")
+    g.add_argument("--slow-start-seconds", type=float, default=0.0,
+                   help="delay before a request is processed (default 0 = off)")
+    g.add_argument("--slow-start-rate", type=float, default=1.0,
+                   help="probability of the slow start when --slow-start-seconds is set (default 1)")
+    g.add_argument("--stall-seconds", type=float, default=0.0, help="pause of a stream mid-way (default 0 = off)")
+    g.add_argument("--stall-rate", type=float, default=1.0,
+                   help="probability of the stall when --stall-seconds is set (default 1)")
+    g.add_argument("--stall-after-chunks", type=int, default=1, help="content chunks before the stall (default 1)")
+    g.add_argument("--disconnect-rate", type=float, default=0.0,
+                   help="probability of closing the connection mid-stream (default 0)")
+    g.add_argument("--disconnect-after-chunks", type=int, default=1,
+                   help="content chunks before the disconnect (default 1)")
+    g.add_argument("--kv-load-failure-rate", type=float, default=0.0,
+                   help="decode: probability that a KV pull fails (the request gets HTTP 500, like vLLM with "
+                        "kv_load_failure_policy=fail)")
+    g.add_argument("--refuse-connections", action="store_true",
+                   help="reset (TCP RST, no response) every connection carrying an inference request; /health, "
+                        "/metrics and /sim/* still answer so the process can be managed. For 'connection "
+                        "refused', point the client at a port nothing listens on")
+
+
+def settings_from_args(args: argparse.Namespace) -> SimSettings:
+    preset = preset_with(
+        args.preset,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
+        max_num_seqs=args.max_num_seqs, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
+        max_model_len=args.max_model_len, kv_bandwidth_gbps=args.kv_bandwidth_gbps, kv_latency_ms=args.kv_latency_ms,
+        kv_bytes_per_token=args.kv_bytes_per_token, frontend_overhead_ms=args.frontend_overhead_ms,
+        kv_pull_overhead_ms=args.kv_pull_overhead_ms,
+    )
+    faults = FaultRates(
+        error_rate=args.error_rate, error_status=args.error_status, slow_start_seconds=args.slow_start_seconds,
+        slow_start_rate=args.slow_start_rate, stall_seconds=args.stall_seconds, stall_rate=args.stall_rate,
+        stall_after_chunks=args.stall_after_chunks, disconnect_rate=args.disconnect_rate,
+        disconnect_after_chunks=args.disconnect_after_chunks, kv_load_failure_rate=args.kv_load_failure_rate,
+    )
+    return SimSettings(
+        role=args.role, host=args.host, port=args.port, advertise_host=args.advertise_host, model=args.model,
+        preset=preset, time_scale=args.time_scale, engine_id=args.engine_id, tp_size=args.tp_size,
+        kv_lease_seconds=args.kv_lease_seconds, skip_kv_pull=args.skip_kv_pull,
+        enable_per_request_metrics=args.enable_per_request_metrics,
+        enable_request_id_headers=args.enable_request_id_headers, stream_interval=args.stream_interval,
+        eos_after_tokens=args.eos_after_tokens, seed=args.seed, refuse_connections=args.refuse_connections,
+        faults=faults,
+    )
+
+
+async def serve(settings: SimSettings) -> None:
+    from pdproxy.sim.server import SimServer
+
+    server = SimServer(settings)
+    runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, shutdown_timeout=1.0, reuse_address=True)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    p = settings.preset
+    print(f"pdproxy sim: role={settings.role} model={settings.model} preset={p.name} engine_id={settings.engine_id} "
+          f"listening on http://{settings.host}:{settings.port}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    print("pdproxy sim: stopped", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"pdproxy sim: {exc}", file=sys.stderr)
+        return 2
+    loop_factory = None
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(settings))
+    return 0

@@ -1,0 +1,321 @@
+"""KV-cache blocks, NIXL-style leases on the prefill side, the transfer link, and the pull.
+
+The protocol imitates vLLM's NixlConnector in pull mode:
+
+* A prefill instance that finishes a request with ``do_remote_decode`` keeps the request's
+  blocks and returns ``kv_transfer_params`` naming itself (host, port, engine id, request id,
+  block ids). The blocks are held for a lease (30 s by default); a decode that is still
+  queued extends it with heartbeats, as vLLM 0.33 does. When the lease runs out the blocks are
+  freed and ``vllm:nixl_num_kv_expired_reqs`` counts it.
+* A decode instance that gets those params allocates local blocks, then "reads" the remote
+  blocks: an HTTP ``POST /sim/kv/pull`` to the named host and port. The prefill checks the
+  engine id, the request id, the block ids and the lease, then moves the bytes over its
+  outgoing link, which carries one transfer at a time (FIFO), so concurrent pulls queue and
+  the link saturates when the offered KV bytes exceed its bandwidth. When the transfer is done
+  the prefill frees the blocks (NIXL's "done reading" notification).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from pdproxy.sim.metrics import SimMetrics
+from pdproxy.sim.timing import PreciseClock
+
+PULL_PATH = "/sim/kv/pull"
+HEARTBEAT_PATH = "/sim/kv/heartbeat"
+REQUIRED_REMOTE_FIELDS = ("remote_engine_id", "remote_block_ids", "remote_request_id", "remote_host", "remote_port")
+
+
+class BlockPool:
+    """Block ids of one instance's KV cache. `total == 0` means unbounded (the instant preset)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self._free: list[int] = []  # released ids, reused first
+        self._next = 0  # ids never handed out yet start here
+        self.used = 0
+
+    @property
+    def num_free(self) -> int:
+        return sys.maxsize if self.total == 0 else self.total - self.used
+
+    @property
+    def usage(self) -> float:
+        return 0.0 if self.total == 0 else self.used / self.total
+
+    def allocate(self, n: int) -> list[int]:
+        """n block ids; the caller checked `num_free` first."""
+        if n <= 0:
+            return []
+        if self.total and n > self.total - self.used:
+            raise RuntimeError(f"allocating {n} blocks with {self.total - self.used} free")
+        out = self._free[-n:] if n <= len(self._free) else self._free[:]
+        del self._free[len(self._free) - len(out):]
+        missing = n - len(out)
+        if missing:
+            out.extend(range(self._next, self._next + missing))
+            self._next += missing
+        self.used += n
+        return out
+
+    def free(self, ids: list[int]) -> None:
+        if ids:
+            self._free.extend(ids)
+            self.used -= len(ids)
+
+
+@dataclass
+class Lease:
+    request_id: str
+    blocks: list[int]
+    num_tokens: int
+    expires_at: float  # time.monotonic()
+    handle: asyncio.TimerHandle | None = None
+    pulling: bool = False
+
+
+class PullRejected(Exception):
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message = status, reason, message
+
+
+class KVLeases:
+    """KV blocks a prefill instance keeps for decodes to read (the producer side of NIXL)."""
+
+    EXPIRED_MEMORY = 10_000  # expired request ids remembered, to tell "expired" from "unknown"
+
+    def __init__(self, engine_id: str, pool: BlockPool, lease_seconds: float, metrics: SimMetrics,
+                 on_free: Any = None) -> None:
+        self.engine_id = engine_id
+        self.pool = pool
+        self.lease_seconds = lease_seconds
+        self.metrics = metrics
+        self.on_free = on_free  # called after blocks return to the pool (wakes a waiting engine)
+        self.held: dict[str, Lease] = {}
+        self.expired: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self.expired_total = 0
+
+    def hold(self, request_id: str, blocks: list[int], num_tokens: int) -> None:
+        lease = Lease(request_id, blocks, num_tokens, time.monotonic() + self.lease_seconds)
+        lease.handle = asyncio.get_running_loop().call_later(self.lease_seconds, self._expire, request_id)
+        self.held[request_id] = lease
+
+    def heartbeat(self, engine_id: str, request_id: str) -> bool:
+        lease = self.held.get(request_id)
+        if engine_id != self.engine_id or lease is None or lease.pulling:
+            return False
+        if lease.handle:
+            lease.handle.cancel()
+        lease.expires_at = time.monotonic() + self.lease_seconds
+        lease.handle = asyncio.get_running_loop().call_later(self.lease_seconds, self._expire, request_id)
+        return True
+
+    def claim(self, engine_id: str, request_id: str, block_ids: list[int]) -> Lease:
+        """Start a read of a held request's blocks, or say precisely why it cannot be read."""
+        if engine_id != self.engine_id:
+            raise PullRejected(404, "unknown_engine",
+                               f"engine {engine_id!r} is not served here (this is {self.engine_id!r})")
+        lease = self.held.get(request_id)
+        if lease is None:
+            if request_id in self.expired:
+                raise PullRejected(410, "lease_expired",
+                                   f"KV blocks of {request_id} were released when their lease expired")
+            raise PullRejected(404, "unknown_request", f"no KV blocks held for request {request_id}")
+        if lease.pulling:
+            raise PullRejected(409, "already_pulling", f"KV blocks of {request_id} are already being read")
+        if sorted(block_ids) != sorted(lease.blocks):
+            raise PullRejected(404, "unknown_blocks",
+                               f"block ids do not match the {len(lease.blocks)} blocks held for {request_id}")
+        lease.pulling = True
+        if lease.handle:
+            lease.handle.cancel()
+            lease.handle = None
+        return lease
+
+    def release(self, request_id: str) -> None:
+        lease = self.held.pop(request_id, None)
+        if lease is not None:
+            if lease.handle:
+                lease.handle.cancel()
+            self.pool.free(lease.blocks)
+            if self.on_free:
+                self.on_free()
+
+    def release_all(self) -> None:
+        for request_id in list(self.held):
+            self.release(request_id)
+
+    def _expire(self, request_id: str) -> None:
+        lease = self.held.get(request_id)
+        if lease is None or lease.pulling:
+            return
+        self.release(request_id)
+        self.expired[request_id] = time.monotonic()
+        while len(self.expired) > self.EXPIRED_MEMORY:
+            self.expired.popitem(last=False)
+        self.expired_total += 1
+        self.metrics.nixl_expired.inc()
+
+
+class TransferLink:
+    """The prefill instance's outgoing KV path: one transfer at a time at `bandwidth` bytes/s."""
+
+    def __init__(self, bandwidth_bytes_per_s: float, latency_s: float, clock: PreciseClock) -> None:
+        self.bandwidth = bandwidth_bytes_per_s  # 0 = infinite
+        self.latency = latency_s
+        self.clock = clock
+        self._busy_until = 0.0
+        self.in_flight = 0
+        self.bytes_total = 0
+
+    def duration(self, nbytes: int) -> float:
+        return nbytes / self.bandwidth if self.bandwidth > 0 else 0.0
+
+    async def transfer(self, nbytes: int) -> tuple[float, float]:
+        """Wait for the link, occupy it for the bytes, add the latency; returns (queued, total) s."""
+        start_wait = self.clock.now()
+        start = max(start_wait, self._busy_until)
+        end = start + self.duration(nbytes)
+        self._busy_until = end  # reserved at arrival: transfers leave in FIFO order
+        self.in_flight += 1
+        try:
+            await self.clock.sleep_until(end + self.latency)
+        finally:
+            self.in_flight -= 1
+        self.bytes_total += nbytes
+        return start - start_wait, self.clock.now() - start_wait
+
+
+@dataclass(frozen=True)
+class RemoteKV:
+    """The `kv_transfer_params` a decode received: where to read the prompt's KV from."""
+
+    engine_id: str
+    request_id: str
+    block_ids: list[int]
+    host: str
+    port: int
+    num_tokens: int | None
+    tp_size: int | None
+
+    @classmethod
+    def parse(cls, params: dict[str, Any]) -> RemoteKV:
+        """Raises ValueError with a message fit for a 400 when a field vLLM needs is missing."""
+        missing = [f for f in REQUIRED_REMOTE_FIELDS if params.get(f) is None]
+        if missing:
+            raise ValueError(f"kv_transfer_params with do_remote_prefill needs {', '.join(missing)}")
+        blocks = params["remote_block_ids"]
+        if isinstance(blocks, list) and blocks and all(isinstance(g, list) for g in blocks):
+            blocks = [b for group in blocks for b in group]  # v0.33: one list per KV-cache group
+        if not isinstance(blocks, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+            raise ValueError("kv_transfer_params.remote_block_ids must be a list of block ids")
+        port = params["remote_port"]
+        if isinstance(port, bool) or not isinstance(port, (int, str)) or not str(port).isdigit():
+            raise ValueError("kv_transfer_params.remote_port must be a port number")
+        num_tokens = params.get("remote_num_tokens")
+        tp = params.get("tp_size")
+        return cls(
+            engine_id=str(params["remote_engine_id"]),
+            request_id=str(params["remote_request_id"]),
+            block_ids=blocks,
+            host=str(params["remote_host"]),
+            port=int(port),
+            num_tokens=num_tokens if isinstance(num_tokens, int) else None,
+            tp_size=tp if isinstance(tp, int) else None,
+        )
+
+    def url(self, path: str) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}{path}"
+
+
+@dataclass(frozen=True)
+class PullOutcome:
+    ok: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+    reason: str = ""
+    message: str = ""
+
+
+class KVPuller:
+    """The consumer side: reads remote blocks over HTTP and records vLLM's NIXL metrics."""
+
+    def __init__(self, engine_id: str, metrics: SimMetrics, clock: PreciseClock, overhead_s: float,
+                 lease_seconds: float) -> None:
+        self.engine_id = engine_id
+        self.metrics = metrics
+        self.clock = clock
+        self.overhead = overhead_s
+        self.heartbeat_interval = lease_seconds / 6  # vLLM: heartbeat every lease/6 while waiting
+        self._session: aiohttp.ClientSession | None = None
+        self.active = 0
+
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+                connector=aiohttp.TCPConnector(limit=0),
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def pull(self, remote: RemoteKV, fail: bool = False) -> PullOutcome:
+        """Read the blocks; `fail` is an injected load failure (the read errors out)."""
+        self.active += 1
+        try:
+            await self.clock.sleep(self.overhead)
+            started = self.clock.now()
+            if fail:
+                self.metrics.nixl_failed.inc()
+                return PullOutcome(False, reason="injected", message="KV transfer failed (injected fault)")
+            body = {"remote_engine_id": remote.engine_id, "remote_request_id": remote.request_id,
+                    "remote_block_ids": remote.block_ids, "requester_engine_id": self.engine_id}
+            try:
+                async with self.session().post(remote.url(PULL_PATH), json=body) as resp:
+                    answer = await resp.json(content_type=None)
+                    status = resp.status
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+                self.metrics.nixl_failed.inc()
+                return PullOutcome(False, reason="unreachable",
+                                   message=f"cannot read KV from {remote.host}:{remote.port}: {exc!r}")
+            if status != 200 or not isinstance(answer, dict):
+                self.metrics.nixl_failed.inc()
+                reason = answer.get("reason", "rejected") if isinstance(answer, dict) else "rejected"
+                message = answer.get("message", "") if isinstance(answer, dict) else str(answer)
+                return PullOutcome(False, reason=reason,
+                                   message=f"remote engine {remote.engine_id} refused the KV read ({status}): {message}")
+            seconds = self.clock.now() - started
+            nbytes = int(answer.get("bytes", 0))
+            self.metrics.nixl_xfer_time.observe(seconds)
+            self.metrics.nixl_bytes.observe(nbytes)
+            return PullOutcome(True, nbytes=nbytes, seconds=seconds)
+        finally:
+            self.active -= 1
+
+    async def keep_alive(self, remote: RemoteKV, started: asyncio.Event) -> None:
+        """Extend the prefill's lease while this request waits for local blocks."""
+        while True:
+            try:
+                await asyncio.wait_for(started.wait(), self.heartbeat_interval)
+                return
+            except asyncio.TimeoutError:
+                pass
+            try:
+                body = {"remote_engine_id": remote.engine_id, "remote_request_id": remote.request_id}
+                async with self.session().post(remote.url(HEARTBEAT_PATH), json=body) as resp:
+                    await resp.read()
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                pass  # the pull will report the failure

@@ -1,0 +1,121 @@
+"""Named parameter sets for the simulator; every field can be overridden from the command line.
+
+`h200-llama8b` (the default) is calibrated on /work/shared/research/real-vllm-h200.md: vLLM 0.23,
+a Llama-3.1-8B-shaped model (bf16) on one H200, NixlConnector between two instances that share
+one GPU. How each number was derived is written next to it, so a preset for another shape can be
+made the same way from the same five measurements (prefill TTFT vs prompt length, decode ITL vs
+batch size, KV bytes per token, transfer time vs bytes, P/D hand-off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from pdproxy.sim.timing import Points
+
+# --- measurements (real-vllm-h200.md, medians of 5, one H200) -----------------------------------
+REAL_PREFILL_TTFT_MS: dict[int, float] = {128: 17.1, 512: 19.8, 1024: 32.1, 2048: 57.0, 4096: 109.7}
+REAL_DECODE_ITL_MS: dict[int, float] = {1: 4.81, 8: 4.91, 32: 5.34, 64: 6.38, 128: 6.91}
+REAL_NIXL_XFER_MS: dict[int, float] = {128: 48.7, 512: 225.4, 1024: 429.6, 2048: 856.6, 4096: 1427.0}
+REAL_PD_TTFT_MS: dict[int, float] = {128: 83.7, 512: 267.5, 1024: 488.3, 2048: 937.3, 4096: 1560.0}
+
+# Part of a lone request's TTFT that is not GPU time: HTTP, tokenisation, scheduling,
+# detokenisation. Applied once per request before it reaches the engine queue.
+H200_FRONTEND_MS = 8.0
+# The simulator's own loopback HTTP cost (request + first chunk, aiohttp on both ends),
+# measured on the development machine (0.8-2.2 ms with its load); it stands in for part of the
+# real HTTP cost above.
+SIM_LOOPBACK_MS = 1.5
+# Decode-side cost of taking over a remote prefill, beyond the transfer itself: notification
+# and scheduling of the loaded request. Chosen so that P/D TTFT = prefill + transfer + ~20 ms
+# (decode front end 8 + this 6 + first step 4.8 + ~1.5 loopback), inside the measured 18-27 ms
+# hand-off, which also held the toy proxy's own time.
+H200_KV_PULL_OVERHEAD_MS = 6.0
+
+
+def _prefill_points() -> Points:
+    """Extra step time of n prefill tokens = measured TTFT(n) - frontend - one decode step - loopback.
+
+    (0, 0) anchors the curve so that a one-token "prefill" (a decode that recomputes the last
+    prompt token after a KV load) costs almost nothing.
+    """
+    base = H200_FRONTEND_MS + REAL_DECODE_ITL_MS[1] + SIM_LOOPBACK_MS
+    return ((0, 0.0),) + tuple((n, round(ms - base, 3)) for n, ms in REAL_PREFILL_TTFT_MS.items())
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    decode_step_ms: Points  # (sequences in the step, ms of the step when all of them decode)
+    prefill_extra_ms: Points  # (prefill tokens in the step, ms added to the step)
+    frontend_overhead_ms: float
+    kv_pull_overhead_ms: float
+    kv_bytes_per_token: int
+    kv_bandwidth_gbps: float  # GB/s (1e9 bytes) of the prefill instance's outgoing KV link; 0 = infinite
+    kv_latency_ms: float  # per transfer, not serialised on the link
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int  # 0 = unbounded
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    enable_chunked_prefill: bool = True
+    instant: bool = False  # no engine loop at all: every answer is produced immediately
+    notes: tuple[str, ...] = field(default=())
+
+
+H200_LLAMA8B = Preset(
+    name="h200-llama8b",
+    description="vLLM 0.23, Llama-3.1-8B shape, bf16, one H200; NIXL between two instances on one GPU",
+    decode_step_ms=tuple(REAL_DECODE_ITL_MS.items()),
+    prefill_extra_ms=_prefill_points(),
+    frontend_overhead_ms=H200_FRONTEND_MS,
+    kv_pull_overhead_ms=H200_KV_PULL_OVERHEAD_MS,
+    # 32 layers x (K, V) x 8 KV heads x 128 dims x 2 bytes = 131072 B/token (16.8 MB per 128 tokens).
+    kv_bytes_per_token=32 * 2 * 8 * 128 * 2,
+    # Least-max-relative-error fit of latency + bytes/bandwidth to REAL_NIXL_XFER_MS
+    # (0.341 GB/s, 4.75 ms -> within +/-10.7 % at every measured point); the latency leaves
+    # out the simulator's own pull round trip (~2.5 ms), which the decode measures too.
+    kv_bandwidth_gbps=0.341,
+    kv_latency_ms=2.0,
+    max_model_len=4608,
+    block_size=16,
+    # 0.9 x 141 GB - 16 GB weights - ~4 GB activations ~ 106 GB; 2 MiB per 16-token block.
+    num_gpu_blocks=50_000,
+    max_num_batched_tokens=16384,  # the measured "single, max-num-batched-tokens 16384" set-up
+    max_num_seqs=1024,
+    notes=(
+        "decode step: measured per-token ITL at 1/8/32/64/128 concurrent streams",
+        "prefill: measured lone-request TTFT at 128..4096 tokens minus frontend, one decode step, loopback",
+    ),
+)
+
+H200_LLAMA8B_2GPU = replace(
+    H200_LLAMA8B,
+    name="h200-llama8b-2gpu",
+    description="as h200-llama8b, but prefill and decode on two GPUs of one host (NIXL ~2.4 GB/s)",
+    # Mixed-load run: 32.9 ms mean for 78 MB per transfer -> ~2.4 GB/s, latency ~0.5 ms.
+    kv_bandwidth_gbps=2.4,
+    kv_latency_ms=0.5,
+)
+
+INSTANT = Preset(
+    name="instant",
+    description="no delays and no capacity limits: answers as fast as the process can write",
+    decode_step_ms=((1, 0.0), (2, 0.0)),
+    prefill_extra_ms=((0, 0.0), (1, 0.0)),
+    frontend_overhead_ms=0.0,
+    kv_pull_overhead_ms=0.0,
+    kv_bytes_per_token=H200_LLAMA8B.kv_bytes_per_token,
+    kv_bandwidth_gbps=0.0,
+    kv_latency_ms=0.0,
+    max_model_len=32768,
+    block_size=16,
+    num_gpu_blocks=0,
+    max_num_batched_tokens=16384,
+    max_num_seqs=1024,
+    instant=True,
+)
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (H200_LLAMA8B, H200_LLAMA8B_2GPU, INSTANT)}
+DEFAULT_PRESET = H200_LLAMA8B.name
