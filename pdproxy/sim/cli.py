@@ -32,6 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-id", default="", help="KV engine id in kv_transfer_params (default: random)")
     g.add_argument("--tp-size", type=int, default=1, help="tp_size reported in kv_transfer_params (default 1)")
     g.add_argument("--seed", type=int, default=None, help="seed of the random faults (default: random)")
+    g.add_argument("--journal-size", type=int, default=1000,
+                   help="inference requests kept for GET /sim/requests (default 1000, newest last)")
 
     g = parser.add_argument_group("timing model")
     g.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
@@ -132,7 +134,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         enable_per_request_metrics=args.enable_per_request_metrics,
         enable_request_id_headers=args.enable_request_id_headers, stream_interval=args.stream_interval,
         eos_after_tokens=args.eos_after_tokens, seed=args.seed, refuse_connections=args.refuse_connections,
-        faults=faults,
+        journal_size=args.journal_size, faults=faults,
     )
 
 

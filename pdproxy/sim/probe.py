@@ -176,3 +176,27 @@ async def pd_request(session: aiohttp.ClientSession, prefill_url: str, decode_ur
     decode_body = dict(body, kv_transfer_params=pre.body.get("kv_transfer_params"))
     result.decode = await timed_request(session, decode_url + path, decode_body, headers, keep_events)
     return result
+
+
+def metric_samples(exposition: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Samples of one metric (exact sample name, e.g. `vllm:prompt_tokens_total`) from /metrics text."""
+    out = []
+    for line in exposition.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, labels = head.partition("{")
+        if metric != name:
+            continue
+        pairs = {}
+        for part in labels.rstrip("}").split(","):
+            if "=" in part:
+                k, _, v = part.partition("=")
+                pairs[k] = v.strip('"')
+        out.append((pairs, float(value)))
+    return out
+
+
+def metric_value(exposition: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    return sum(v for lbl, v in metric_samples(exposition, name) if all(lbl.get(k) == x for k, x in labels.items()))
