@@ -1,7 +1,8 @@
 """Admission control: a bounded number of requests served at once, a bounded queue behind them.
 
 Beyond the queue a request is refused at once with 503 and Retry-After, so that admitted requests
-keep their latency instead of everyone slowing down together.
+keep their latency instead of everyone slowing down together. `check()` refuses before the
+request body is even read, so a flood costs the proxy a header parse per request, not a body.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ class Admission:
         self.waiting = 0
         self._slots = asyncio.Semaphore(max_inflight) if max_inflight else None
 
+    def check(self) -> None:
+        """Refuse now if a request arriving now would be refused by `slot()` anyway."""
+        if self._slots is not None and self._slots.locked() and self.waiting >= self.max_queue:
+            raise self._full()
+
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
         if self._slots is not None:
@@ -39,13 +45,17 @@ class Admission:
             await slots.acquire()
             return
         if self.waiting >= self.max_queue:
-            raise ProxyError(503, "pdproxy is at capacity and its queue is full; retry later",
-                             error_type="overloaded", stage=QUEUE, retry_after=1)
+            raise self._full()
         self.waiting += 1
         try:
-            await asyncio.wait_for(slots.acquire(), self.queue_timeout)
+            async with asyncio.timeout(self.queue_timeout):  # no task per waiter, unlike wait_for
+                await slots.acquire()
         except TimeoutError:
             raise ProxyError(503, f"no capacity within {self.queue_timeout:g}s; retry later",
                              error_type="queue_timeout", stage=QUEUE, retry_after=1) from None
         finally:
             self.waiting -= 1
+
+    def _full(self) -> ProxyError:
+        return ProxyError(503, f"pdproxy is at capacity ({self.max_inflight} in flight, {self.waiting} queued); "
+                               "retry later", error_type="overloaded", stage=QUEUE, retry_after=1)

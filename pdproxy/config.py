@@ -44,17 +44,22 @@ class Settings:
     prefill_retries: int = 1
     decode_retries: int = 1
     retry_backoff: float = 0.05
+    max_retry_wait: float = 2.0
     health_check_interval: float = 5.0
     health_check_timeout: float = 2.0
     health_check_path: str = "/health"
     eject_after_failures: int = 3
+    eject_seconds: float = 10.0
     max_inflight: int = 0
     max_queue: int = 1024
     queue_timeout: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024
+    body_timeout: float = 30.0
+    keep_alive_timeout: float = 75.0
     client_kv_params: str = "reject"
     api_key: str | None = None
     upstream_api_key: str | None = None
+    debug_endpoints: bool = False
     stall_threshold: float = 0.1
     tracing: bool = True
     otlp_endpoint: str | None = None
@@ -107,14 +112,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument("--prefill-retries", type=int, help="extra prefill attempts on another instance after 5xx/connect errors (default 1)")
     route.add_argument("--decode-retries", type=int, help="extra decode attempts before the first byte reached the client (default 1)")
     route.add_argument("--retry-backoff", type=float, help="base of the jittered exponential backoff between attempts, seconds (default 0.05)")
+    route.add_argument("--max-retry-wait", type=float,
+                       help="longest Retry-After (from a 429/503) the proxy waits out to retry; a longer one is relayed "
+                            "to the client (default 2)")
     route.add_argument("--health-check-interval", type=float, help="seconds between active health checks; 0 disables (default 5)")
     route.add_argument("--health-check-timeout", type=float, help="seconds a health check may take (default 2)")
     route.add_argument("--health-check-path", help="instance path probed by health checks (default /health)")
-    route.add_argument("--eject-after-failures", type=int, help="consecutive failures that eject an instance until a health check passes (default 3)")
+    route.add_argument("--eject-after-failures", type=int,
+                       help="consecutive failures (connect errors, timeouts, 5xx) that eject an instance; 0 disables (default 3)")
+    route.add_argument("--eject-seconds", type=float,
+                       help="how long an ejected instance stays out, times its ejections in a row (max 6x) (default 10)")
     route.add_argument("--max-inflight", type=int, help="requests served at once; 0 = unlimited (default 0)")
     route.add_argument("--max-queue", type=int, help="requests waiting for a slot beyond --max-inflight before 503 (default 1024)")
     route.add_argument("--queue-timeout", type=float, help="seconds a request may wait for a slot before 503 (default 30)")
     route.add_argument("--max-body-bytes", type=int, help="largest request body accepted; larger gets 413 (default 32 MiB)")
+    route.add_argument("--body-timeout", type=float, help="seconds a client may take to send its request body; then 408 (default 30)")
+    route.add_argument("--keep-alive-timeout", type=float,
+                       help="seconds a client connection may stay idle, or take to send its request line and headers, "
+                            "before it is closed (default 75)")
     route.add_argument("--client-kv-params", choices=("reject", "strip"),
                        help="a client's own kv_transfer_params: 'reject' with 400 or 'strip' silently; never forwarded "
                             "(default reject)")
@@ -125,6 +140,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sec.add_argument("--upstream-api-key",
                      help="key sent to instances as 'Authorization: Bearer KEY' (env OPENAI_API_KEY, as vLLM's proxies). "
                           "Without it the client's Authorization header is forwarded, unless --api-key is set")
+    sec.add_argument("--debug-endpoints", action="store_true",
+                     help="serve GET /debug/runtime (tasks, open files, connections, memory); behind --api-key when set")
 
     tel = parser.add_argument_group("telemetry")
     tel.add_argument("--no-tracing", dest="tracing", action="store_false", help="do not create spans (metrics stay on)")
@@ -319,12 +336,13 @@ def _read_config_file(path: str | None) -> dict[str, Any]:
 
 
 def _validate(s: Settings) -> None:
-    positive = ("connect_timeout", "read_timeout", "health_check_timeout", "queue_timeout", "shadow_timeout")
+    positive = ("connect_timeout", "read_timeout", "health_check_timeout", "queue_timeout", "shadow_timeout",
+                "body_timeout", "keep_alive_timeout")
     for name in positive:
         if getattr(s, name) <= 0:
             raise ConfigError(f"{name.replace('_', '-')} must be > 0")
     non_negative = ("prefill_retries", "decode_retries", "retry_backoff", "health_check_interval", "max_inflight",
-                    "max_queue", "stall_threshold", "eject_after_failures")
+                    "max_queue", "stall_threshold", "eject_after_failures", "eject_seconds", "max_retry_wait")
     for name in non_negative:
         if getattr(s, name) < 0:
             raise ConfigError(f"{name.replace('_', '-')} must be >= 0")

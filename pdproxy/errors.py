@@ -20,9 +20,11 @@ _OPENAI_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
+    431: "invalid_request_error",
 }
 
 
@@ -70,7 +72,9 @@ class ProxyError(Exception):
 
 
 class UpstreamResponse(Exception):
-    """An instance's own error answer (e.g. a 4xx) that is relayed to the client unchanged."""
+    """An instance's own error answer (a 4xx, or a 429/503 that retries did not get past), relayed
+    with its status and Retry-After. Its body is passed on when it is already an OpenAI-style error
+    object; anything else (an HTML page from a load balancer, plain text) is wrapped in one."""
 
     def __init__(self, status: int, body: bytes, content_type: str, *, stage: str, retry_after: str | None) -> None:
         super().__init__(f"{stage} instance answered {status}")
@@ -80,13 +84,45 @@ class UpstreamResponse(Exception):
         self.content_type = content_type
         self.stage = stage
         self.retry_after = retry_after
-        self.error_type = "upstream_4xx" if status < 500 else "upstream_5xx"
+        self.error_type = upstream_error_type(status)
 
     def response(self, headers: dict[str, str]) -> web.Response:
-        headers = {**headers, "Content-Type": self.content_type}
+        headers = dict(headers)
         if self.retry_after:
             headers["Retry-After"] = self.retry_after
-        return web.Response(status=self.status, body=self.body, headers=headers)
+        if _is_openai_error(self.body):
+            return web.Response(status=self.status, body=self.body, headers={**headers, "Content-Type": "application/json"})
+        snippet = self.body[:200].decode("utf-8", "replace").strip() or "(empty body)"
+        body = error_body(f"{self.message}: {snippet}", self.status, code=self.error_type)
+        return web.json_response(body, status=self.status, headers=headers)
+
+
+def upstream_error_type(status: int) -> str:
+    """The `error_type` label of an instance's own error status."""
+    if status == 429:
+        return "upstream_429"
+    if status == 503:
+        return "upstream_503"
+    return "upstream_4xx" if status < 500 else "upstream_5xx"
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """`Retry-After` as seconds; only the delta-seconds form (what vLLM and llmock send) is understood."""
+    if not value:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds < 86400 else None
+
+
+def _is_openai_error(body: bytes) -> bool:
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(obj, dict) and isinstance(obj.get("error"), (dict, str))
 
 
 def bad_request(message: str, param: str | None = None) -> ProxyError:

@@ -6,25 +6,35 @@
 Without prefill instances the request goes straight to a decode instance: the single-instance
 baseline. Every step reports to the request's `RequestTrace`; errors become `ProxyError`s that
 say which stage failed, answered as JSON before the response starts and as an SSE error event after.
+Every request ends in exactly one `trace.fail(...)` (when it failed) and always one `trace.finish()`.
+
+Retries happen only where the client cannot see them: the prefill leg, and the decode leg before
+its status line came back. A client that goes away cancels this handler (aiohttp's
+`handler_cancellation`), and with it whichever upstream request is open: closing that connection
+is how vLLM learns to abort the request and free its KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 import logging
 import random
+import re
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
-from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request
+from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, retry_after_seconds
 from pdproxy.pool import Instance, Pool
 from pdproxy.protocol import Route, check_trace_headers, decode_body, prefill_body, request_id, validate
 from pdproxy.stream import ClientGone, relay
@@ -33,6 +43,11 @@ from pdproxy.telemetry.clock import now
 
 log = logging.getLogger("pdproxy.pd")
 T = TypeVar("T")
+
+MAX_BACKOFF = 2.0  # seconds; the backoff between two attempts never exceeds this
+CLIENT_CLOSED = 499  # as the recorder's client_gone(): nginx's "client closed the request"
+_CONNECT_TIMEOUT = getattr(aiohttp, "ConnectionTimeoutError", ())  # aiohttp >= 3.10
+_DP_RANK = re.compile(r"\d{1,6}")
 
 
 class Proxy:
@@ -49,6 +64,8 @@ class Proxy:
         self.shadow = shadow
         self.timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout,
                                              sock_connect=settings.connect_timeout, sock_read=settings.read_timeout)
+        # compared as digests: equal lengths, so the comparison time says nothing about the key
+        self._key_digest = hashlib.sha256(f"Bearer {settings.api_key}".encode()).digest() if settings.api_key else None
 
     async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
         """Serve one client request: check it, mirror it if asked, forward it, answer."""
@@ -63,7 +80,8 @@ class Proxy:
             if id_error:
                 raise id_error
             check_trace_headers(request.headers)
-            self._authenticate(request)
+            self.authenticate(request)
+            self.admission.check()  # saturated: refuse before spending anything on the body
             body = await self._read_body(request, route)
             trace.set_request(body)
             headers = self._leg_headers(request, trace)
@@ -73,7 +91,10 @@ class Proxy:
                                       lambda upstream: self._respond(request, upstream, trace, reply_headers))
         except (ProxyError, UpstreamResponse) as err:
             trace.fail(err.status, err.error_type, err.message)
-            return err.response(reply_headers)
+            response = err.response(reply_headers)
+            if err.status in (408, 413):
+                response.force_close()  # the rest of that body is not worth reading
+            return response
         except asyncio.CancelledError:
             trace.client_gone()  # aiohttp cancels the handler when the client disconnects
             raise
@@ -110,89 +131,120 @@ class Proxy:
 
     async def _prefill(self, body: dict[str, Any], route: Route, trace: RequestTrace, instance: Instance,
                        headers: dict[str, str]) -> dict[str, Any] | None:
-        """Run the prefill leg (retrying elsewhere on 5xx or connection errors); return its KV coordinates."""
+        """Run the prefill leg (retried elsewhere: nothing of it reaches the client); return its KV coordinates."""
         payload = json.dumps(prefill_body(body)).encode()
         headers = {**headers, **trace.leg_headers(PREFILL)}
-        attempt = 0
-        while True:
-            attempt += 1
-            instance.inflight += 1
+
+        async def attempt(inst: Instance, tries: int) -> tuple[dict[str, Any] | None, int] | _Failure:
+            inst.inflight += 1
             try:
-                async with self.session.post(instance.url + route.path, data=payload, headers=headers,
+                async with self.session.post(inst.url + route.path, data=payload, headers=headers,
                                              timeout=self.timeout) as resp:
                     raw = await resp.read()
-                    status, content_type = resp.status, resp.headers.get("Content-Type", "application/json")
-                    retry_after = resp.headers.get("Retry-After")
-            except TimeoutError:
-                err = ProxyError(504, f"prefill instance {instance.address} timed out", error_type="timeout",
-                                 stage=PREFILL)
-            except (aiohttp.ClientError, OSError) as exc:
-                err = ProxyError(503, f"prefill instance {instance.address} is unreachable ({type(exc).__name__})",
-                                 error_type="connect_error", stage=PREFILL)
-            else:
-                if status < 300:
-                    self.prefill.succeeded(instance)
-                    kv_params = _kv_params(raw, instance)
-                    trace.prefill_done(instance.address, status, attempt, "received" if kv_params else "missing")
-                    return kv_params
-                if status < 500:
-                    raise UpstreamResponse(status, raw, content_type, stage=PREFILL, retry_after=retry_after)
-                err = ProxyError(502, f"prefill instance {instance.address} answered {status}: {_message(raw)}",
-                                 error_type="upstream_5xx", stage=PREFILL)
+            except (aiohttp.ClientError, OSError) as exc:  # TimeoutError is an OSError
+                return _transport_failure(PREFILL, inst, exc)
             finally:
-                instance.inflight -= 1
-            self.prefill.failed(instance)
-            if attempt > self.settings.prefill_retries:
-                raise err
-            await self._backoff(attempt)
-            instance = self.prefill.choose(exclude=instance)
+                inst.inflight -= 1
+            if resp.status >= 300:
+                return _status_failure(PREFILL, inst, resp.status, resp.headers, raw)
+            try:
+                return _kv_params(raw, inst), resp.status
+            except ProxyError as err:
+                return _Failure(err)  # a broken answer: another instance may do better
+
+        (kv_params, status), instance, tries = await self._retrying(self.prefill, instance,
+                                                                    self.settings.prefill_retries, attempt)
+        trace.prefill_done(instance.address, status, tries, "received" if kv_params else "missing")
+        return kv_params
 
     # -- the decode leg --------------------------------------------------------------------
 
     async def _open_decode(self, body: dict[str, Any], kv_params: dict[str, Any] | None, route: Route,
                            trace: RequestTrace, instance: Instance,
                            headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, Instance]:
-        """Send the decode leg and wait for a 2xx status line; nothing has reached the client yet, so
-        5xx answers and connection errors may still be retried on another instance."""
-        payload = json.dumps(decode_body(body, kv_params)).encode()
+        """Send the decode leg and wait for a 2xx status line. Nothing has reached the client yet, so
+        failures may still be retried on another instance.
+
+        A retry re-sends the prefill's `kv_transfer_params` only when the failed attempt never reached
+        its instance (connection refused). Once a decode has seen them it may have pulled the KV, and
+        the prefill may have released its blocks; a second decode reading them could fail again or read
+        blocks already reused. So the retry goes out without them and that decode computes the prompt
+        itself — vLLM's own `kv_load_failure_policy=recompute`, moved one instance over.
+        """
         headers = {**headers, **trace.leg_headers(DECODE)}
-        attempt = 0
-        while True:
-            attempt += 1
-            instance.inflight += 1
-            trace.decode_sent(instance.address)
+        kv = kv_params
+
+        async def attempt(inst: Instance, tries: int) -> aiohttp.ClientResponse | _Failure:
+            nonlocal kv
+            if kv is None and kv_params is not None:
+                trace.kv_params = "recomputed"
+            payload = json.dumps(decode_body(body, kv)).encode()
+            inst.inflight += 1
+            handed_over = False  # a 2xx answer and the in-flight count go to the caller
+            trace.decode_sent(inst.address)
             try:
-                upstream = await self.session.post(instance.url + route.path, data=payload, headers=headers,
-                                                   timeout=self.timeout)
-            except TimeoutError:
-                err = ProxyError(504, f"decode instance {instance.address} timed out", error_type="timeout",
-                                 stage=DECODE)
-            except (aiohttp.ClientError, OSError) as exc:
-                err = ProxyError(503, f"decode instance {instance.address} is unreachable ({type(exc).__name__})",
-                                 error_type="connect_error", stage=DECODE)
-            else:
-                trace.decode_headers(upstream.status)
-                if upstream.status < 300:
-                    self.decode.succeeded(instance)
-                    return upstream, instance  # the caller releases it and the instance's in-flight count
                 try:
-                    raw = await upstream.read()
-                except (aiohttp.ClientError, TimeoutError):
-                    raw = b""
-                finally:
-                    upstream.release()
-                if upstream.status < 500:
-                    instance.inflight -= 1
-                    raise UpstreamResponse(upstream.status, raw, upstream.headers.get("Content-Type", "application/json"),
-                                           stage=DECODE, retry_after=upstream.headers.get("Retry-After"))
-                err = ProxyError(502, f"decode instance {instance.address} answered {upstream.status}: {_message(raw)}",
-                                 error_type="upstream_5xx", stage=DECODE)
-            instance.inflight -= 1
-            self.decode.failed(instance)
-            if attempt > self.settings.decode_retries:
-                raise err
-            await self._backoff(attempt)
-            instance = self.decode.choose(exclude=instance)
+                    upstream = await self.session.post(inst.url + route.path, data=payload, headers=headers,
+                                                       timeout=self.timeout)
+                except (aiohttp.ClientError, OSError) as exc:
+                    failure = _transport_failure(DECODE, inst, exc)
+                else:
+                    trace.decode_headers(upstream.status)
+                    if upstream.status < 300:
+                        handed_over = True
+                        return upstream
+                    try:
+                        raw = await upstream.read()
+                    except (aiohttp.ClientError, OSError):
+                        raw = b""
+                    finally:
+                        upstream.close()
+                    failure = _status_failure(DECODE, inst, upstream.status, upstream.headers, raw,
+                                              kv_sent=kv is not None)
+            finally:
+                if not handed_over:
+                    inst.inflight -= 1  # also when the client's disconnect cancels us here
+            if failure.reached:
+                kv = None
+            return failure
+
+        upstream, instance, _ = await self._retrying(self.decode, instance, self.settings.decode_retries, attempt)
+        return upstream, instance
+
+    # -- retries ---------------------------------------------------------------------------
+
+    async def _retrying(self, pool: Pool, instance: Instance, retries: int,
+                        attempt: Callable[[Instance, int], Awaitable[T | _Failure]]) -> tuple[T, Instance, int]:
+        """Try `instance`, then others while the failure allows it: at most `retries` more attempts,
+        each after a jittered exponential backoff. An instance that answered 429/503 with Retry-After
+        is held for that long; when only held instances are left, the proxy waits for one if that is
+        at most --max-retry-wait, else the client gets the instance's answer and its Retry-After."""
+        tries = 0
+        while True:
+            tries += 1
+            outcome = await attempt(instance, tries)
+            if not isinstance(outcome, _Failure):
+                pool.succeeded(instance)
+                return outcome, instance, tries
+            if outcome.hold is not None:
+                pool.hold(instance, outcome.hold)
+            if outcome.outlier:
+                pool.failed(instance)
+            if not outcome.retry or tries > retries:
+                raise outcome.error
+            try:
+                instance = pool.choose(exclude=instance)
+            except ProxyError:
+                raise outcome.error from None
+            held = pool.wait_for(instance)
+            if held > self.settings.max_retry_wait:
+                raise outcome.error
+            await asyncio.sleep(max(held, self._backoff(tries)))
+
+    def _backoff(self, attempt: int) -> float:
+        """Exponential in the attempt, jittered ±50 % so that retries of many requests spread out."""
+        delay = self.settings.retry_backoff * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
+        return min(delay, MAX_BACKOFF)
 
     async def _respond(self, request: web.Request, upstream: aiohttp.ClientResponse, trace: RequestTrace,
                        reply_headers: dict[str, str]) -> web.StreamResponse:
@@ -207,7 +259,11 @@ class Proxy:
             except aiohttp.ClientError as exc:
                 raise ProxyError(502, f"decode instance broke its response ({type(exc).__name__})",
                                  error_type="stream_broken", stage=DECODE) from None
+            malformed = trace.scan.malformed
             trace.scan.feed_whole(raw, now())
+            if trace.scan.malformed > malformed and upstream.status < 300:
+                raise ProxyError(502, "decode instance sent a response that is not valid JSON",
+                                 error_type="invalid_response", stage=DECODE)
             return web.Response(status=upstream.status, body=raw,
                                 headers={**reply_headers, "Content-Type": content_type})
 
@@ -227,27 +283,40 @@ class Proxy:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _authenticate(self, request: web.Request) -> None:
-        key = self.settings.api_key
-        if not key:
+    def authenticate(self, request: web.Request) -> None:
+        """Check the client's API key (when --api-key is set); also guards the debug endpoint."""
+        if self._key_digest is None:
             return
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(hashlib.sha256(given).digest(), self._key_digest):
             raise ProxyError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                              error_type="unauthorized")
 
     async def _read_body(self, request: web.Request, route: Route) -> dict[str, Any]:
+        """The body as a checked JSON object, read within --body-timeout and --max-body-bytes."""
+        limit = self.settings.max_body_bytes
+        too_large = ProxyError(413, f"request body is larger than {limit} bytes", error_type="body_too_large")
+        if request.content_length is not None and request.content_length > limit:
+            raise too_large  # said so up front: not one byte of it is read
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.settings.body_timeout):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise ProxyError(413, f"request body is larger than {self.settings.max_body_bytes} bytes",
-                             error_type="body_too_large") from None
+            raise too_large from None
+        except TimeoutError:
+            raise ProxyError(408, f"request body not received within {self.settings.body_timeout:g}s",
+                             error_type="body_timeout") from None
+        except RequestPayloadError as exc:
+            raise bad_request(f"request body is malformed ({exc})") from None
+        except ConnectionError:
+            raise ProxyError(CLIENT_CLOSED, "client closed the connection while sending its body",
+                             error_type="client_disconnect") from None
         if not raw.strip():
             raise bad_request("request body is empty; send a JSON object")
         try:
             body = json.loads(raw)
-        except ValueError as exc:
-            raise bad_request(f"request body is not valid JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:
+            raise bad_request(f"request body is not valid JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
         return validate(body, route, self.settings.client_kv_params)
 
     def _leg_headers(self, request: web.Request, trace: RequestTrace) -> dict[str, str]:
@@ -260,24 +329,87 @@ class Proxy:
             headers["Authorization"] = request.headers["Authorization"]
         rank = request.headers.get("X-data-parallel-rank")
         if rank is not None:
-            headers["X-data-parallel-rank"] = rank
+            if not _DP_RANK.fullmatch(rank.strip()):
+                raise bad_request("X-data-parallel-rank must be a non-negative integer", param="X-data-parallel-rank")
+            headers["X-data-parallel-rank"] = rank.strip()
         return headers
 
-    async def _backoff(self, attempt: int) -> None:
-        await asyncio.sleep(self.settings.retry_backoff * 2 ** (attempt - 1) * random.uniform(0.5, 1.5))
+
+
+@dataclass
+class _Failure:
+    """One failed attempt at a leg: what the client gets if it stays failed, and what may be done about it."""
+
+    error: ProxyError | UpstreamResponse
+    retry: bool = True  # may another attempt help?
+    outlier: bool = True  # counts towards the instance's passive ejection
+    hold: float | None = None  # the instance asked for this many seconds of peace (Retry-After)
+    reached: bool = True  # the instance got the request (a decode may have used its KV coordinates)
+
+
+def _transport_failure(role: str, instance: Instance, exc: BaseException) -> _Failure:
+    where = f"{role} instance {instance.address}"
+    if isinstance(exc, _CONNECT_TIMEOUT):
+        return _Failure(ProxyError(504, f"{where} did not accept a connection in time", error_type="connect_timeout",
+                                   stage=role), reached=False)
+    if isinstance(exc, TimeoutError):
+        return _Failure(ProxyError(504, f"{where} timed out", error_type="timeout", stage=role))
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return _Failure(ProxyError(503, f"{where} is unreachable ({type(exc).__name__})", error_type="connect_error",
+                                   stage=role), reached=False)
+    return _Failure(ProxyError(502, f"{where} dropped the connection before answering ({type(exc).__name__})",
+                               error_type="upstream_disconnect", stage=role))
+
+
+def _status_failure(role: str, instance: Instance, status: int, headers: Any, raw: bytes,
+                    kv_sent: bool = False) -> _Failure:
+    """An error status from an instance. 429, and 503 with Retry-After, mean "busy": retried elsewhere
+    without counting against the instance. Other 4xx are the request's fault: relayed at once. 5xx
+    are the instance's fault: retried, counted, and a 502 naming the instance if they persist."""
+    retry_after = headers.get("Retry-After")
+    advised = retry_after_seconds(retry_after)
+    content_type = headers.get("Content-Type", "application/json")
+    if status == 429 or (status == 503 and advised is not None):
+        return _Failure(UpstreamResponse(status, raw, content_type, stage=role, retry_after=retry_after),
+                        outlier=False, hold=advised)
+    if status < 500:
+        return _Failure(UpstreamResponse(status, raw, content_type, stage=role, retry_after=retry_after),
+                        retry=False, outlier=False)
+    message = _message(raw)
+    if kv_sent and _is_kv_load_failure(message):
+        return _Failure(ProxyError(502, f"{role} instance {instance.address} could not load the prompt's KV cache "
+                                        f"({status}: {message})", error_type="kv_load_failed", stage=role))
+    return _Failure(ProxyError(502, f"{role} instance {instance.address} answered {status}: {message}",
+                               error_type="upstream_5xx", stage=role))
+
+
+def _is_kv_load_failure(message: str) -> bool:
+    """vLLM ends a request whose KV pull failed with HTTP 500 (kv_load_failure_policy=fail); its message
+    names the KV load. Told apart only for the error type: every decode 5xx is retried the same way."""
+    text = message.lower()
+    return "kv" in text and any(word in text for word in ("load", "transfer", "pull", "recv"))
+
+
+_missing_kv_warned: set[str] = set()
 
 
 def _kv_params(raw: bytes, instance: Instance) -> dict[str, Any] | None:
-    """The prefill's `kv_transfer_params`; None when it sent none (the decode then prefills locally)."""
+    """The prefill's `kv_transfer_params`; None when it sent none (the decode then prefills locally;
+    connectors such as LMCache and Mooncake never send any, so this is a warning once, not an error)."""
     try:
         answer = json.loads(raw)
     except ValueError:
         raise ProxyError(502, f"prefill instance {instance.address} sent a response that is not JSON",
                          error_type="invalid_prefill_response", stage=PREFILL) from None
-    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    if not isinstance(answer, dict):
+        raise ProxyError(502, f"prefill instance {instance.address} sent a response that is not a JSON object",
+                         error_type="invalid_prefill_response", stage=PREFILL)
+    params = answer.get("kv_transfer_params")
     if params is None or params == {}:
-        log.warning("prefill instance %s returned no kv_transfer_params; decode will recompute the prompt",
-                    instance.address)
+        if instance.address not in _missing_kv_warned:
+            _missing_kv_warned.add(instance.address)
+            log.warning("prefill instance %s returned no kv_transfer_params; decodes will compute the prompt "
+                        "themselves (traces say pd.kv_transfer_params=missing)", instance.address)
         return None
     if not isinstance(params, dict):
         raise ProxyError(502, f"prefill instance {instance.address} sent malformed kv_transfer_params",

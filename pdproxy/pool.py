@@ -1,8 +1,17 @@
 """Instances, their health, and how one is chosen for each leg.
 
-Health has two sources: an active probe (`GET /health` every few seconds) and passive outlier
-detection (consecutive connection errors or 5xx answers eject an instance). An ejected instance
-is skipped until a probe succeeds again; with probes disabled it is re-admitted after a cool-off.
+An instance is in rotation when three things hold:
+* its last active health check passed (`GET /health` every few seconds; always true with checks off);
+* it is not passively ejected: `eject_after` consecutive failures (connection errors, timeouts, 5xx)
+  take it out for `eject_seconds` × the number of ejections in a row (capped at 6×), so a flapping
+  instance stays out longer each time. A passing health check does not shorten an ejection: an
+  instance can answer `/health` and still fail every request (a broken KV connector does);
+* it has not asked to be left alone: a 429/503 with `Retry-After` holds it until then. That is
+  load, not a fault, so it does not count towards ejection.
+
+When no instance of a role is in rotation, the ones that pass their health check are used anyway
+(panic routing, as Envoy does): refusing every request because each instance failed a few times
+would turn a blip into an outage. Only when none passes its health check is the request refused.
 """
 
 from __future__ import annotations
@@ -20,7 +29,9 @@ from pdproxy.errors import ProxyError
 log = logging.getLogger("pdproxy.pool")
 
 PREFILL, DECODE = "prefill", "decode"
-EJECTION_COOL_OFF = 10.0  # seconds; used only when active health checks are off
+EJECT_SECONDS = 10.0
+MAX_EJECTION_MULTIPLIER = 6
+MAX_HOLD_SECONDS = 60.0  # a Retry-After of an hour must not take an instance out for an hour
 
 
 @dataclass(eq=False)
@@ -28,9 +39,11 @@ class Instance:
     url: str
     role: str
     inflight: int = 0
-    healthy: bool = True
+    probe_ok: bool = True  # last active health check; stays True when checks are off
     consecutive_failures: int = 0
-    ejected_at: float = 0.0
+    ejections: int = 0  # passive ejections in a row; reset by a success after re-admission
+    ejected_until: float = 0.0  # monotonic; passively ejected until then
+    held_until: float = 0.0  # monotonic; the instance asked (Retry-After) not to get requests until then
     host: str = field(init=False)
     port: int = field(init=False)
 
@@ -43,17 +56,25 @@ class Instance:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def healthy(self) -> bool:
+        """Passes its health check and is not passively ejected (what /status and the gauge report)."""
+        return self.probe_ok and time.monotonic() >= self.ejected_until
+
+    def available(self, now: float) -> bool:
+        return self.probe_ok and now >= self.ejected_until and now >= self.held_until
+
 
 class Pool:
-    """The instances of one role and the policy that picks among the healthy ones."""
+    """The instances of one role and the policy that picks among those in rotation."""
 
     def __init__(self, role: str, urls: list[str], policy: str = "round_robin", eject_after: int = 3,
-                 cool_off: float | None = EJECTION_COOL_OFF) -> None:
+                 eject_seconds: float = EJECT_SECONDS) -> None:
         self.role = role
         self.instances = [Instance(url, role) for url in urls]
         self.policy = policy
-        self.eject_after = eject_after
-        self.cool_off = cool_off  # None: only a passing health check re-admits
+        self.eject_after = eject_after  # 0 disables passive ejection
+        self.eject_seconds = eject_seconds
         self._next = 0
 
     def __len__(self) -> int:
@@ -61,15 +82,16 @@ class Pool:
 
     def choose(self, exclude: Instance | None = None) -> Instance:
         """Pick an instance; `exclude` steers a retry away from the one that just failed."""
-        self._readmit_cooled_off()
-        candidates = [i for i in self.instances if i.healthy and i is not exclude]
-        if not candidates and exclude is not None and exclude.healthy:
+        now = time.monotonic()
+        others = [i for i in self.instances if i is not exclude]
+        candidates = [i for i in others if i.available(now)]
+        if not candidates:  # panic routing: everything is out of rotation; try what still answers /health
+            candidates = [i for i in others if i.probe_ok]
+        if not candidates and exclude is not None and exclude.probe_ok:
             candidates = [exclude]
         if not candidates:
-            raise ProxyError(
-                503, f"no healthy {self.role} instance available", error_type="no_healthy_instance", stage=self.role,
-                retry_after=1,
-            )
+            raise ProxyError(503, f"no healthy {self.role} instance available (all fail their health checks)",
+                             error_type="no_healthy_instance", stage=self.role, retry_after=1)
         start = self._next % len(candidates)
         self._next += 1
         if self.policy == "least_inflight":
@@ -77,29 +99,37 @@ class Pool:
             return min(rotated, key=lambda i: i.inflight)
         return candidates[start]
 
+    @staticmethod
+    def wait_for(instance: Instance) -> float:
+        """Seconds until `instance` said it would take requests again (0 when it never said)."""
+        return max(0.0, instance.held_until - time.monotonic())
+
     def succeeded(self, instance: Instance) -> None:
         instance.consecutive_failures = 0
+        instance.ejections = 0
 
     def failed(self, instance: Instance) -> None:
-        """A connection error or 5xx: eject after `eject_after` in a row (0 disables passive ejection)."""
+        """A connection error, timeout or 5xx: eject after `eject_after` in a row."""
         instance.consecutive_failures += 1
-        if self.eject_after and instance.consecutive_failures >= self.eject_after and instance.healthy:
-            instance.healthy = False
-            instance.ejected_at = time.monotonic()
-            log.warning("ejecting %s instance %s after %d consecutive failures", self.role, instance.url,
-                        instance.consecutive_failures)
-
-    def _readmit_cooled_off(self) -> None:
-        if self.cool_off is None:
+        if not self.eject_after or instance.consecutive_failures < self.eject_after:
             return
         now = time.monotonic()
-        for inst in self.instances:
-            if not inst.healthy and now - inst.ejected_at > self.cool_off:
-                inst.healthy, inst.consecutive_failures = True, 0
+        if now < instance.ejected_until:
+            return  # already out (a request that was in flight when it was ejected)
+        instance.ejections += 1
+        period = self.eject_seconds * min(instance.ejections, MAX_EJECTION_MULTIPLIER)
+        instance.ejected_until = now + period
+        instance.consecutive_failures = 0
+        log.warning("ejecting %s instance %s for %.0fs after %d consecutive failures (ejection #%d in a row)",
+                    self.role, instance.url, period, self.eject_after, instance.ejections)
+
+    def hold(self, instance: Instance, seconds: float) -> None:
+        """The instance answered 429/503 with Retry-After: send it nothing until then."""
+        instance.held_until = max(instance.held_until, time.monotonic() + min(seconds, MAX_HOLD_SECONDS))
 
 
 class HealthChecker:
-    """Probes every instance of the given pools and flips their `healthy` flag."""
+    """Probes every instance of the given pools and sets their `probe_ok` flag."""
 
     def __init__(self, pools: list[Pool], session: aiohttp.ClientSession, path: str, interval: float, timeout: float,
                  headers: dict[str, str] | None = None) -> None:
@@ -110,8 +140,6 @@ class HealthChecker:
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.headers = headers or {}
         self._task: asyncio.Task | None = None
-        for pool in pools:
-            pool.cool_off = None  # re-admission is this checker's job now
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="health-checker")
@@ -138,9 +166,8 @@ class HealthChecker:
                 ok = resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             ok = False
-        if ok and not inst.healthy:
-            log.info("%s instance %s is healthy again", pool.role, inst.url)
-            inst.healthy, inst.consecutive_failures = True, 0
-        elif not ok and inst.healthy:
+        if ok and not inst.probe_ok:
+            log.info("%s instance %s passes its health check again", pool.role, inst.url)
+        elif not ok and inst.probe_ok:
             log.warning("%s instance %s failed its health check", pool.role, inst.url)
-            inst.healthy, inst.ejected_at = False, time.monotonic()
+        inst.probe_ok = ok

@@ -16,6 +16,7 @@ from pdproxy import __version__
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
 from pdproxy.errors import ProxyError, error_body
+from pdproxy.listener import handler_options, listen
 from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, HealthChecker, Pool
 from pdproxy.protocol import CHAT, COMPLETIONS
@@ -37,6 +38,10 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/status", status)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
+    if settings.debug_endpoints:
+        from pdproxy.runtime import runtime
+
+        app.router.add_get("/debug/runtime", runtime)
     return app
 
 
@@ -46,8 +51,10 @@ async def _lifecycle(app: web.Application, settings: Settings):
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",))
     eject = settings.eject_after_failures
-    prefill = Pool(PREFILL, settings.prefill_urls, settings.prefill_policy, eject) if settings.prefill_urls else None
-    decode = Pool(DECODE, settings.decode_urls, settings.decode_policy, eject)
+    eject_s = settings.eject_seconds
+    prefill = (Pool(PREFILL, settings.prefill_urls, settings.prefill_policy, eject, eject_s)
+               if settings.prefill_urls else None)
+    decode = Pool(DECODE, settings.decode_urls, settings.decode_policy, eject, eject_s)
     pools = [p for p in (prefill, decode) if p is not None]
     admission = Admission(settings.max_inflight, settings.max_queue, settings.queue_timeout)
     recorder.metrics.watch(
@@ -213,15 +220,15 @@ def _run_worker(settings: Settings, sock: socket.socket) -> int:
 
 async def _serve_forever(settings: Settings, sock: socket.socket) -> int:
     app = create_app(settings)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE, **handler_options(settings))
     await runner.setup()
-    site = web.SockSite(runner, sock)
-    await site.start()
+    listening = await listen(runner, sock, settings)  # JSON errors and deadlines (pdproxy/listener.py)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    listening.close()
     await runner.cleanup()
     return 0
 

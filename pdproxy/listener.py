@@ -1,0 +1,74 @@
+"""The listening socket: aiohttp's HTTP protocol with deadlines, and JSON errors for unparsable requests.
+
+Two things aiohttp's defaults do not give a proxy on the serving path:
+
+* A deadline for the request head. aiohttp closes a connection that is idle (or still sending its
+  request line and headers) after `keepalive_timeout`, 3630 s by default; `--keep-alive-timeout`
+  (75 s, nginx's default) bounds how long a slowloris client holds a connection. The body has its
+  own deadline, `--body-timeout`, enforced by the request handler.
+* An answer in OpenAI's error shape for requests that never reach a handler: a request line or
+  header that is too long, too many headers, or bytes that are not HTTP. aiohttp answers those with
+  a text page and logs a traceback per request; here they get a JSON error body, 431 for oversized
+  headers (400 otherwise), and one log line at debug level, so hostile input cannot flood the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+
+from pdproxy.config import Settings
+from pdproxy.errors import error_body
+
+log = logging.getLogger("pdproxy.listener")
+
+MAX_LINE_SIZE = 8190  # request line and each header line, bytes (aiohttp's default)
+MAX_FIELD_SIZE = 8190
+MAX_HEADERS = 128
+
+
+def handler_options(settings: Settings) -> dict[str, Any]:
+    """Keyword arguments for aiohttp's request handler (also given to the AppRunner)."""
+    return {"keepalive_timeout": settings.keep_alive_timeout, "max_line_size": MAX_LINE_SIZE,
+            "max_field_size": MAX_FIELD_SIZE, "max_headers": MAX_HEADERS, "access_log": None}
+
+
+class JsonErrorProtocol(web.RequestHandler):
+    """aiohttp's protocol, answering requests it cannot parse in OpenAI's error shape."""
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # part of a response is out: nothing more can be said
+            raise ConnectionError("response already started")
+        if isinstance(exc, HttpProcessingError):
+            text = "request headers are too large" if _headers_too_large(exc) else "malformed HTTP request"
+            if _headers_too_large(exc):
+                status = 431
+            log.debug("refused a request from %s: %s (%s)", request.remote, text, exc.__class__.__name__)
+            detail = f"{text} (limits: {MAX_LINE_SIZE} bytes per line, {MAX_HEADERS} headers)"
+        else:
+            status = 500
+            log.error("error handling a request from %s: %r", request.remote, exc)
+            detail = "internal proxy error"
+        response = web.json_response(error_body(detail, status), status=status)
+        response.force_close()
+        return response
+
+
+def _headers_too_large(exc: HttpProcessingError) -> bool:
+    return isinstance(exc, LineTooLong) or "too many headers" in str(exc).lower()
+
+
+async def listen(runner: web.AppRunner, sock: socket.socket, settings: Settings) -> asyncio.AbstractServer:
+    """Serve `runner`'s application on `sock` with `JsonErrorProtocol`. Close the returned server
+    before `runner.cleanup()`, which then shuts the open connections down gracefully."""
+    loop = asyncio.get_running_loop()
+    server = runner.server
+    assert server is not None, "runner.setup() first"
+    options = handler_options(settings)
+    return await loop.create_server(lambda: JsonErrorProtocol(server, loop=loop, **options), sock=sock, backlog=4096)

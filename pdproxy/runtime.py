@@ -1,0 +1,67 @@
+"""`GET /debug/runtime` (only with --debug-endpoints): what the process holds, for leak checks.
+
+Counts that should return to their idle values once traffic stops: asyncio tasks, open file
+descriptors and sockets, requests in flight per instance, and resident memory. It says nothing
+about requests or their content, and sits behind the API key when one is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+
+from aiohttp import web
+
+from pdproxy.errors import ProxyError
+
+
+def snapshot(proxy) -> dict:
+    fds = _fd_kinds()
+    pools = [p for p in (proxy.prefill, proxy.decode) if p is not None]
+    return {
+        "tasks": len(asyncio.all_tasks()),
+        "open_fds": sum(fds.values()),
+        "sockets": fds.get("socket", 0),
+        "rss_bytes": _rss_bytes(),
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "inflight_requests": proxy.admission.inflight,
+        "queued_requests": proxy.admission.waiting,
+        "instance_inflight": {f"{p.role}:{i.address}": i.inflight for p in pools for i in p.instances},
+        "shadow_tasks": len(proxy.shadow.tasks) if proxy.shadow is not None else 0,
+    }
+
+
+async def runtime(request: web.Request) -> web.Response:
+    from pdproxy.server import PROXY_KEY
+
+    proxy = request.app[PROXY_KEY]
+    try:
+        proxy.authenticate(request)
+    except ProxyError as err:
+        return err.response()
+    return web.json_response(snapshot(proxy))
+
+
+def _fd_kinds() -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return kinds
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        kind = target.split(":", 1)[0] if target.startswith(("socket:", "pipe:", "anon_inode:")) else "file"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
