@@ -4,6 +4,13 @@ The bytes go to the client exactly as the instance sent them; the scanner only r
 learn when each token-bearing event arrived, how many tokens it carried (when the stream reports
 `usage` on every chunk) and what the response said about itself (id, usage, finish reasons,
 vLLM's per-request `metrics`, an in-band error).
+
+Speed: a streamed event is read without a JSON parse when it has vLLM's compact shape and says
+nothing but "one choice, this text" (optionally with a flat `usage`): that is every event of a
+stream except the first (its id), the last ones (finish reason, final usage, `[DONE]`) and
+anything unusual, which all take the full parse. A read that brings many such events at once is
+counted with a handful of `bytes.count` calls. `ResponseScan(fast=False)` is the reference that
+always parses; the tests check that both agree.
 """
 
 from __future__ import annotations
@@ -17,6 +24,15 @@ from aiohttp import web
 
 from pdproxy.errors import DECODE, ProxyError
 
+# Any of these in an event means it may say more than "one choice, this text": parse it. False
+# positives (the bytes inside a token's text) only cost a parse. `": ` catches JSON that is not
+# in the compact form the byte checks below assume.
+_NEEDS_PARSE = (b'"finish_reason":"', b'"error":', b'"metrics":', b'"tool_calls":', b'"reasoning', b'": ', b'" :')
+_USAGE = b'"usage":{'
+_COMPLETION_TOKENS = b'"completion_tokens":'
+_DATA = b"data: {"
+_ONE_CHOICE = b'"choices":[{'
+
 
 class ClientGone(Exception):
     """The client closed its connection while we were writing to it."""
@@ -25,33 +41,109 @@ class ClientGone(Exception):
 class ResponseScan:
     """What the proxy learns from one response, streamed or not."""
 
-    def __init__(self, chat: bool) -> None:
+    def __init__(self, chat: bool, fast: bool = True) -> None:
         self.chat = chat
+        self.fast = fast
         self.chunk_times: list[int] = []  # monotonic ns of each token-bearing event
         self.chunk_tokens: list[int] = []  # tokens each carried; 0 when the stream did not say
         self.response_id: str | None = None
         self.finish_reasons: list[str] = []
-        self.usage: dict[str, Any] | None = None
         self.server_metrics: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
         self.done = False  # saw `data: [DONE]`
         self.malformed = 0
+        self._usage: dict[str, Any] | None = None
+        self._usage_raw: bytes | None = None  # latest usage seen by the fast path, parsed on demand
         self._buffer = b""
         self._completion_tokens = 0
+        self._text_key = b'"content":"' if chat else b'"text":"'
+        self._empty_text = self._text_key + b'"'
 
     @property
     def first_token_ns(self) -> int | None:
         return self.chunk_times[0] if self.chunk_times else None
 
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        if self._usage_raw is not None:
+            try:
+                self._usage = json.loads(self._usage_raw)
+            except ValueError:
+                self._usage = None
+            self._usage_raw = None
+        return self._usage
+
+    @usage.setter
+    def usage(self, value: dict[str, Any] | None) -> None:
+        self._usage, self._usage_raw = value, None
+
     # -- streamed responses -------------------------------------------------------------
 
     def feed(self, data: bytes, now_ns: int) -> None:
-        buffer = self._buffer + data
+        buffer = self._buffer + data if self._buffer else data
         if b"\r" in buffer:
             buffer = buffer.replace(b"\r\n", b"\n")
-        *events, self._buffer = buffer.split(b"\n\n")
-        for event in events:
-            self._event(event, now_ns)
+        cut = buffer.rfind(b"\n\n")
+        if cut < 0:
+            self._buffer = buffer
+            return
+        self._buffer = buffer[cut + 2:]
+        complete = buffer[:cut]
+        if self.fast and self.response_id is not None:
+            bearing = self._count_plain(complete)
+            if bearing is not None:
+                if bearing:
+                    self.chunk_times.extend([now_ns] * bearing)
+                    self.chunk_tokens.extend([0] * bearing)
+                return
+        for event in complete.split(b"\n\n"):
+            if not (self.fast and self.response_id is not None and self._plain_event(event, now_ns)):
+                self._event(event, now_ns)
+
+    def _count_plain(self, events: bytes) -> int | None:
+        """Token-bearing events among `events` (complete events joined by blank lines) when every one
+        of them is a single compact `data: {...}` line with one choice, no usage and nothing else worth
+        a parse; None otherwise."""
+        n = events.count(b"\n\n") + 1
+        if (events.count(_DATA) != n or events.count(b"\n") != 2 * (n - 1) or not events.startswith(_DATA)
+                or not events.endswith(b"}") or events.count(b"}\n\n") != n - 1
+                or events.count(_ONE_CHOICE) != n or events.count(self._text_key) != n or _USAGE in events):
+            return None
+        for marker in _NEEDS_PARSE:
+            if marker in events:
+                return None
+        return n - events.count(self._empty_text)
+
+    def _plain_event(self, event: bytes, now_ns: int) -> bool:
+        """One compact event with one choice and at most a flat `usage` object; False: parse it instead."""
+        if (not event.startswith(_DATA) or not event.endswith(b"}") or b"\n" in event
+                or event.count(_ONE_CHOICE) != 1 or event.count(self._text_key) != 1):
+            return False
+        for marker in _NEEDS_PARSE:
+            if marker in event:
+                return False
+        bearing = self._empty_text not in event
+        tokens = 0
+        at = event.find(_USAGE)
+        if at >= 0:
+            end = event.find(b"}", at)
+            usage = event[at + 8:end + 1]
+            counted = usage.find(_COMPLETION_TOKENS)
+            if b"{" in usage[1:] or counted < 0 or event.count(_USAGE) != 1:
+                return False
+            digits = usage[counted + len(_COMPLETION_TOKENS):].split(b",", 1)[0].split(b"}", 1)[0]
+            if not digits.isdigit():
+                return False
+            self._usage_raw = usage
+            completion = int(digits)
+            if completion > self._completion_tokens:
+                tokens = completion - self._completion_tokens
+                self._completion_tokens = completion
+                bearing = True  # a choice whose text the detokenizer holds back is a token all the same
+        if bearing:
+            self.chunk_times.append(now_ns)
+            self.chunk_tokens.append(tokens)
+        return True
 
     def _event(self, event: bytes, now_ns: int) -> None:
         for line in event.split(b"\n"):

@@ -1,0 +1,538 @@
+"""Proxy overhead benchmark: pdproxy (tracing on and off) vs vllm-router vs vLLM's toy proxy vs direct.
+
+One run, one machine, the same zero-delay upstreams and the same bounded load for every target,
+one target at a time:
+
+  direct        the load generator straight to the decode instance: the physical limit
+  pdproxy       tracing on, exporting every span over OTLP/HTTP to a real receiver (oteltap)
+  pdproxy-off   --no-tracing (metrics stay on)
+  vllm-router   PyPI vllm-router in P/D mode (round_robin), installed when missing
+  toy-proxy     vLLM's toy_proxy_server.py, fetched from vLLM's sdist at run time (never committed)
+
+Phases per target (`benchmarks/zero_upstream.py` upstreams, `benchmarks/loadgen.py` client):
+  1. saturation, long streams: closed loop, zero-delay decode -> streamed chunks/s, CPU s per 1,000 chunks
+  2. saturation, short streams: closed loop -> requests/s
+  3. latency at concurrency 1, 64 and 256: the decode paces its tokens (one engine step every
+     --itl-ms for all streams, as vLLM does) so the offered load is the same for every target and
+     "added latency" means the proxy's own: TTFT and ITL percentiles at the client minus direct's
+  4. hold: --hold-streams concurrent slow streams opened at once; errors and RSS growth per 1,000
+
+CPU: on a 2-core machine the proxy under test is pinned to CPU 1 and everything else (load generator,
+upstreams, OTLP receiver) to CPU 0, so each proxy gets one whole core (vllm-router's tokio runtime
+sizes itself to that one core too). CPU seconds are read from /proc for the proxy's process tree.
+The direct row shows the load generator's own ceiling against a trivial (zero-delay) endpoint.
+
+Run (see README "Benchmarks"):  python benchmarks/overhead.py [--quick] [--targets ...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import peers  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+
+HOST = "127.0.0.1"
+TARGETS = ("direct", "pdproxy", "pdproxy-off", "vllm-router", "toy-proxy")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+# -- processes ---------------------------------------------------------------------------------
+
+
+class Proc:
+    """A child process in its own session (stopped with its whole group), optionally pinned to CPUs."""
+
+    def __init__(self, name: str, args: list[str], cpus: str | None, log: Path, env: dict | None = None) -> None:
+        self.name = name
+        if cpus is not None and shutil.which("taskset"):
+            args = ["taskset", "-c", cpus, *args]
+        self.log = log
+        self._fh = open(log, "wb")
+        self.popen = subprocess.Popen(args, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True,
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+    def wait_http(self, url: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited {self.popen.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except Exception:
+                time.sleep(0.1)
+        raise TimeoutError(f"{self.name}: {url} not ready after {timeout}s:\n{self.log.read_text()[-3000:]}")
+
+    def pids(self) -> list[int]:
+        """The process and all its descendants (workers, threads are inside)."""
+        found, todo = [], [self.popen.pid]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            try:
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except OSError:
+                continue
+            todo += [int(c) for c in children]
+        return found
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of the process tree so far (a `taskset` wrapper execs, so the pid is the proxy)."""
+        total = 0
+        for pid in self.pids():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / CLK_TCK
+
+    def memory_mb(self, key: str) -> float:
+        """VmRSS (now) or VmHWM (peak) summed over the tree, in MB."""
+        total = 0
+        for pid in self.pids():
+            try:
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith(key + ":"):
+                        total += int(line.split()[1])
+            except OSError:
+                continue
+        return total / 1024
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.popen.pid, signal.SIGTERM)
+                self.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait()
+            except ProcessLookupError:
+                pass
+        self._fh.close()
+
+
+def machine_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, to report load from processes that are not ours."""
+    parts = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = parts[3] + parts[4]
+    return sum(parts) - idle, sum(parts)
+
+
+# -- one load phase ----------------------------------------------------------------------------
+
+
+@dataclass
+class PhaseResult:
+    requests: int = 0
+    errors: int = 0
+    error_kinds: dict = field(default_factory=dict)
+    events: int = 0
+    seconds: float = 0.0
+    client_cpu: float = 0.0
+    proxy_cpu: float = 0.0
+    background_cpu: float = 0.0  # CPU-seconds/second used by everything else on the machine
+    max_open_streams: int = 0
+    ttft_us: list = field(default_factory=list)
+    gaps_us: list = field(default_factory=list)
+    peak_rss_mb: float = 0.0
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds if self.seconds else 0.0
+
+    @property
+    def cps(self) -> float:
+        return self.events / self.seconds if self.seconds else 0.0
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.work = Path(args.work_dir)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.logs = self.work / "logs"
+        self.logs.mkdir(exist_ok=True)
+        pin = args.pin and (os.cpu_count() or 1) >= 2
+        self.proxy_cpus = "1" if pin else None
+        self.other_cpus = "0" if pin else None
+        self.upstreams: list[Proc] = []
+        self.prefill_port = self.decode_port = 0
+
+    # upstreams shared by every target
+    def start_upstreams(self) -> None:
+        script = str(HERE / "zero_upstream.py")
+        for role in ("prefill", "decode"):
+            port = free_port()
+            proc = Proc(f"upstream-{role}", [sys.executable, script, "--role", role, "--port", str(port)],
+                        self.other_cpus, self.logs / f"upstream-{role}.log")
+            proc.wait_http(f"http://{HOST}:{port}/health")
+            self.upstreams.append(proc)
+            setattr(self, f"{role}_port", port)
+
+    def stop_all(self) -> None:
+        for p in self.upstreams:
+            p.stop()
+
+    def load(self, url: str, proxy: Proc | None, *, concurrency: int, tokens: int, duration: float,
+             warmup: float, itl_ms: float | None = None, timings: bool = False, once: bool = False,
+             ramp: float = 0.0, sample_rss: bool = False) -> PhaseResult:
+        """Run the load generator once; sample the proxy's CPU over exactly the measured window."""
+        cmd = [sys.executable, str(HERE / "loadgen.py"), "--url", url, "--concurrency", str(concurrency),
+               "--tokens", str(tokens), "--duration", str(duration), "--warmup", str(warmup),
+               "--prompt-words", str(self.args.prompt_words)]
+        if itl_ms is not None:
+            cmd += ["--itl-ms", str(itl_ms)]
+        if timings:
+            cmd.append("--timings")
+        if once:
+            cmd.append("--once")
+        cmd += ["--ramp", str(ramp)]
+        if self.other_cpus is not None:
+            cmd = ["taskset", "-c", self.other_cpus, *cmd]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        marks: dict[str, tuple[float, tuple[int, int]]] = {}
+        rss = [0.0]
+
+        def watch_marks() -> None:
+            for line in proc.stderr:
+                line = line.strip()
+                if line in ("measure-start", "measure-end"):
+                    marks[line] = (proxy.cpu_seconds() if proxy else 0.0, machine_busy())
+
+        def watch_rss() -> None:
+            while proc.poll() is None:
+                rss[0] = max(rss[0], proxy.memory_mb("VmRSS"))
+                time.sleep(0.2)
+
+        threads = [threading.Thread(target=watch_marks, daemon=True)]
+        if sample_rss and proxy is not None:
+            threads.append(threading.Thread(target=watch_rss, daemon=True))
+        for t in threads:
+            t.start()
+        out = proc.stdout.read()  # stderr belongs to the marks thread
+        proc.wait(timeout=duration + warmup + 120 + (60 if once else 0))
+        for t in threads:
+            t.join(5)
+        raw = json.loads(out)
+        r = PhaseResult(requests=raw["requests"], errors=raw["errors"], error_kinds=raw["error_kinds"],
+                        events=raw["events"], seconds=raw["seconds"], client_cpu=raw.get("client_cpu", 0.0),
+                        max_open_streams=raw["max_open_streams"], ttft_us=raw.get("ttft_us", []),
+                        gaps_us=raw.get("gaps_us", []), peak_rss_mb=rss[0])
+        if "measure-start" in marks and "measure-end" in marks:
+            (c0, (b0, t0)), (c1, (b1, t1)) = marks["measure-start"], marks["measure-end"]
+            r.proxy_cpu = c1 - c0
+            cores = (os.cpu_count() or 1)
+            machine = (b1 - b0) / CLK_TCK  # CPU-seconds used by the whole machine in the window
+            r.background_cpu = max(0.0, machine - r.proxy_cpu - r.client_cpu) / r.seconds if r.seconds else 0.0
+            r.background_cpu = min(r.background_cpu, cores)
+        return r
+
+    # the proxies
+    def start_target(self, name: str) -> tuple[str, Proc | None, list[Proc]]:
+        """Start `name`; returns its base URL, its process (None for direct) and helper processes."""
+        prefill, decode = f"http://{HOST}:{self.prefill_port}", f"http://{HOST}:{self.decode_port}"
+        if name == "direct":
+            return decode, None, []
+        port = free_port()
+        url = f"http://{HOST}:{port}"
+        helpers: list[Proc] = []
+        log = self.logs / f"{name}.log"
+        if name.startswith("pdproxy"):
+            args = [sys.executable, "-m", "pdproxy", "serve", "--host", HOST, "--port", str(port), "--prefill",
+                    prefill, "--decode", decode, "--log-level", "warning", "--workers", str(self.args.workers)]
+            if name == "pdproxy":
+                tap_port = free_port()
+                tap = Proc("oteltap", [shutil.which("oteltap") or "oteltap", "--port", str(tap_port)],
+                           self.other_cpus, Path(os.devnull))
+                helpers.append(tap)
+                _wait_port(tap_port)
+                args += ["--otlp-endpoint", f"http://{HOST}:{tap_port}", "--otlp-protocol", "http/protobuf"]
+            else:
+                args.append("--no-tracing")
+            proc = Proc(name, args, self.proxy_cpus, log, env={"PYTHONPATH": str(REPO)})
+            proc.wait_http(url + "/health")
+        elif name == "vllm-router":
+            exe = peers.vllm_router()
+            args = [exe, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode, "--host", HOST,
+                    "--port", str(port), "--prometheus-host", HOST, "--prometheus-port", str(free_port()),
+                    "--policy", "round_robin", "--log-level", "warn"]
+            proc = Proc(name, args, self.proxy_cpus, log)
+            proc.wait_http(url + "/health", timeout=120)
+        elif name == "toy-proxy":
+            script = peers.toy_proxy(self.work)
+            args = [sys.executable, str(script), "--host", HOST, "--port", str(port), "--prefiller-host", HOST,
+                    "--prefiller-port", str(self.prefill_port), "--decoder-host", HOST, "--decoder-port",
+                    str(self.decode_port)]
+            proc = Proc(name, args, self.proxy_cpus, log)
+            proc.wait_http(url + "/healthcheck")
+        else:
+            raise ValueError(name)
+        return url, proc, helpers
+
+    def run_target(self, name: str) -> dict:
+        a = self.args
+        print(f"== {name}", flush=True)
+        url, proxy, helpers = self.start_target(name)
+        result: dict = {"name": name}
+        try:
+            # a short warm-up so connection pools and caches exist before anything is measured
+            self.load(url, proxy, concurrency=16, tokens=16, duration=0.5, warmup=0.5)
+            result["sat_chunks"] = self.load(url, proxy, concurrency=a.sat_concurrency, tokens=a.sat_tokens,
+                                             duration=a.duration, warmup=a.warmup)
+            _say(name, "saturation (long streams)", result["sat_chunks"])
+            result["sat_requests"] = self.load(url, proxy, concurrency=a.sat_concurrency, tokens=a.short_tokens,
+                                               duration=a.duration, warmup=a.warmup)
+            _say(name, "saturation (short streams)", result["sat_requests"])
+            for c in a.concurrency:
+                # users start spread over one answer's length, so arrivals are spread, not in lock-step
+                spread = a.latency_tokens * a.itl_ms / 1000
+                r = self.load(url, proxy, concurrency=c, tokens=a.latency_tokens, duration=a.latency_duration,
+                              warmup=max(a.warmup, spread + 0.5), itl_ms=a.itl_ms, timings=True, ramp=spread)
+                result[f"lat_{c}"] = r
+                _say(name, f"latency c={c}", r)
+            if proxy is not None:
+                result["peak_rss_mb"] = proxy.memory_mb("VmHWM")
+            if a.hold_streams and proxy is not None:
+                time.sleep(0.5)
+                before = proxy.memory_mb("VmRSS")
+                hold = self.load(url, proxy, concurrency=a.hold_streams, tokens=a.hold_tokens, duration=0,
+                                 warmup=0, itl_ms=a.hold_itl_ms, once=True, ramp=a.hold_ramp, sample_rss=True)
+                hold.__dict__["rss_before_mb"] = before
+                result["hold"] = hold
+                _say(name, f"hold {a.hold_streams} streams", hold)
+        finally:
+            if proxy is not None:
+                proxy.stop()
+            for h in helpers:
+                h.stop()
+        return result
+
+
+def _wait_port(port: int, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((HOST, port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"nothing listening on {port}")
+
+
+def _say(name: str, what: str, r: PhaseResult) -> None:
+    extra = f" open={r.max_open_streams}" if r.max_open_streams else ""
+    print(f"   {what:28s} {r.rps:9.0f} req/s {r.cps:10.0f} chunks/s  errors={r.errors}{extra}"
+          f"  proxy_cpu={r.proxy_cpu:.2f}s client_cpu={r.client_cpu:.2f}s bg={r.background_cpu:.2f}", flush=True)
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def pct(values: list, q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def report(results: dict[str, dict], args: argparse.Namespace, started: datetime.datetime) -> str:
+    lines: list[str] = []
+    out = lines.append
+    direct = results.get("direct")
+    out(f"pdproxy overhead benchmark  {started:%Y-%m-%d %H:%M} UTC  on {_machine()}")
+    out(f"upstreams: benchmarks/zero_upstream.py (zero delay; latency phases paced at {args.itl_ms:g} ms/token); "
+        f"prompt {args.prompt_words} words; pinning: {'proxy CPU 1, rest CPU 0' if args.pin else 'none'}")
+    out(f"saturation: concurrency {args.sat_concurrency}, {args.sat_tokens} tokens (chunks/s) and "
+        f"{args.short_tokens} tokens (req/s), {args.duration:g} s each; latency: {args.latency_tokens} tokens, "
+        f"{args.latency_duration:g} s per concurrency")
+    out("")
+    out("| target | req/s | chunks/s | CPU s / 1k chunks | peak RSS MB | client CPU % | background CPU | errors |")
+    out("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, r in results.items():
+        sc, sr = r["sat_chunks"], r["sat_requests"]
+        cpu = f"{sc.proxy_cpu / sc.events * 1000:.4f}" if sc.events and name != "direct" else "-"
+        rss = f"{r['peak_rss_mb']:.0f}" if "peak_rss_mb" in r else "-"
+        errors = sum(v.errors for k, v in r.items() if isinstance(v, PhaseResult))
+        out(f"| {name} | {sr.rps:.0f} | {sc.cps:.0f} | {cpu} | {rss} | {sc.client_cpu / sc.seconds * 100:.0f} | "
+            f"{sc.background_cpu:.2f} | {errors} |")
+    out("")
+    out("Latency at the client, added to direct's (ms; difference of percentiles; paced decode):")
+    head = "| target | " + " | ".join(f"+TTFT p50/p99 c={c}" for c in args.concurrency) + " | " + \
+        " | ".join(f"+ITL p50/p99 c={c}" for c in args.concurrency) + " |"
+    out(head)
+    out("|---|" + "---:|" * (2 * len(args.concurrency)))
+    for name, r in results.items():
+        cells = []
+        for metric in ("ttft_us", "gaps_us"):
+            for c in args.concurrency:
+                values, base = getattr(r[f"lat_{c}"], metric), getattr(direct[f"lat_{c}"], metric) if direct else []
+                if name == "direct":
+                    cells.append(f"({pct(values, 50) / 1000:.3f} / {pct(values, 99) / 1000:.3f})" if values else "-")
+                elif values and base:
+                    cells.append(f"{(pct(values, 50) - pct(base, 50)) / 1000:+.3f} / "
+                                 f"{(pct(values, 99) - pct(base, 99)) / 1000:+.3f}")
+                else:
+                    cells.append("-")
+        out(f"| {name} | " + " | ".join(cells) + " |")
+    out("(direct row: absolute values in parentheses)")
+    holds = {n: r["hold"] for n, r in results.items() if "hold" in r}
+    if holds:
+        out("")
+        out(f"Hold: {args.hold_streams} concurrent streams ({args.hold_tokens} tokens at {args.hold_itl_ms:g} ms, "
+            f"opened over {args.hold_ramp:g} s):")
+        out("| target | streams open at once | completed | errors | RSS before MB | RSS peak MB | MB per 1,000 streams |")
+        out("|---|---:|---:|---:|---:|---:|---:|")
+        for name, h in holds.items():
+            before = h.__dict__["rss_before_mb"]
+            per = (h.peak_rss_mb - before) / (args.hold_streams / 1000)
+            kinds = f" {h.error_kinds}" if h.errors else ""
+            out(f"| {name} | {h.max_open_streams} | {h.requests} | {h.errors}{kinds} | {before:.0f} | "
+                f"{h.peak_rss_mb:.0f} | {per:.1f} |")
+    out("")
+    out(ratios(results, args))
+    return "\n".join(lines)
+
+
+def ratios(results: dict[str, dict], args: argparse.Namespace) -> str:
+    lines = ["Ratios and targets:"]
+    pd, off = results.get("pdproxy"), results.get("pdproxy-off")
+
+    def cps(name: str) -> float | None:
+        r = results.get(name)
+        return r["sat_chunks"].cps if r else None
+
+    def check(label: str, value: float | None, ok: bool | None, target: str) -> None:
+        shown = "n/a" if value is None else f"{value:.2f}"
+        verdict = "n/a" if ok is None else ("MET" if ok else "NOT MET")
+        lines.append(f"  {label:48s} {shown:>10s}   target {target:10s} {verdict}")
+
+    if pd:
+        for peer, need in (("vllm-router", 1.0), ("direct", 0.8), ("toy-proxy", 3.0)):
+            if cps(peer):
+                v = cps("pdproxy") / cps(peer)
+                check(f"chunks/s pdproxy / {peer}", v, v >= need, f">= {need:g}")
+        for peer in ("vllm-router", "toy-proxy"):
+            r = results.get(peer)
+            if r:
+                v = pd["sat_requests"].rps / r["sat_requests"].rps
+                check(f"req/s pdproxy / {peer}", v, None, "(info)")
+        if off:
+            v = cps("pdproxy") / cps("pdproxy-off")
+            check("chunks/s tracing on / off", v, v >= 0.9, ">= 0.9")
+            v = pd["sat_requests"].rps / off["sat_requests"].rps
+            check("req/s tracing on / off", v, v >= 0.9, ">= 0.9")
+        direct, router = results.get("direct"), results.get("vllm-router")
+        if direct and 1 in args.concurrency:
+            added = (pct(pd["lat_1"].ttft_us, 50) - pct(direct["lat_1"].ttft_us, 50)) / 1000
+            if router:
+                peer = (pct(router["lat_1"].ttft_us, 50) - pct(direct["lat_1"].ttft_us, 50)) / 1000
+                check(f"added TTFT p50 c=1 ms (vllm-router {peer:.3f})", added, added <= peer, "<= router")
+            else:
+                check("added TTFT p50 c=1 ms", added, None, "<= router")
+        if direct and 64 in args.concurrency:
+            added = (pct(pd["lat_64"].gaps_us, 99) - pct(direct["lat_64"].gaps_us, 99)) / 1000
+            check("added ITL p99 c=64 ms", added, added < 1.0, "< 1")
+        if "hold" in pd:
+            h = pd["hold"]
+            per = (h.peak_rss_mb - h.__dict__["rss_before_mb"]) / (args.hold_streams / 1000)
+            check("MB per 1,000 concurrent streams", per, per < 100, "< 100")
+            check(f"{args.hold_streams} streams held, errors", h.errors,
+                  h.errors == 0 and h.max_open_streams >= args.hold_streams, "0")
+    return "\n".join(lines)
+
+
+def _machine() -> str:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PHYS_PAGES") * PAGE / 2 ** 30
+    return (f"{os.cpu_count()} x {model}, {mem:.0f} GiB, Linux {platform.release()}, Python {platform.python_version()}, "
+            f"{socket.gethostname()}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
+    p.add_argument("--quick", action="store_true", help="short phases, concurrency 1 and 64, small hold (a smoke run)")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds measured per saturation phase")
+    p.add_argument("--latency-duration", type=float, default=4.0, help="seconds measured per latency phase")
+    p.add_argument("--warmup", type=float, default=1.0)
+    p.add_argument("--sat-concurrency", type=int, default=128)
+    p.add_argument("--sat-tokens", type=int, default=256, help="tokens per request in the chunks/s phase")
+    p.add_argument("--short-tokens", type=int, default=8, help="tokens per request in the requests/s phase")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--latency-tokens", type=int, default=32)
+    p.add_argument("--itl-ms", type=float, default=10.0, help="decode token period in the latency phases")
+    p.add_argument("--prompt-words", type=int, default=256)
+    p.add_argument("--hold-streams", type=int, default=5000, help="0 skips the hold phase")
+    p.add_argument("--hold-tokens", type=int, default=8)
+    p.add_argument("--hold-itl-ms", type=float, default=1000.0)
+    p.add_argument("--hold-ramp", type=float, default=3.0)
+    p.add_argument("--workers", type=int, default=1, help="pdproxy --workers")
+    p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin processes to CPUs")
+    p.add_argument("--work-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "pdproxy-bench"),
+                   help="logs and the fetched toy proxy (outside the repository)")
+    p.add_argument("--json", help="also write the raw results here")
+    p.add_argument("--markdown", help="also write the report here")
+    args = p.parse_args()
+    if args.quick:
+        args.duration, args.latency_duration, args.warmup = 1.5, 1.5, 0.5
+        args.concurrency = [1, 64]
+        args.hold_streams, args.hold_ramp, args.hold_tokens, args.hold_itl_ms = 500, 0.5, 4, 200.0
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    t0 = time.monotonic()
+    bench = Bench(args)
+    results: dict[str, dict] = {}
+    try:
+        bench.start_upstreams()
+        for name in args.targets:
+            results[name] = bench.run_target(name)
+    finally:
+        bench.stop_all()
+    text = report(results, args, started)
+    text += f"\n\n(total wall time {time.monotonic() - t0:.0f} s)"
+    print()
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps({n: {k: (v.__dict__ if isinstance(v, PhaseResult) else v)
+                                                  for k, v in r.items()} for n, r in results.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""The scanner's byte-level fast path must learn exactly what a full JSON parse of every event learns."""
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdproxy.stream import ResponseScan
+
+TEXTS = st.one_of(st.just(""), st.text(max_size=12),
+                  st.sampled_from(['"', '\\', '": ', '"text":"', '"finish_reason":"x"', "data: {", "\n", "}"]))
+
+
+def compact(obj) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+@st.composite
+def event(draw, chat: bool, index: int, usage_each: bool, spaced: bool):
+    """One SSE event in vLLM's shape (compact JSON), with the variations a stream may carry."""
+    text = draw(TEXTS)
+    finish = draw(st.sampled_from([None, None, None, "length", "stop"]))
+    if chat:
+        delta = draw(st.sampled_from([{"content": text}, {"content": text}, {}, {"role": "assistant", "content": ""},
+                                      {"reasoning_content": text}, {"content": None}]))
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+    choices = draw(st.sampled_from([[choice], [choice], [choice], [choice, choice], []]))
+    obj = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", "choices": choices}
+    if usage_each:
+        obj["usage"] = {"prompt_tokens": 3, "total_tokens": 3 + index, "completion_tokens": index}
+    elif draw(st.booleans()):
+        obj["usage"] = None
+    if draw(st.integers(0, 30)) == 0:
+        obj = {"error": {"message": "boom", "type": "x", "code": 500}}
+    body = json.dumps(obj) if spaced else compact(obj)
+    return "data: " + body + "\n\n"
+
+
+@st.composite
+def stream(draw):
+    chat = draw(st.booleans())
+    usage_each = draw(st.booleans())
+    spaced = draw(st.integers(0, 5)) == 0
+    n = draw(st.integers(0, 12))
+    events = [draw(event(chat, i + 1, usage_each, spaced)) for i in range(n)]
+    if draw(st.booleans()):
+        events.append("data: " + compact({"id": "cmpl-1", "choices": [], "usage": {"prompt_tokens": 3,
+                                                                                  "completion_tokens": n}}) + "\n\n")
+    extras = draw(st.lists(st.sampled_from([": keep-alive\n\n", "data: not json\n\n", "event: x\ndata: {}\n\n"]),
+                           max_size=2))
+    for extra in extras:
+        events.insert(draw(st.integers(0, len(events))), extra)
+    if draw(st.booleans()):
+        events.append("data: [DONE]\n\n")
+    raw = "".join(events).encode()
+    if draw(st.integers(0, 4)) == 0:
+        raw = raw.replace(b"\n", b"\r\n")
+    cuts = sorted(draw(st.lists(st.integers(0, len(raw)), max_size=8)))
+    return chat, raw, cuts
+
+
+def learned(scan: ResponseScan) -> dict:
+    return {"times": scan.chunk_times, "tokens": scan.chunk_tokens, "id": scan.response_id,
+            "finish": scan.finish_reasons, "usage": scan.usage, "error": scan.error, "done": scan.done,
+            "metrics": scan.server_metrics}
+
+
+@settings(max_examples=400, deadline=None)
+@given(stream())
+def test_fast_path_learns_what_the_full_parse_learns(case):
+    chat, raw, cuts = case
+    fast, reference = ResponseScan(chat), ResponseScan(chat, fast=False)
+    bounds = [0, *cuts, len(raw)]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):  # each read arrives at its own instant
+        fast.feed(raw[a:b], i)
+        reference.feed(raw[a:b], i)
+    assert learned(fast) == learned(reference)
+
+
+def test_a_read_of_many_plain_events_is_counted_without_parsing(monkeypatch):
+    head = 'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"'
+    first = head + 'a","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+    scan = ResponseScan(chat=False)
+    scan.feed(first.encode(), 1)
+    calls = []
+    monkeypatch.setattr("pdproxy.stream.json.loads", lambda *a, **k: calls.append(a))
+    many = "".join(head + f'{t}","logprobs":null,"finish_reason":null,"stop_reason":null}}]}}\n\n'
+                   for t in ["b", "", "c", "d"])
+    scan.feed(many.encode(), 2)
+    assert calls == []
+    assert scan.chunk_times == [1, 2, 2, 2] and scan.chunk_tokens == [0, 0, 0, 0]
