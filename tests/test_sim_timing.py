@@ -108,17 +108,29 @@ def median_max_gap(streams: list[Timed]) -> float:
 
 
 def test_long_prompts_stall_single_chunking_bounds_it_pd_removes_it(sims):
-    single = median_max_gap(run(mixed_load(single=sims.sim("single"))))
-    chunked = median_max_gap(run(mixed_load(single=sims.sim("single", "--max-num-batched-tokens", "2048"))))
-    prefill = sims.sim("prefill", "--preset", "h200-llama8b-2gpu")
-    decode = sims.sim("decode", "--preset", "h200-llama8b-2gpu")
-    pd = median_max_gap(run(mixed_load(pd=(prefill, decode))))
-    print(f"median per-request max ITL: single {single:.1f} ms, chunked-2048 {chunked:.1f} ms, P/D {pd:.1f} ms")
-    # preset: a 3000-token step with 8 decodes ~ 73 ms; a 2048-token chunk ~ 48 ms; a decode step ~ 5 ms
-    assert single > 60
-    assert single > chunked + 12
-    assert chunked > pd + 15
-    assert pd < 30
+    single_url = sims.sim("single")
+    chunked_url = sims.sim("single", "--max-num-batched-tokens", "2048")
+    pd_urls = (sims.sim("prefill", "--preset", "h200-llama8b-2gpu"), sims.sim("decode", "--preset", "h200-llama8b-2gpu"))
+
+    def measure() -> tuple[float, float, float]:
+        return (median_max_gap(run(mixed_load(single=single_url))),
+                median_max_gap(run(mixed_load(single=chunked_url))),
+                median_max_gap(run(mixed_load(pd=pd_urls))))
+
+    def ordered(single: float, chunked: float, pd: float) -> bool:
+        # preset: a 3000-token step with 8 decodes ~ 73 ms; a 2048-token chunk ~ 48 ms; a decode step ~ 5 ms
+        return single > 60 and single > chunked + 12 and chunked > pd + 15 and pd < 30
+
+    first = measure()
+    print("median per-request max ITL (ms): single %.1f, chunked-2048 %.1f, P/D %.1f" % first)
+    result = first
+    if not ordered(*first):
+        # A pause of this shared host lands in every stream at once and can mask one config's
+        # stall; it does not repeat at the same moment, so the smaller of two runs is the engine's.
+        second = measure()
+        print("again: single %.1f, chunked-2048 %.1f, P/D %.1f" % second)
+        result = tuple(min(a, b) for a, b in zip(first, second))
+    assert ordered(*result), result
 
 
 def test_without_chunking_a_prompt_over_the_budget_runs_whole(sims):
