@@ -313,11 +313,21 @@ def bounds_for(metric: str) -> tuple[float, ...]:
     return LATENCY_BUCKETS if metric in {"pdproxy_ttft_seconds", "pdproxy_e2e_seconds"} else GAP_BUCKETS
 
 
-def within_buckets(measured: float, truth: float, bounds: tuple[float, ...], slack: float) -> tuple[bool, float, float]:
-    """Is the histogram estimate inside the buckets that hold truth ± slack?"""
-    lo = max([0.0] + [b for b in bounds if b <= truth - slack])
-    hi = min([b for b in bounds if b >= truth + slack] or [math.inf])
-    return lo <= measured <= hi, lo, hi
+def allowed_range(values: list[float], q: float, bounds: tuple[float, ...], slack: tuple[float, float]) -> tuple[float, float]:
+    """The bucket bounds around the client's q-quantile, widened for what separates the two views.
+
+    Client and proxy stamp the same events a hop apart, so a request's value differs by a few ms
+    (`slack`: absolute, relative) and requests near the quantile can swap ranks (RANK_SLACK of the
+    population either side). Snapped outwards to bucket bounds: the histogram cannot resolve more.
+    """
+    abs_slack, rel_slack = slack
+    low = float(np.percentile(values, max(0.0, q - RANK_SLACK) * 100))
+    high = float(np.percentile(values, min(1.0, q + RANK_SLACK) * 100))
+    low -= abs_slack + rel_slack * low
+    high += abs_slack + rel_slack * high
+    lo = max([0.0] + [b for b in bounds if b <= low])
+    hi = min([b for b in bounds if b >= high] or [math.inf])
+    return lo, hi
 
 
 def client_truth(records: list[Record]) -> dict[str, list[float]]:
@@ -335,9 +345,11 @@ def client_truth(records: list[Record]) -> dict[str, list[float]]:
     }
 
 
-# Client and proxy stamp the same events a hop apart: the client's TTFT includes its own send and
-# the relay back (a few ms on loopback, more when both cores are busy); single gaps jitter by the
-# scheduling of two event loops. The slack widens the truth before snapping it to bucket bounds.
+# The client's TTFT includes its own send and the relay back (a few ms on loopback, more when both
+# cores are busy); single gaps jitter by the scheduling of two event loops. With two decode
+# instances of different speed TTFT and E2E are bimodal, and a median between the modes moves a
+# long way when a few requests change rank: hence the rank slack (3% = ~5 of ~150 requests).
+RANK_SLACK = 0.03
 SLACK = {"pdproxy_ttft_seconds": (0.010, 0.10), "pdproxy_e2e_seconds": (0.010, 0.10),
          "pdproxy_itl_seconds": (0.002, 0.15), "pdproxy_request_itl_max_seconds": (0.004, 0.10),
          "pdproxy_request_itl_p99_seconds": (0.004, 0.10), "pdproxy_tpot_seconds": (0.001, 0.10)}
@@ -365,8 +377,8 @@ def test_quantile_panels_agree_with_the_client(run):
         assert len(result) == 1, (target["expr"], result)
         measured = float(result[0]["value"][1])
         expected = float(np.percentile(truth[metric], q * 100))
-        abs_slack, rel_slack = SLACK[metric]
-        ok, lo, hi = within_buckets(measured, expected, bounds_for(metric), abs_slack + rel_slack * expected)
+        lo, hi = allowed_range(truth[metric], q, bounds_for(metric), SLACK[metric])
+        ok = lo <= measured <= hi
         rows.append(f"{metric:34s} p{q * 100:<4g} {'by ' + by if by else '':14s} client {expected * 1000:8.2f} ms  "
                     f"PromQL {measured * 1000:8.2f} ms  allowed [{lo * 1000:.1f}, {hi * 1000:.1f}] ms  n={len(truth[metric])}"
                     f"{'' if ok else '  <-- MISMATCH'}")
@@ -390,18 +402,22 @@ def test_counts_and_shares_agree_with_the_client(run):
     # every request counted exactly once, failures by the stage that failed
     assert counter_delta(f"sum(pdproxy_requests_total{{{sel}}})") == len(records)
     client_failed = [r for r in records if not r.ok]
-    assert counter_delta(f'sum(pdproxy_requests_total{{{sel}, failed_stage!="none"}})') == len(client_failed)
+    upstream_failed = [r for r in client_failed if not r.aborted]
+    aborted = [r for r in records if r.aborted]
+    assert len(upstream_failed) >= 1 and len(aborted) >= 4
     # clients that went away: docs/telemetry.md names their failed stage `client`; the proxy reports
-    # the stage that was open (decode) with error_type client_disconnect, so count by error type
-    assert counter_delta(f'sum(pdproxy_request_errors_total{{{sel}, error_type="client_disconnect"}})') == \
-        sum(r.aborted for r in records)
-    assert sum(r.status >= 500 for r in records) >= 1 and sum(r.aborted for r in records) >= 4
-    # output tokens from usage: exact for finished streams; an aborted stream counts what the proxy
-    # saw before it noticed the client had gone (a few more chunks than the client read)
+    # the stage that was open (decode) with error_type client_disconnect, so count by error type.
+    # A client can also leave after the proxy wrote the last byte: that request succeeded.
+    gone = counter_delta(f'sum(pdproxy_request_errors_total{{{sel}, error_type="client_disconnect"}})')
+    assert 1 <= gone <= len(aborted)
+    failed = counter_delta(f'sum(pdproxy_requests_total{{{sel}, failed_stage!="none"}})')
+    assert failed - gone == len(upstream_failed)
+
+    # output tokens from usage: exact for finished streams; an abandoned stream counts what the
+    # proxy relayed before it noticed (at least what the client read, at most max_tokens = 40)
     tokens = counter_delta(f'sum(pdproxy_tokens_total{{{sel}, type="output"}})')
     finished = sum(r.completion_tokens for r in records if not r.aborted)
-    aborted = [r for r in records if r.aborted]
-    assert finished <= tokens <= finished + sum(r.completion_tokens + 8 for r in aborted), (tokens, finished)
+    assert finished + sum(r.completion_tokens for r in aborted) <= tokens <= finished + 40 * len(aborted), (tokens, finished)
 
     # stalls: the proxy's counter against its own max-gap histogram, exactly (same requests)
     stalled = counter_delta(f"sum(pdproxy_requests_with_stall_total{{{sel}}})")
