@@ -25,8 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=8100, help="port to listen on (default 8100)")
     g.add_argument("--advertise-host", default=None,
-                   help="host a decode should pull KV from, put into remote_host (default: --host; "
-                        "127.0.0.1 when --host is a wildcard)")
+                   help="host a decode should pull KV from, put into remote_host (default: --host; when "
+                        "--host is a wildcard, this machine's address as its hostname resolves, e.g. the "
+                        "container IP)")
     g.add_argument("--model", default="sim-model",
                    help="served model name; requests naming another model get 404 (default sim-model)")
     g.add_argument("--engine-id", default="", help="KV engine id in kv_transfer_params (default: random)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import socket
 import uuid
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -66,8 +67,15 @@ class SimSettings:
 
     @property
     def kv_remote_host(self) -> str:
+        """Where decodes should pull from: --advertise-host, else the listen address, else (wildcard)
+        this host's own address as its name resolves (the container/pod IP under Docker or k8s)."""
         host = self.advertise_host or self.host
-        return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+        if host not in ("0.0.0.0", "", "::"):
+            return host
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
 
     def cost_model(self) -> CostModel:
         p = self.preset
