@@ -199,8 +199,7 @@ class Proxy:
                         raw = b""
                     finally:
                         upstream.close()
-                    failure = _status_failure(DECODE, inst, upstream.status, upstream.headers, raw,
-                                              kv_sent=kv is not None)
+                    failure = _status_failure(DECODE, inst, upstream.status, upstream.headers, raw)
             finally:
                 if not handed_over:
                     inst.inflight -= 1  # also when the client's disconnect cancels us here
@@ -269,13 +268,18 @@ class Proxy:
 
         response = web.StreamResponse(status=upstream.status,
                                       headers={**reply_headers, "Content-Type": content_type, "Cache-Control": "no-cache"})
-        await response.prepare(request)
+        client = _WholeEvents(request, response, trace.scan)
         try:
             try:
-                await relay(upstream, response, trace.scan)
+                await relay(upstream, client, trace.scan)
+                await client.flush()
             except ProxyError as err:
+                if not response.prepared:
+                    raise  # not one byte reached the client: it gets the error with its own status
                 trace.fail(response.status, err.error_type, err.message)  # the client already has its 200
                 await response.write(err.sse_event())
+            if not response.prepared:
+                await response.prepare(request)
             await response.write_eof()
         except (ClientGone, ConnectionError):
             trace.client_gone()
@@ -336,6 +340,49 @@ class Proxy:
 
 
 
+class _WholeEvents:
+    """The client's end of the relay: it gets whole SSE events only, and none past a malformed one.
+
+    The status line goes out with the first whole event, not with the decode's headers: a decode that
+    fails before its first event (breaks, goes silent, ends at once) still gives the client an HTTP
+    error status rather than a 200 carrying an error event. `relay` feeds each read to the scanner
+    before writing it here, so a read that brought a malformed event (a `data:` line that is not a
+    JSON object) is refused whole and the stream ends with an error event instead: a client's SSE
+    parser would otherwise choke on the broken line, or on our error event glued to its half.
+    """
+
+    def __init__(self, request: web.Request, response: web.StreamResponse, scan: Any) -> None:
+        self.request = request
+        self.response = response
+        self.scan = scan
+        self.malformed = scan.malformed
+        self.held = b""  # bytes after the last complete event, waiting for the rest of it
+
+    async def write(self, data: bytes) -> None:
+        if self.scan.malformed > self.malformed:
+            raise ProxyError(502, "decode instance sent a malformed stream event (not a JSON object)",
+                             error_type="malformed_stream", stage=DECODE)
+        if self.held:
+            data, self.held = self.held + data, b""
+        if b"\r" not in data:  # CRLF framing is passed through as it comes
+            cut = data.rfind(b"\n\n")
+            end = cut + 2 if cut >= 0 else 0
+            if end < len(data):
+                data, self.held = data[:end], data[end:]
+        if data:
+            await self._send(data)
+
+    async def flush(self) -> None:
+        if self.held:
+            data, self.held = self.held, b""
+            await self._send(data)
+
+    async def _send(self, data: bytes) -> None:
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+        await self.response.write(data)
+
+
 @dataclass
 class _Failure:
     """One failed attempt at a leg: what the client gets if it stays failed, and what may be done about it."""
@@ -361,8 +408,7 @@ def _transport_failure(role: str, instance: Instance, exc: BaseException) -> _Fa
                                error_type="upstream_disconnect", stage=role))
 
 
-def _status_failure(role: str, instance: Instance, status: int, headers: Any, raw: bytes,
-                    kv_sent: bool = False) -> _Failure:
+def _status_failure(role: str, instance: Instance, status: int, headers: Any, raw: bytes) -> _Failure:
     """An error status from an instance. 429, and 503 with Retry-After, mean "busy": retried elsewhere
     without counting against the instance. Other 4xx are the request's fault: relayed at once. 5xx
     are the instance's fault: retried, counted, and a 502 naming the instance if they persist."""
@@ -376,7 +422,7 @@ def _status_failure(role: str, instance: Instance, status: int, headers: Any, ra
         return _Failure(UpstreamResponse(status, raw, content_type, stage=role, retry_after=retry_after),
                         retry=False, outlier=False)
     message = _message(raw)
-    if kv_sent and _is_kv_load_failure(message):
+    if role == DECODE and _is_kv_load_failure(message):
         return _Failure(ProxyError(502, f"{role} instance {instance.address} could not load the prompt's KV cache "
                                         f"({status}: {message})", error_type="kv_load_failed", stage=role))
     return _Failure(ProxyError(502, f"{role} instance {instance.address} answered {status}: {message}",

@@ -1,13 +1,17 @@
 """A scripted vLLM-like instance for proxy tests: exact bytes, exact faults, a journal.
 
-Run: python tests/scripted_backend.py --port N --role prefill|decode
+Run: python tests/scripted_backend.py --port N [--port M ...] --role prefill|decode
+
+Several ports make several instances that share one script and one journal (each entry says
+which port it came in on), so "the first attempt fails, whichever instance it reaches" is exact.
 
 By default it answers like a vLLM instance of its role (a prefill returns `kv_transfer_params`,
 a decode streams a fixed SSE body). Tests queue exact answers with `POST /_script` (a list of
 steps, one consumed per inference request) and read what arrived with `GET /_journal`.
 A step may set: status, headers, body (JSON or string), chunks (list of strings written one by
 one), delay (before the status line), chunk_delay, stall_after (chunks before a long pause),
-abort_after (chunks before the connection is cut).
+abort_after (chunks before the connection is cut), drop (close the connection without answering).
+`--delay` and `--chunk-delay` set the defaults for requests without a step.
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ def default_stream(rid: str, chat: bool) -> list[str]:
 
 
 class Backend:
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, delay: float = 0.0, chunk_delay: float = 0.005) -> None:
         self.role = role
+        self.defaults = {"delay": delay, "chunk_delay": chunk_delay}
         self.script: list[dict] = []
         self.journal: list[dict] = []
 
@@ -51,9 +56,11 @@ class Backend:
         except ValueError:
             body = None
         entry = {"path": request.path, "headers": {k.lower(): v for k, v in request.headers.items()}, "body": body,
-                 "peer": list(request.transport.get_extra_info("peername") or ()), "completed": False, "aborted": False}
+                 "peer": list(request.transport.get_extra_info("peername") or ()), "completed": False, "aborted": False,
+                 "port": (request.transport.get_extra_info("sockname") or (None, None))[1]}
         self.journal.append(entry)
         step = self.script.pop(0) if self.script else {}
+        step = {**self.defaults, **step}
         try:
             response = await self._answer(request, step, body or {})
             entry["completed"] = True
@@ -64,6 +71,9 @@ class Backend:
 
     async def _answer(self, request: web.Request, step: dict, body: dict) -> web.StreamResponse:
         await asyncio.sleep(step.get("delay", 0))
+        if step.get("drop"):
+            request.transport.close()
+            return web.Response(status=500)  # never reaches the proxy
         rid = request.headers.get("X-Request-Id", "none")
         chat = request.path.endswith("chat/completions")
         status = step.get("status", 200)
@@ -106,10 +116,12 @@ class Backend:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--port", type=int, action="append", required=True, help="repeat for more instances")
     parser.add_argument("--role", choices=("prefill", "decode"), default="decode")
+    parser.add_argument("--delay", type=float, default=0.0, help="default delay before the status line")
+    parser.add_argument("--chunk-delay", type=float, default=0.005, help="default pause before each chunk")
     args = parser.parse_args()
-    backend = Backend(args.role)
+    backend = Backend(args.role, args.delay, args.chunk_delay)
     app = web.Application()
     app.router.add_post("/v1/completions", backend.inference)
     app.router.add_post("/v1/chat/completions", backend.inference)
@@ -119,7 +131,18 @@ def main() -> None:
     app.router.add_post("/_script", backend.set_script)
     app.router.add_get("/_journal", backend.get_journal)
     app.router.add_post("/_reset", backend.reset)
-    web.run_app(app, host="127.0.0.1", port=args.port, print=None, handler_cancellation=True)
+    asyncio.run(_serve(app, args.port))
+
+
+async def _serve(app: web.Application, ports: list[int]) -> None:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    for port in ports:
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
 
 
 if __name__ == "__main__":
