@@ -238,7 +238,8 @@ async def mixed_load(name: str, gpus: int, single_url: str | None, pd_urls: tupl
     t_measure, t_end = start + warmup, start + warmup + seconds
     counter = 0
 
-    async def one(session: aiohttp.ClientSession, prompt_tokens: int, max_tokens: int) -> tuple[Timed | None, float | None]:
+    async def one(session: aiohttp.ClientSession, prompt_tokens: int,
+                  max_tokens: int) -> tuple[Timed | None, float | None]:
         nonlocal counter
         counter += 1
         body = {"prompt": token_prompt(prompt_tokens, rng), "max_tokens": max_tokens, "stream": True,
@@ -293,7 +294,7 @@ async def mixed_load(name: str, gpus: int, single_url: str | None, pd_urls: tupl
         work = [stream_worker(s, i * 0.05) for i in range(streams)] + [long_worker(s)]
         try:
             await asyncio.wait_for(asyncio.gather(*work), timeout=seconds + warmup + 30)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
     res.window = seconds
     return res

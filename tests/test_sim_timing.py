@@ -110,7 +110,8 @@ def median_max_gap(streams: list[Timed]) -> float:
 def test_long_prompts_stall_single_chunking_bounds_it_pd_removes_it(sims):
     single_url = sims.sim("single")
     chunked_url = sims.sim("single", "--max-num-batched-tokens", "2048")
-    pd_urls = (sims.sim("prefill", "--preset", "h200-llama8b-2gpu"), sims.sim("decode", "--preset", "h200-llama8b-2gpu"))
+    two_gpu = ("--preset", "h200-llama8b-2gpu")
+    pd_urls = (sims.sim("prefill", *two_gpu), sims.sim("decode", *two_gpu))
 
     def measure() -> tuple[float, float, float]:
         return (median_max_gap(run(mixed_load(single=single_url))),
@@ -122,13 +123,13 @@ def test_long_prompts_stall_single_chunking_bounds_it_pd_removes_it(sims):
         return single > 60 and single > chunked + 12 and chunked > pd + 15 and pd < 30
 
     first = measure()
-    print("median per-request max ITL (ms): single %.1f, chunked-2048 %.1f, P/D %.1f" % first)
+    print("median per-request max ITL (ms): single {:.1f}, chunked-2048 {:.1f}, P/D {:.1f}".format(*first))
     result = first
     if not ordered(*first):
         # A pause of this shared host lands in every stream at once and can mask one config's
         # stall; it does not repeat at the same moment, so the smaller of two runs is the engine's.
         second = measure()
-        print("again: single %.1f, chunked-2048 %.1f, P/D %.1f" % second)
+        print("again: single {:.1f}, chunked-2048 {:.1f}, P/D {:.1f}".format(*second))
         result = tuple(min(a, b) for a, b in zip(first, second))
     assert ordered(*result), result
 
@@ -184,7 +185,7 @@ def test_concurrent_transfers_queue_on_the_prefill_link(sims):
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
             bodies = [{"prompt": ids(2048), "max_tokens": 1} for _ in range(4)]
             kvs = []
-            for i, body in enumerate(bodies):
+            for body in bodies:
                 async with s.post(prefill + COMPLETIONS, json=prefill_body(body)) as r:
                     kvs.append((await r.json())["kv_transfer_params"])
             # all four decodes at once: each transfer is ~112 ms on the 2.4 GB/s link

@@ -287,7 +287,7 @@ class KVPuller:
                 async with self.session().post(remote.url(PULL_PATH), json=body) as resp:
                     answer = await resp.json(content_type=None)
                     status = resp.status
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
                 self.metrics.nixl_failed.inc()
                 return PullOutcome(False, reason="unreachable",
                                    message=f"cannot read KV from {remote.host}:{remote.port}: {exc!r}")
@@ -295,8 +295,8 @@ class KVPuller:
                 self.metrics.nixl_failed.inc()
                 reason = answer.get("reason", "rejected") if isinstance(answer, dict) else "rejected"
                 message = answer.get("message", "") if isinstance(answer, dict) else str(answer)
-                return PullOutcome(False, reason=reason,
-                                   message=f"remote engine {remote.engine_id} refused the KV read ({status}): {message}")
+                return PullOutcome(False, reason=reason, message=f"remote engine {remote.engine_id} refused the "
+                                                                 f"KV read ({status}): {message}")
             seconds = self.clock.now() - started
             nbytes = int(answer.get("bytes", 0))
             self.metrics.nixl_xfer_time.observe(seconds)
@@ -311,11 +311,11 @@ class KVPuller:
             try:
                 await asyncio.wait_for(started.wait(), self.heartbeat_interval)
                 return
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             try:
                 body = {"remote_engine_id": remote.engine_id, "remote_request_id": remote.request_id}
                 async with self.session().post(remote.url(HEARTBEAT_PATH), json=body) as resp:
                     await resp.read()
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            except (TimeoutError, aiohttp.ClientError, OSError):
                 pass  # the pull will report the failure

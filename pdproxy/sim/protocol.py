@@ -13,7 +13,8 @@ import json
 import uuid
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from pdproxy.sim.tokens import CHAT_TOKENS_PER_MESSAGE, chat_content_words, count_text, prompt_seed
 
