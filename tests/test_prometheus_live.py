@@ -317,12 +317,13 @@ def allowed_range(values: list[float], q: float, bounds: tuple[float, ...], slac
     """The bucket bounds around the client's q-quantile, widened for what separates the two views.
 
     Client and proxy stamp the same events a hop apart, so a request's value differs by a few ms
-    (`slack`: absolute, relative) and requests near the quantile can swap ranks (RANK_SLACK of the
-    population either side). Snapped outwards to bucket bounds: the histogram cannot resolve more.
+    (`slack`: absolute, relative) and observations near the quantile can swap ranks (RANK_SLACK of
+    them either side). Snapped outwards to bucket bounds: the histogram cannot resolve more.
     """
     abs_slack, rel_slack = slack
-    low = float(np.percentile(values, max(0.0, q - RANK_SLACK) * 100))
-    high = float(np.percentile(values, min(1.0, q + RANK_SLACK) * 100))
+    rank = RANK_SLACK / len(values)
+    low = float(np.percentile(values, max(0.0, q - rank) * 100))
+    high = float(np.percentile(values, min(1.0, q + rank) * 100))
     low -= abs_slack + rel_slack * low
     high += abs_slack + rel_slack * high
     lo = max([0.0] + [b for b in bounds if b <= low])
@@ -348,8 +349,8 @@ def client_truth(records: list[Record]) -> dict[str, list[float]]:
 # The client's TTFT includes its own send and the relay back (a few ms on loopback, more when both
 # cores are busy); single gaps jitter by the scheduling of two event loops. With two decode
 # instances of different speed TTFT and E2E are bimodal, and a median between the modes moves a
-# long way when a few requests change rank: hence the rank slack (3% = ~5 of ~150 requests).
-RANK_SLACK = 0.03
+# long way when a few requests change rank: hence the rank slack, in observations.
+RANK_SLACK = 5
 SLACK = {"pdproxy_ttft_seconds": (0.010, 0.10), "pdproxy_e2e_seconds": (0.010, 0.10),
          "pdproxy_itl_seconds": (0.002, 0.15), "pdproxy_request_itl_max_seconds": (0.004, 0.10),
          "pdproxy_request_itl_p99_seconds": (0.004, 0.10), "pdproxy_tpot_seconds": (0.001, 0.10)}
