@@ -4,7 +4,7 @@ One run, one machine, the same zero-delay upstreams and the same bounded load fo
 one target at a time:
 
   direct        the load generator straight to the decode instance: the physical limit
-  pdproxy       tracing on, exporting every span over OTLP/HTTP to a real receiver (oteltap)
+  pdproxy       tracing on, exporting every span over OTLP/HTTP to a real receiver (benchmarks/otlp_sink.py)
   pdproxy-off   --no-tracing (metrics stay on)
   vllm-router   PyPI vllm-router in P/D mode (round_robin), installed when missing
   toy-proxy     vLLM's toy_proxy_server.py, fetched from vLLM's sdist at run time (never committed)
@@ -184,6 +184,7 @@ class Bench:
         self.proxy_cpus = "1" if pin else None
         self.other_cpus = "0" if pin else None
         self.upstreams: list[Proc] = []
+        self.receiver_url = ""
         self.prefill_port = self.decode_port = 0
 
     # upstreams shared by every target
@@ -270,11 +271,15 @@ class Bench:
                     prefill, "--decode", decode, "--log-level", "warning", "--workers", str(self.args.workers)]
             if name == "pdproxy":
                 tap_port = free_port()
-                tap = Proc("oteltap", [shutil.which("oteltap") or "oteltap", "--port", str(tap_port)],
-                           self.other_cpus, Path(os.devnull))
+                if self.args.otlp_receiver == "oteltap":
+                    receiver = [shutil.which("oteltap") or "oteltap", "--port", str(tap_port)]
+                else:
+                    receiver = [sys.executable, str(HERE / "otlp_sink.py"), "--port", str(tap_port)]
+                tap = Proc(self.args.otlp_receiver, receiver, self.other_cpus, self.logs / "otlp-receiver.log")
                 helpers.append(tap)
                 _wait_port(tap_port)
-                args += ["--otlp-endpoint", f"http://{HOST}:{tap_port}", "--otlp-protocol", "http/protobuf"]
+                self.receiver_url = f"http://{HOST}:{tap_port}"
+                args += ["--otlp-endpoint", self.receiver_url, "--otlp-protocol", "http/protobuf"]
             else:
                 args.append("--no-tracing")
             proc = Proc(name, args, self.proxy_cpus, log, env={"PYTHONPATH": str(REPO)})
@@ -330,7 +335,13 @@ class Bench:
                 _say(name, f"hold {a.hold_streams} streams", hold)
         finally:
             if proxy is not None:
-                proxy.stop()
+                proxy.stop()  # SIGTERM: pdproxy flushes its span queue on the way out
+            if name == "pdproxy" and self.args.otlp_receiver == "sink":
+                try:
+                    with urllib.request.urlopen(self.receiver_url + "/count", timeout=5) as r:
+                        result["spans_received"] = json.loads(r.read())
+                except OSError:
+                    pass
             for h in helpers:
                 h.stop()
         return result
@@ -371,14 +382,16 @@ def report(results: dict[str, dict], args: argparse.Namespace, started: datetime
         f"{args.short_tokens} tokens (req/s), {args.duration:g} s each; latency: {args.latency_tokens} tokens, "
         f"{args.latency_duration:g} s per concurrency")
     out("")
-    out("| target | req/s | chunks/s | CPU s / 1k chunks | peak RSS MB | client CPU % | background CPU | errors |")
-    out("|---|---:|---:|---:|---:|---:|---:|---:|")
+    out("| target | req/s | chunks/s | CPU s / 1k chunks | CPU ms / req | peak RSS MB | client CPU % | background CPU "
+        "| errors |")
+    out("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         sc, sr = r["sat_chunks"], r["sat_requests"]
         cpu = f"{sc.proxy_cpu / sc.events * 1000:.4f}" if sc.events and name != "direct" else "-"
+        per_req = f"{sr.proxy_cpu / sr.requests * 1000:.3f}" if sr.requests and name != "direct" else "-"
         rss = f"{r['peak_rss_mb']:.0f}" if "peak_rss_mb" in r else "-"
         errors = sum(v.errors for k, v in r.items() if isinstance(v, PhaseResult))
-        out(f"| {name} | {sr.rps:.0f} | {sc.cps:.0f} | {cpu} | {rss} | {sc.client_cpu / sc.seconds * 100:.0f} | "
+        out(f"| {name} | {sr.rps:.0f} | {sc.cps:.0f} | {cpu} | {per_req} | {rss} | {sc.client_cpu / sc.seconds * 100:.0f} | "
             f"{sc.background_cpu:.2f} | {errors} |")
     out("")
     out("Latency at the client, added to direct's (ms; difference of percentiles; paced decode):")
@@ -413,6 +426,13 @@ def report(results: dict[str, dict], args: argparse.Namespace, started: datetime
             kinds = f" {h.error_kinds}" if h.errors else ""
             out(f"| {name} | {h.max_open_streams} | {h.requests} | {h.errors}{kinds} | {before:.0f} | "
                 f"{h.peak_rss_mb:.0f} | {per:.1f} |")
+    pd = results.get("pdproxy")
+    if pd and "spans_received" in pd:
+        requests = sum(v.requests for v in pd.values() if isinstance(v, PhaseResult))
+        out("")
+        out(f"Tracing on: the OTLP receiver got {pd['spans_received']['spans']} spans in "
+            f"{pd['spans_received']['requests']} export requests ({pd['spans_received']['bad']} undecodable) for "
+            f"at least {requests} measured requests (5 spans each; warm-up and drain requests are traced too).")
     out("")
     out(ratios(results, args))
     return "\n".join(lines)
@@ -494,11 +514,15 @@ def main() -> int:
     p.add_argument("--latency-tokens", type=int, default=32)
     p.add_argument("--itl-ms", type=float, default=10.0, help="decode token period in the latency phases")
     p.add_argument("--prompt-words", type=int, default=256)
-    p.add_argument("--hold-streams", type=int, default=5000, help="0 skips the hold phase")
+    p.add_argument("--hold-streams", type=int, help="concurrent streams of the hold phase (default 5000, --quick 500; "
+                                                    "0 skips it)")
     p.add_argument("--hold-tokens", type=int, default=8)
     p.add_argument("--hold-itl-ms", type=float, default=1000.0)
     p.add_argument("--hold-ramp", type=float, default=3.0)
     p.add_argument("--workers", type=int, default=1, help="pdproxy --workers")
+    p.add_argument("--otlp-receiver", choices=("sink", "oteltap"), default="sink",
+                   help="where pdproxy exports spans with tracing on (benchmarks/otlp_sink.py, or oteltap, whose "
+                        "JSON printing costs the shared CPU more than the proxy's tracing)")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin processes to CPUs")
     p.add_argument("--work-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "pdproxy-bench"),
                    help="logs and the fetched toy proxy (outside the repository)")
@@ -508,7 +532,9 @@ def main() -> int:
     if args.quick:
         args.duration, args.latency_duration, args.warmup = 1.5, 1.5, 0.5
         args.concurrency = [1, 64]
-        args.hold_streams, args.hold_ramp, args.hold_tokens, args.hold_itl_ms = 500, 0.5, 4, 200.0
+        args.hold_ramp, args.hold_tokens, args.hold_itl_ms = 0.5, 4, 200.0
+    if args.hold_streams is None:
+        args.hold_streams = 500 if args.quick else 5000
     import resource
 
     resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)

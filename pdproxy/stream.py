@@ -107,8 +107,9 @@ class ResponseScan:
         n = events.count(b"\n\n") + 1
         if (events.count(_DATA) != n or events.count(b"\n") != 2 * (n - 1) or not events.startswith(_DATA)
                 or not events.endswith(b"}") or events.count(b"}\n\n") != n - 1
-                or events.count(_ONE_CHOICE) != n or events.count(self._text_key) != n or _USAGE in events):
-            return None
+                or events.count(_ONE_CHOICE) != n or events.count(self._text_key) != n or _USAGE in events
+                or events.count(b"{") != events.count(b"}") or events.count(b"[") != events.count(b"]")):
+            return None  # (unbalanced brackets: a truncated event, or brackets in a token's text: parse)
         for marker in _NEEDS_PARSE:
             if marker in events:
                 return None
@@ -117,7 +118,8 @@ class ResponseScan:
     def _plain_event(self, event: bytes, now_ns: int) -> bool:
         """One compact event with one choice and at most a flat `usage` object; False: parse it instead."""
         if (not event.startswith(_DATA) or not event.endswith(b"}") or b"\n" in event
-                or event.count(_ONE_CHOICE) != 1 or event.count(self._text_key) != 1):
+                or event.count(_ONE_CHOICE) != 1 or event.count(self._text_key) != 1
+                or event.count(b"{") != event.count(b"}") or event.count(b"[") != event.count(b"]")):
             return False
         for marker in _NEEDS_PARSE:
             if marker in event:

@@ -8,7 +8,7 @@ from pdproxy.config import Settings
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.recorder import Recorder, RequestTrace
 from pdproxy.telemetry.tracefile import TraceFileExporter
-from pdproxy.telemetry.tracing import Tracing, otlp_exporter
+from pdproxy.telemetry.tracing import Tracing, otlp_transport
 
 __all__ = ["Metrics", "Recorder", "RequestTrace", "Tracing", "setup"]
 
@@ -17,14 +17,14 @@ def setup(settings: Settings) -> tuple[Recorder, Tracing | None]:
     metrics = Metrics(settings.run_label)
     tracing = None
     if settings.tracing and os.environ.get("OTEL_SDK_DISABLED", "").lower() != "true":
-        exporters = []
-        otlp = otlp_exporter(settings.otlp_endpoint, settings.otlp_protocol)
+        sinks = []
+        otlp = otlp_transport(settings.otlp_endpoint, settings.otlp_protocol)
         if otlp is not None:
-            exporters.append(otlp)
+            sinks.append(otlp)
         if settings.trace_file:
-            exporters.append(TraceFileExporter(settings.trace_file))
-        if exporters:
-            tracing = Tracing(resource_attributes(settings), exporters, settings.span_queue_size,
+            sinks.append(TraceFileExporter(settings.trace_file))
+        if sinks:
+            tracing = Tracing(resource_attributes(settings), sinks, settings.span_queue_size,
                               on_drop=lambda reason, count: metrics.spans_dropped.labels(reason).inc(count))
     recorder = Recorder(metrics, tracing, stall_threshold=settings.stall_threshold, run_label=settings.run_label,
                         capture_content=settings.capture_content)

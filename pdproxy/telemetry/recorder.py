@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from typing import Any
-
-from opentelemetry.trace import SpanKind, set_span_in_context
 
 from pdproxy.errors import DECODE, KV_TRANSFER, PREFILL, QUEUE
 from pdproxy.stream import ResponseScan
@@ -19,13 +18,14 @@ from pdproxy.telemetry import names as n
 from pdproxy.telemetry.clock import now, to_unix_ns
 from pdproxy.telemetry.measure import Measurement, Timeline, measure
 from pdproxy.telemetry.metrics import Metrics
-from pdproxy.telemetry.tracing import TraceIds, Tracing, set_error
+from pdproxy.telemetry.otlp import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData
+from pdproxy.telemetry.tracing import TraceIds, Tracing
 
 log = logging.getLogger("pdproxy.recorder")
 
 CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"
-_STAGE_SPANS = {QUEUE: (n.QUEUE_SPAN, SpanKind.INTERNAL), PREFILL: (n.PREFILL_SPAN, SpanKind.CLIENT),
-                KV_TRANSFER: (n.KV_TRANSFER_SPAN, SpanKind.INTERNAL), DECODE: (n.DECODE_SPAN, SpanKind.CLIENT)}
+_STAGE_SPANS = {QUEUE: (n.QUEUE_SPAN, KIND_INTERNAL), PREFILL: (n.PREFILL_SPAN, KIND_CLIENT),
+                KV_TRANSFER: (n.KV_TRANSFER_SPAN, KIND_INTERNAL), DECODE: (n.DECODE_SPAN, KIND_CLIENT)}
 
 
 class Recorder:
@@ -168,24 +168,26 @@ class RequestTrace:
         return PREFILL
 
     def _emit_spans(self, m: Measurement) -> None:
-        tracing, ids, t = self.recorder.tracing, self.ids, self.t
-        root = tracing.span(f"{self.operation} {self.model}", SpanKind.SERVER, ids.parent, trace_id=ids.trace_id,
-                            span_id=ids.root, start_ns=to_unix_ns(t.received), attributes=self._root_attributes(m))
-        if not m.ok:
-            set_error(root, m.error_type, self.error_message)
-        parent = set_span_in_context(root)
+        ids, t = self.ids, self.t
+        error = self.error_message if not m.ok else None
+        spans = [SpanData(f"{self.operation} {self.model}", KIND_SERVER, ids.trace_id, ids.root, ids.parent_span_id,
+                          to_unix_ns(t.received), to_unix_ns(t.end), self._root_attributes(m), error, ids.tracestate,
+                          ids.parent_remote)]
+        if error is not None:
+            spans[0].attributes["error.type"] = m.error_type
         bounds = t.stage_bounds(self.pd_mode)
         if self.pd_mode and t.decode_sent is not None and DECODE not in bounds:
             bounds[DECODE] = (t.end, t.end)  # the decode leg was sent: keep vLLM's span's parent in the trace
         for stage, (start, end) in bounds.items():
             name, kind = _STAGE_SPANS[stage]
             span_id = {PREFILL: ids.prefill, DECODE: ids.decode if self.pd_mode else None}.get(stage)
-            span = tracing.span(name, kind, parent, trace_id=None, span_id=span_id, start_ns=to_unix_ns(start),
-                                attributes=self._stage_attributes(stage, m))
+            span = SpanData(name, kind, ids.trace_id, span_id or random.getrandbits(64), ids.root, to_unix_ns(start),
+                            to_unix_ns(end), self._stage_attributes(stage, m), trace_state=ids.tracestate)
             if stage == m.failed_stage:
-                set_error(span, m.error_type, self.error_message)
-            span.end(end_time=to_unix_ns(end))
-        root.end(end_time=to_unix_ns(t.end))
+                span.error = self.error_message
+                span.attributes["error.type"] = m.error_type
+            spans.append(span)
+        self.recorder.tracing.emit(spans)
 
     def _root_attributes(self, m: Measurement) -> dict[str, Any]:
         a: dict[str, Any] = {

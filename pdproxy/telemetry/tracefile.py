@@ -1,4 +1,4 @@
-"""A span exporter writing OTLP-JSON lines: the format of the Collector's `file` exporter.
+"""A span sink writing OTLP-JSON lines: the format of the Collector's `file` exporter.
 
 Each export call appends one line holding an `ExportTraceServiceRequest` in the OTLP/JSON
 encoding (camelCase keys, hex trace and span ids, integer enums, 64-bit integers as strings),
@@ -10,26 +10,25 @@ from __future__ import annotations
 import base64
 import json
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 
 from google.protobuf.json_format import MessageToDict
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 _ID_KEYS = ("traceId", "spanId", "parentSpanId")
 
 
-class TraceFileExporter(SpanExporter):
+class TraceFileExporter:
+    """Receives encoded `ExportTraceServiceRequest`s from the export thread (see tracing.Sink)."""
+
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")
         self._lock = threading.Lock()
 
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        message = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
+    def send(self, payload: bytes) -> bool:
+        message = MessageToDict(ExportTraceServiceRequest.FromString(payload), use_integers_for_enums=True)
         for resource_spans in message.get("resourceSpans", ()):
             for scope_spans in resource_spans.get("scopeSpans", ()):
                 for span in scope_spans.get("spans", ()):
@@ -39,12 +38,12 @@ class TraceFileExporter(SpanExporter):
         line = json.dumps(message, separators=(",", ":"))
         with self._lock:
             if self._file.closed:
-                return SpanExportResult.FAILURE
+                return False
             self._file.write(line + "\n")
             self._file.flush()
-        return SpanExportResult.SUCCESS
+        return True
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         with self._lock:
             self._file.close()
 
