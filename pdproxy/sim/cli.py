@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import logging
 import signal
 import sys
 
@@ -167,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdproxy sim: {exc}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loop_factory = None
     with contextlib.suppress(ImportError):
         import uvloop

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import math
 from typing import Any
 
@@ -42,6 +43,8 @@ from pdproxy.sim.timing import PreciseClock
 # scheduling hiccups do not slow the simulated GPU down: a late wake-up is made up by the next
 # steps. Behind by more than this (the process is overloaded), the timeline restarts from now.
 LAG_RESET_S = 0.05
+
+log = logging.getLogger("pdproxy.sim")
 
 WAITING, LOADING_KV, RUNNING, FINISHED = "waiting", "loading_kv", "running", "finished"
 
@@ -121,7 +124,7 @@ class Engine:
         self.budget = p.max_num_batched_tokens
         self.max_num_seqs = p.max_num_seqs
         self.chunked = p.enable_chunked_prefill
-        self.pool = BlockPool(p.num_gpu_blocks)
+        self.pool = BlockPool(0 if settings.instant else p.num_gpu_blocks)  # instant: no capacity limits
         self.leases = KVLeases(settings.engine_id, self.pool, settings.kv_lease_seconds, metrics,
                                on_free=self._wake) if settings.has_connector else None
         self.puller = puller
@@ -171,6 +174,27 @@ class Engine:
 
     # ---- the step loop -------------------------------------------------------------------------
     async def run(self) -> None:
+        while True:
+            try:
+                await self._loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not leave every request hanging: fail them and go on
+                log.exception("engine step failed; failing the requests in flight")
+                self._fail_all("internal simulator error")
+                await asyncio.sleep(0.01)
+
+    def _fail_all(self, message: str) -> None:
+        now = self.clock.now()
+        for seq in [*self.running, *self.waiting, *self.ready, *self.loading]:
+            if seq.state is not FINISHED:
+                self._finish(seq, "error", now, error=message)
+        self.running.clear()
+        self.waiting.clear()
+        self.ready.clear()
+        self.loading.clear()
+
+    async def _loop(self) -> None:
         ideal_end: float | None = None
         while True:
             now = self.clock.now()

@@ -86,7 +86,7 @@ class SimServer:
 
     # ---- application -----------------------------------------------------------------------------
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_errors_as_json])
         app.add_routes([
             web.post(COMPLETIONS, self.generate),
             web.post(CHAT, self.generate),
@@ -407,6 +407,20 @@ class SimServer:
         except (APIError, KeyError, TypeError):
             ok = False
         return _json({"extended": ok}, 200 if ok else 404)
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A bug answers like vLLM's own 500s (an OpenAI error body), never with a traceback."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception:
+        log.exception("unexpected error in %s %s", request.method, request.path)
+        return _json(error_body(500, "internal simulator error"), 500)
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
