@@ -30,12 +30,16 @@ log = logging.getLogger("pdproxy.listener")
 MAX_LINE_SIZE = 8190  # request line and each header line, bytes (aiohttp's default)
 MAX_FIELD_SIZE = 8190
 MAX_HEADERS = 128
+MAX_LINGER = 2.0  # seconds spent draining an unread body after an early answer (413, 408, 503)
 
 
 def handler_options(settings: Settings) -> dict[str, Any]:
     """Keyword arguments for aiohttp's request handler (also given to the AppRunner)."""
+    # After answering before the body was read, aiohttp drains the rest of it (so that closing does
+    # not reset the connection under the answer) for `lingering_time`, 10 s by default: bounded here.
     return {"keepalive_timeout": settings.keep_alive_timeout, "max_line_size": MAX_LINE_SIZE,
-            "max_field_size": MAX_FIELD_SIZE, "max_headers": MAX_HEADERS, "access_log": None}
+            "max_field_size": MAX_FIELD_SIZE, "max_headers": MAX_HEADERS, "access_log": None,
+            "lingering_time": min(MAX_LINGER, settings.body_timeout)}
 
 
 class JsonErrorProtocol(web.RequestHandler):
