@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--frontend-overhead-ms", type=float, default=None,
                    help="per-request API-server latency before the engine queue (preset: 8 ms)")
     g.add_argument("--kv-pull-overhead-ms", type=float, default=None,
-                   help="decode-side cost of taking over a remote prefill, besides the transfer (preset: 6 ms)")
+                   help="decode-side cost of taking over a remote prefill, besides the transfer (preset: 4 ms)")
 
     g = parser.add_argument_group("scheduler and KV cache (vLLM flags)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -72,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-bandwidth-gbps", type=float, default=None,
                    help="GB/s of this prefill's outgoing KV link; transfers share it one at a time "
                         "(preset: 0.341, two instances on one H200; 0 = infinite)")
-    g.add_argument("--kv-latency-ms", type=float, default=None, help="fixed latency per KV transfer (preset: 2)")
+    g.add_argument("--kv-latency-ms", type=float, default=None, help="fixed latency per KV transfer (preset: 4.75)")
     g.add_argument("--kv-bytes-per-token", type=int, default=None,
                    help="KV bytes per prompt token (preset: 131072, Llama-3.1-8B bf16)")
     g.add_argument("--skip-kv-pull", action="store_true",

@@ -297,7 +297,9 @@ class KVPuller:
                 message = answer.get("message", "") if isinstance(answer, dict) else str(answer)
                 return PullOutcome(False, reason=reason, message=f"remote engine {remote.engine_id} refused the "
                                                                  f"KV read ({status}): {message}")
-            seconds = self.clock.now() - started
+            # NIXL times the read itself (post -> completion), so this is the prefill link's time for
+            # it, queueing included; the simulated read's HTTP round trip belongs to the hand-off.
+            seconds = float(answer.get("transfer_seconds", self.clock.now() - started))
             nbytes = int(answer.get("bytes", 0))
             self.metrics.nixl_xfer_time.observe(seconds)
             self.metrics.nixl_bytes.observe(nbytes)

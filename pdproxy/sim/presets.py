@@ -28,9 +28,9 @@ H200_FRONTEND_MS = 8.0
 SIM_LOOPBACK_MS = 1.5
 # Decode-side cost of taking over a remote prefill, beyond the transfer itself: notification
 # and scheduling of the loaded request. Chosen so that P/D TTFT = prefill + transfer + ~20 ms
-# (decode front end 8 + this 6 + first step 4.8 + ~1.5 loopback), inside the measured 18-27 ms
-# hand-off, which also held the toy proxy's own time.
-H200_KV_PULL_OVERHEAD_MS = 6.0
+# (decode front end 8 + this 4 + first step 4.8 + ~1.5 loopback + ~2 for the simulated read's
+# HTTP round trip), inside the measured 18-27 ms hand-off, which also held the toy proxy's time.
+H200_KV_PULL_OVERHEAD_MS = 4.0
 
 
 def _prefill_points() -> Points:
@@ -73,11 +73,10 @@ H200_LLAMA8B = Preset(
     kv_pull_overhead_ms=H200_KV_PULL_OVERHEAD_MS,
     # 32 layers x (K, V) x 8 KV heads x 128 dims x 2 bytes = 131072 B/token (16.8 MB per 128 tokens).
     kv_bytes_per_token=32 * 2 * 8 * 128 * 2,
-    # Least-max-relative-error fit of latency + bytes/bandwidth to REAL_NIXL_XFER_MS
-    # (0.341 GB/s, 4.75 ms -> within +/-10.7 % at every measured point); the latency leaves
-    # out the simulator's own pull round trip (~2.5 ms), which the decode measures too.
+    # Least-max-relative-error fit of latency + bytes/bandwidth to REAL_NIXL_XFER_MS:
+    # 0.341 GB/s and 4.75 ms -> within +/-10.7 % at every measured point.
     kv_bandwidth_gbps=0.341,
-    kv_latency_ms=2.0,
+    kv_latency_ms=4.75,
     max_model_len=4608,
     block_size=16,
     # 0.9 x 141 GB - 16 GB weights - ~4 GB activations ~ 106 GB; 2 MiB per 16-token block.
