@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable
@@ -20,11 +19,14 @@ from pdproxy.listener import handler_options, listen
 from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, HealthChecker, Pool
 from pdproxy.protocol import CHAT, COMPLETIONS
+from pdproxy import workers
 from pdproxy.telemetry import setup as setup_telemetry
+from pdproxy.telemetry.metrics import merge_expositions
 
 log = logging.getLogger("pdproxy")
 
 PROXY_KEY = web.AppKey("proxy", Proxy)
+WORKER_KEY = web.AppKey("worker", workers.WorkerInfo)
 SHUTDOWN_GRACE = 10.0  # seconds in-flight requests get to finish on SIGTERM
 
 
@@ -162,7 +164,15 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body, content_type = request.app[PROXY_KEY].recorder.metrics.exposition(request.headers.get("Accept", ""))
+    """This process's metrics; with --workers, every worker's merged (pdproxy/workers.py)."""
+    accept = request.headers.get("Accept", "")
+    own = request.app[PROXY_KEY].recorder.metrics.exposition
+    worker = request.app.get(WORKER_KEY)
+    if worker is None:
+        body, content_type = own(accept)
+    else:
+        texts = [own("application/openmetrics-text")[0].decode(), *await workers.sibling_expositions(worker)]
+        body, content_type = merge_expositions(texts, accept)
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
@@ -170,58 +180,42 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def serve(settings: Settings) -> int:
-    """Run until SIGINT/SIGTERM; with --workers N, N processes share the port (SO_REUSEPORT)."""
+    """Run until SIGINT/SIGTERM; with --workers N, N processes share the port (pdproxy/workers.py)."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
-        sock = _bind(settings.host, settings.port, reuse_port=settings.workers > 1)
+        sock = workers.bind(settings.host, settings.port, reuse_port=settings.workers > 1)
     except OSError as exc:
         print(f"pdproxy serve: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror}")
         return 2
-    children = [_fork_worker(settings, sock) for _ in range(settings.workers - 1)]
-    log.info("pdproxy %s listening on http://%s:%d (%s mode: %d prefill, %d decode)", __version__, settings.host,
-             sock.getsockname()[1], settings.mode, len(settings.prefill_urls), len(settings.decode_urls))
-    code = _run_worker(settings, sock)
-    for pid in children:
-        os.kill(pid, signal.SIGTERM)
-    for pid in children:
-        os.waitpid(pid, 0)
-    return code
+    log.info("pdproxy %s listening on http://%s:%d (%s mode: %d prefill, %d decode, %d worker(s))", __version__,
+             settings.host, sock.getsockname()[1], settings.mode, len(settings.prefill_urls),
+             len(settings.decode_urls), settings.workers)
+    if settings.workers == 1:
+        return _run_worker(settings, sock, None)
+    return workers.run_workers(settings.workers, sock, settings.host,
+                               lambda worker_sock, info: _run_worker(settings, worker_sock, info))
 
 
-def _bind(host: str, port: int, reuse_port: bool) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(4096)
-    sock.setblocking(False)
-    return sock
-
-
-def _fork_worker(settings: Settings, sock: socket.socket) -> int:
-    pid = os.fork()
-    if pid == 0:
-        os._exit(_run_worker(settings, sock))
-    return pid
-
-
-def _run_worker(settings: Settings, sock: socket.socket) -> int:
+def _run_worker(settings: Settings, sock: socket.socket, worker: workers.WorkerInfo | None) -> int:
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(_serve_forever(settings, sock))
+    return asyncio.run(_serve_forever(settings, sock, worker))
 
 
-async def _serve_forever(settings: Settings, sock: socket.socket) -> int:
+async def _serve_forever(settings: Settings, sock: socket.socket, worker: workers.WorkerInfo | None) -> int:
     app = create_app(settings)
+    private = None
+    if worker is not None:
+        app[WORKER_KEY] = worker
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE, **handler_options(settings))
     await runner.setup()
+    if worker is not None:
+        private = await workers.serve_private_metrics(worker, app[PROXY_KEY].recorder.metrics.exposition)
     listening = await listen(runner, sock, settings)  # JSON errors and deadlines (pdproxy/listener.py)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -229,6 +223,8 @@ async def _serve_forever(settings: Settings, sock: socket.socket) -> int:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     listening.close()
+    if private is not None:
+        await private.cleanup()
     await runner.cleanup()
     return 0
 

@@ -18,7 +18,8 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
@@ -222,6 +223,58 @@ class Metrics:
         if "application/openmetrics-text" in accept:
             return generate_openmetrics(self.registry), OPENMETRICS_TYPE
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+# merging the expositions of several worker processes (pdproxy/workers.py)
+_MIN_GAUGES = {"pdproxy_instance_healthy"}  # healthy only where every worker has the instance in rotation
+_MAX_GAUGES = {"pdproxy_build_info"}
+
+
+def merge_expositions(texts: list[str], accept: str) -> tuple[bytes, str]:
+    """One exposition from several workers' OpenMetrics texts: samples with the same name and labels are
+    summed (minimum or maximum for the gauges above); the newest exemplar of a sample is kept."""
+    families: dict[str, tuple[Metric, dict]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            merged, samples = families.setdefault(
+                family.name, (Metric(family.name, family.documentation, family.type, family.unit), {}))
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                old = samples.get(key)
+                if old is None:
+                    samples[key] = sample
+                    continue
+                if family.name in _MIN_GAUGES:
+                    value = min(old.value, sample.value)
+                elif family.name in _MAX_GAUGES:
+                    value = max(old.value, sample.value)
+                else:
+                    value = old.value + sample.value
+                exemplar = old.exemplar
+                if sample.exemplar is not None and (exemplar is None or (sample.exemplar.timestamp or 0)
+                                                    > (exemplar.timestamp or 0)):
+                    exemplar = sample.exemplar
+                samples[key] = sample._replace(value=value, exemplar=exemplar)
+    workers = Metric("pdproxy_workers", "Worker processes whose metrics this exposition merges", "gauge")
+    workers.add_sample("pdproxy_workers", {}, len(texts))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Fixed([*(_with(m, s) for m, s in families.values()), workers]))
+    if "application/openmetrics-text" in accept:
+        return generate_openmetrics(registry), OPENMETRICS_TYPE
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def _with(family: Metric, samples: dict) -> Metric:
+    family.samples = list(samples.values())
+    return family
+
+
+class _Fixed:
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self):
+        return self.families
 
 
 class _LoadCollector:
