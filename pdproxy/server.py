@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from pdproxy import __version__
+from pdproxy import __version__, workers
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
 from pdproxy.errors import ProxyError, error_body
@@ -19,7 +19,6 @@ from pdproxy.listener import handler_options, listen
 from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, HealthChecker, Pool
 from pdproxy.protocol import CHAT, COMPLETIONS
-from pdproxy import workers
 from pdproxy.telemetry import setup as setup_telemetry
 from pdproxy.telemetry.metrics import merge_expositions
 
