@@ -1,0 +1,99 @@
+"""A collector that is down, silent or refusing never slows serving; the span queue stays bounded
+and every span is accounted for: a collector that never answers gets nothing, and every span the
+proxy made is counted as dropped."""
+
+import socket
+import statistics
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from ledgers import ScriptedGroup, counter, proc_rss
+from procs import HOST, free_port, start_proxy
+
+BODY = {"model": "m", "prompt": "a b c", "max_tokens": 4, "stream": False}
+N = 150
+SPANS_PER_REQUEST = 5  # root + queue, prefill, kv_transfer, decode
+
+
+class Refusing(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def black_hole():
+    """Accepts connections (the kernel does, from the backlog) and never answers."""
+    sock = socket.socket()
+    sock.bind((HOST, 0))
+    sock.listen(1024)
+    return sock, f"http://{HOST}:{sock.getsockname()[1]}", sock.close
+
+
+def refusing():
+    server = ThreadingHTTPServer((HOST, 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://{HOST}:{server.server_port}", server.shutdown
+
+
+@pytest.fixture(scope="module")
+def backends():
+    p, d = ScriptedGroup("prefill", 1), ScriptedGroup("decode", 1)
+    yield p, d
+    p.stop()
+    d.stop()
+
+
+def serve_load(url):
+    with httpx.Client(timeout=10) as client:
+        for _ in range(10):
+            client.post(url + "/v1/completions", json=BODY)  # warm-up
+        latencies = []
+        for _ in range(N):
+            started = time.monotonic()
+            assert client.post(url + "/v1/completions", json=BODY).status_code == 200
+            latencies.append(time.monotonic() - started)
+    return latencies
+
+
+@pytest.mark.parametrize("collector", [black_hole, refusing, None], ids=["silent", "refusing", "down"])
+def test_collector_outage_leaves_serving_latency_alone_and_counts_every_span(backends, collector):
+    p, d = backends
+    baseline_proxy, baseline_url = start_proxy("--prefill", p.url, "--decode", d.url, "--health-check-interval", "0",
+                                               "--no-tracing")
+    try:
+        baseline = serve_load(baseline_url)
+    finally:
+        baseline_proxy.stop()
+    handle, endpoint, close = collector() if collector else (None, f"http://{HOST}:{free_port()}", lambda: None)
+    proxy, url = start_proxy("--prefill", p.url, "--decode", d.url, "--health-check-interval", "0",
+                             "--otlp-endpoint", endpoint, "--otlp-protocol", "http/protobuf", "--span-queue-size", "64",
+                             env={"OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_EXPORTER_OTLP_TIMEOUT": "1"})
+    try:
+        rss_before = proc_rss(proxy.popen.pid)
+        latencies = serve_load(url)
+        base, out = statistics.median(baseline), statistics.median(latencies)
+        print(f"\nmedian latency: no tracing {base * 1000:.1f} ms, collector {collector and collector.__name__} "
+              f"{out * 1000:.1f} ms; p99 {sorted(latencies)[int(N * 0.99)] * 1000:.1f} ms")
+        assert out < base * 2 + 0.010  # generous: span creation costs something, the outage nothing
+        assert max(latencies) < 1.0  # no request ever waits for the exporter
+        assert proc_rss(proxy.popen.pid) - rss_before < 30 * 2**20  # the queue is bounded
+        made = (N + 10) * SPANS_PER_REQUEST
+        deadline, dropped = time.monotonic() + 20, 0.0
+        while time.monotonic() < deadline:
+            dropped = counter(httpx.get(url + "/metrics").text, "pdproxy_spans_dropped_total")
+            if dropped >= made:
+                break
+            time.sleep(0.25)
+        assert dropped == made  # nothing reached a collector, and every span is counted as lost
+    finally:
+        proxy.stop()
+        close()
