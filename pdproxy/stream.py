@@ -29,6 +29,8 @@ from pdproxy.errors import DECODE, ProxyError
 # in the compact form the byte checks below assume.
 _NEEDS_PARSE = (b'"finish_reason":"', b'"error":', b'"metrics":', b'"tool_calls":', b'"reasoning', b'": ', b'" :')
 _USAGE = b'"usage":{'
+_FINISH = b'"finish_reason":"'
+_CLOSING = (b'"finish_reason":"', _USAGE, b"[DONE]", b'"error":', b'"metrics":')
 _COMPLETION_TOKENS = b'"completion_tokens":'
 _DATA = b"data: {"
 _ONE_CHOICE = b'"choices":[{'
@@ -56,6 +58,7 @@ class ResponseScan:
         self._usage_raw: bytes | None = None  # latest usage seen by the fast path, parsed on demand
         self._buffer = b""
         self._completion_tokens = 0
+        self._keys: int | None = None  # `":` in one plain event of this stream (set by the first one)
         self._text_key = b'"content":"' if chat else b'"text":"'
         self._empty_text = self._text_key + b'"'
 
@@ -90,29 +93,39 @@ class ResponseScan:
         self._buffer = buffer[cut + 2:]
         complete = buffer[:cut]
         if self.fast and self.response_id is not None:
-            bearing = self._count_plain(complete)
-            if bearing is not None:
-                if bearing:
-                    self.chunk_times.extend([now_ns] * bearing)
-                    self.chunk_tokens.extend([0] * bearing)
+            if self._bulk(complete, now_ns):
                 return
+            # usually the stream's closing events (finish reason, usage, [DONE]) came in this read too:
+            # count the plain events before the first of them in bulk, look at the rest one by one
+            first = min((at for at in map(complete.find, _CLOSING) if at >= 0), default=-1)
+            cut = complete.rfind(b"\n\n", 0, first) if first > 0 else -1
+            if cut > 0 and self._bulk(complete[:cut], now_ns):
+                complete = complete[cut + 2:]
         for event in complete.split(b"\n\n"):
             if not (self.fast and self.response_id is not None and self._plain_event(event, now_ns)):
                 self._event(event, now_ns)
 
+    def _bulk(self, events: bytes, now_ns: int) -> bool:
+        """Record `events` if they are all plain (see `_count_plain`); False: nothing recorded."""
+        bearing = self._count_plain(events)
+        if bearing is None:
+            return False
+        if bearing:
+            self.chunk_times.extend([now_ns] * bearing)
+            self.chunk_tokens.extend([0] * bearing)
+        return True
+
     def _count_plain(self, events: bytes) -> int | None:
-        """Token-bearing events among `events` (complete events joined by blank lines) when every one
-        of them is a single compact `data: {...}` line with one choice, no usage and nothing else worth
-        a parse; None otherwise."""
+        """Token-bearing events among `events` (complete events joined by blank lines) when every one of
+        them is a single compact `data: {...}` line of the stream's usual shape: as many `":` (keys) as
+        the first plain event had, so no usage, error, metrics, extra choice or missing part; and no
+        finish reason. None otherwise. About ten `bytes.count`/`in` passes, whatever the number of events."""
         n = events.count(b"\n\n") + 1
-        if (events.count(_DATA) != n or events.count(b"\n") != 2 * (n - 1) or not events.startswith(_DATA)
-                or not events.endswith(b"}") or events.count(b"}\n\n") != n - 1
-                or events.count(_ONE_CHOICE) != n or events.count(self._text_key) != n or _USAGE in events
-                or events.count(b"{") != events.count(b"}") or events.count(b"[") != events.count(b"]")):
-            return None  # (unbalanced brackets: a truncated event, or brackets in a token's text: parse)
-        for marker in _NEEDS_PARSE:
-            if marker in events:
-                return None
+        if (self._keys is None or not events.startswith(_DATA) or not events.endswith(b"}")
+                or events.count(_DATA) != n or events.count(b"\n") != 2 * (n - 1) or events.count(b"}\n\n") != n - 1
+                or events.count(b'":') != n * self._keys or events.count(self._text_key) != n
+                or _FINISH in events or b'": ' in events or b'" :' in events):
+            return None
         return n - events.count(self._empty_text)
 
     def _plain_event(self, event: bytes, now_ns: int) -> bool:
@@ -127,6 +140,8 @@ class ResponseScan:
         bearing = self._empty_text not in event
         tokens = 0
         at = event.find(_USAGE)
+        if at < 0 and self._keys is None:
+            self._keys = event.count(b'":')  # the shape of this stream's plain events, for `_count_plain`
         if at >= 0:
             end = event.find(b"}", at)
             usage = event[at + 8:end + 1]
