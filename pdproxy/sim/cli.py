@@ -169,6 +169,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdproxy sim: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The step timer runs in a helper thread; a busy event loop hands it the GIL only every
+    # switch interval (5 ms by default, a whole decode step), so shorten that.
+    sys.setswitchinterval(0.0005)
     loop_factory = None
     with contextlib.suppress(ImportError):
         import uvloop

@@ -153,8 +153,8 @@ class SimServer:
         if hold_kv:
             target, reason = 1, "length"  # a prefill for a remote decode stops after one token
 
-        if self.frontend_delay:
-            await self.clock.sleep(self.frontend_delay)
+        if self.frontend_delay:  # the API server's share of TTFT, parsing above included
+            await self.clock.sleep_until(arrival + faults.slow_start + self.frontend_delay)
         seq = Sequence(req.internal_id, req.prompt_tokens, target, reason, arrival, hold_kv=hold_kv,
                        remote=remote if self.puller else None, kv_fail=faults.kv_load_failure)
         if remote is not None and self.puller is None:  # --skip-kv-pull: trust the params
