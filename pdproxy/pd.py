@@ -136,6 +136,7 @@ class Proxy:
         headers = {**headers, **trace.leg_headers(PREFILL)}
 
         async def attempt(inst: Instance, tries: int) -> tuple[dict[str, Any] | None, int] | _Failure:
+            trace.prefill_instance, trace.prefill_attempts = inst.address, tries  # also right when all fail
             inst.inflight += 1
             try:
                 async with self.session.post(inst.url + route.path, data=payload, headers=headers,
@@ -203,8 +204,8 @@ class Proxy:
             finally:
                 if not handed_over:
                     inst.inflight -= 1  # also when the client's disconnect cancels us here
-            if failure.reached:
-                kv = None
+            if failure.reached and failure.outlier:
+                kv = None  # a busy answer (429, 503 + Retry-After) means it never started: those stay good
             return failure
 
         upstream, instance, _ = await self._retrying(self.decode, instance, self.settings.decode_retries, attempt)

@@ -95,7 +95,8 @@ def test_prefill_5xx_is_retried_once_elsewhere_then_reported(rig):
     assert err["code"] == "upstream_5xx" and "prefill instance" in err["message"] and "engine died" in err["message"]
     assert err["type"] == "server_error"
     assert rig["d"].journal() == []  # the decode never ran
-    assert_accounted(rig, c, rid, code=502, stage="prefill", error_type="upstream_5xx")
+    spans = assert_accounted(rig, c, rid, code=502, stage="prefill", error_type="upstream_5xx")
+    assert attrs(spans["pd.prefill"])["pd.prefill.attempts"] == 2
 
 
 def test_prefill_timeout_is_a_504(rig):
@@ -224,6 +225,7 @@ def test_decode_busy_timeout_and_dropped_connection_before_headers(rig):
     script(rig, decode=[{"status": 503, "headers": {"Retry-After": "0.2"}, "body": {"error": {"message": "full"}}}])
     r, _ = post(rig["url"])
     assert r.status_code == 200 and len(rig["d"].journal()) == 2
+    assert "kv_transfer_params" in rig["d"].journal()[1]["body"]  # busy, not broken: its KV was never touched
 
     script(rig, decode=[{"drop": True}])
     r, _ = post(rig["url"])
