@@ -361,6 +361,10 @@ class _WholeEvents:
 
     async def write(self, data: bytes) -> None:
         if self.scan.malformed > self.malformed:
+            good = _events_before_malformed(self.held + data)  # rare: worth a parse to keep what was fine
+            self.held = b""
+            if good:
+                await self._send(good)
             raise ProxyError(502, "decode instance sent a malformed stream event (not a JSON object)",
                              error_type="malformed_stream", stage=DECODE)
         if self.held:
@@ -382,6 +386,24 @@ class _WholeEvents:
         if not self.response.prepared:
             await self.response.prepare(self.request)
         await self.response.write(data)
+
+
+def _events_before_malformed(data: bytes) -> bytes:
+    """The whole SSE events in `data` that come before the first `data:` line that is not a JSON object."""
+    out = []
+    for event in data.split(b"\n\n")[:-1]:
+        for line in event.split(b"\n"):
+            payload = line[5:].strip() if line.startswith(b"data:") else None
+            if payload is None or payload == b"[DONE]":
+                continue
+            try:
+                ok = isinstance(json.loads(payload), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                return b"".join(out)
+        out.append(event + b"\n\n")
+    return b"".join(out)
 
 
 @dataclass

@@ -416,3 +416,60 @@ def test_llmock_judges_the_proxys_retries(llmock):
             assert r.status_code == 200 and events[-1] == "data: [DONE]" and '"error"' in events[-2], (kind, r.text)
     finally:
         proxy.stop()
+
+
+# -- the simulator: a decode that really pulls the KV from the prefill ---------------------------------
+
+
+def test_sim_kv_load_failure_recompute_and_other_faults_end_to_end(tmp_path):
+    """On `pdproxy sim` the decode pulls the prompt's KV from the prefill: a failed pull is retried on
+    the other decode without the used parameters, and that decode really computes the prompt itself."""
+    from procs import start_sim
+
+    procs, trace_file = [], tmp_path / "spans.jsonl"
+    try:
+        (pp, purl), (d1, d1url), (d2, d2url) = (start_sim("prefill", "--preset", "instant"),
+                                                start_sim("decode", "--preset", "instant"),
+                                                start_sim("decode", "--preset", "instant"))
+        procs += [pp, d1, d2]
+        proxy, url = start_proxy("--prefill", purl, "--decode", d1url, d2url, "--trace-file", str(trace_file),
+                                 "--prefill-retries", "1", "--decode-retries", "1", *FAST, env=ENV)
+        procs.append(proxy)
+        body = {"model": "sim-model", "prompt": "one two three four five six", "max_tokens": 6, "stream": True}
+
+        def fault(instance, *faults):
+            httpx.delete(instance + "/sim/requests")
+            assert httpx.post(instance + "/sim/faults", json={"faults": list(faults)}).status_code < 300
+
+        def sent(instance):
+            return [r["body"] for r in httpx.get(instance + "/sim/requests").json()["requests"]]
+
+        fault(d1url, {"kind": "kv_load_failure"})
+        fault(d2url, {"kind": "kv_load_failure"})
+        fault(purl)
+        r, rid = post(url, body)
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text
+        decode_bodies = sent(d1url) + sent(d2url)
+        assert len(decode_bodies) == 2 and sum("kv_transfer_params" in b for b in decode_bodies) == 1
+        assert attrs(trace_of(trace_file, rid)["root"])["pd.kv_transfer_params"] == "recomputed"
+
+        fault(purl, {"kind": "refuse"})  # a TCP reset: retried (here on the same, only, prefill)
+        r, rid = post(url, body)
+        assert r.status_code == 200 and attrs(trace_of(trace_file, rid)["pd.prefill"])["pd.prefill.attempts"] == 2
+
+        fault(purl, {"kind": "no_kv_params"})
+        r, rid = post(url, body)
+        assert r.status_code == 200 and attrs(trace_of(trace_file, rid)["root"])["pd.kv_transfer_params"] == "missing"
+
+        fault(d1url, {"kind": "malformed_chunk", "after_chunks": 2})
+        fault(d2url, {"kind": "malformed_chunk", "after_chunks": 2})
+        r, rid = post(url, body)
+        events = sse_events(r.text)
+        assert r.status_code == 200 and events[-1] == "data: [DONE]" and len(events) == 4  # 2 good chunks, the error, [DONE]
+        assert json.loads(events[-2][6:])["error"]["code"] == "malformed_stream"
+        assert attrs(trace_of(trace_file, rid)["root"])["pd.failed_stage"] == "decode"
+        for instance in (d1url, d2url):
+            httpx.delete(instance + "/sim/faults")
+    finally:
+        for proc in procs:
+            proc.stop()
