@@ -56,7 +56,7 @@ class Measurement:
     ttft: float | None = None
     e2e: float = 0.0
     tpot: float | None = None
-    gaps: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)  # sorted: only their distribution is reported
     itl_unit: str = "chunk"
     itl_mean: float | None = None
     itl_p50: float | None = None
@@ -83,6 +83,8 @@ def percentile(ordered: list[float], q: float) -> float:
 def token_gaps(chunk_times: list[int], chunk_tokens: list[int]) -> tuple[list[float], str]:
     """Gaps between token-bearing events, split per token when every event said how many it carried."""
     per_token = bool(chunk_tokens) and all(k > 0 for k in chunk_tokens)
+    if not per_token or max(chunk_tokens) == 1:  # one gap per event: no splitting to do
+        return [(b - a) / 1e9 for a, b in zip(chunk_times, chunk_times[1:])], "token" if per_token else "chunk"
     gaps: list[float] = []
     for i in range(1, len(chunk_times)):
         gap = (chunk_times[i] - chunk_times[i - 1]) / 1e9
@@ -114,9 +116,9 @@ def measure(
     if t.first_token is not None:
         m.ttft = seconds(t.received, t.first_token)
     m.chunks = len(chunk_times)
-    m.gaps, m.itl_unit = token_gaps(chunk_times, chunk_tokens)
-    if m.gaps:
-        ordered = sorted(m.gaps)
+    gaps, m.itl_unit = token_gaps(chunk_times, chunk_tokens)
+    if gaps:
+        m.gaps = ordered = sorted(gaps)
         m.itl_mean = sum(ordered) / len(ordered)
         m.itl_p50 = percentile(ordered, 50)
         m.itl_p99 = percentile(ordered, 99)

@@ -84,6 +84,8 @@ def _any(value: Any) -> bytes:
 
 
 _KEYS: dict[str, bytes] = {}
+_PAIRS: dict[tuple[str, type, Any], bytes] = {}  # whole attribute fields of repeating (key, value) pairs
+_PAIRS_MAX = 4096
 
 
 def key_value(key: str, value: Any) -> bytes:
@@ -92,6 +94,30 @@ def key_value(key: str, value: Any) -> bytes:
     if k is None:
         k = _KEYS[key] = _field(b"\x0a", key.encode())
     return k + _field(b"\x12", _any(value))
+
+
+def attribute(tag: bytes, key: str, value: Any, repeats: bool) -> bytes:
+    """An attribute field; `repeats` marks low-cardinality values (operation, model, instance, phase,
+    status...), whose encoding is cached (bounded: past the limit they are encoded each time)."""
+    if not repeats or isinstance(value, (list, float)):
+        return _field(tag, key_value(key, value))
+    pair = (key, type(value), value)  # the type too: True == 1, but they encode differently
+    field_ = _PAIRS.get(pair)
+    if field_ is None:
+        field_ = _field(tag, key_value(key, value))
+        if len(_PAIRS) < _PAIRS_MAX:
+            _PAIRS[pair] = field_
+    return field_
+
+
+# attributes whose values come from a small set, worth caching (see `attribute`)
+REPEATING = frozenset({
+    "gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model", "gen_ai.request.stream",
+    "gen_ai.request.max_tokens", "gen_ai.request.temperature", "gen_ai.request.top_p", "pd.mode", "pd.deployment",
+    "pd.run", "pd.prefill.instance", "pd.decode.instance", "pd.kv_transfer_params", "pd.itl.unit",
+    "http.response.status_code", "vllm.request_phase", "server.address", "server.port", "pd.prefill.attempts",
+    "pd.decode.attempts", "pd.kv_transfer.definition", "pd.failed_stage", "error.type",
+})
 
 
 def encode_span(s: SpanData) -> bytes:
@@ -104,7 +130,7 @@ def encode_span(s: SpanData) -> bytes:
     out.append(_field(b"\x2a", s.name.encode()))
     out += (b"\x30", _SMALL[s.kind], b"\x39", struct.pack("<Q", s.start_ns), b"\x41", struct.pack("<Q", s.end_ns))
     for k, v in s.attributes.items():
-        out.append(_field(b"\x4a", key_value(k, v)))
+        out.append(attribute(b"\x4a", k, v, k in REPEATING))
     if s.error is not None:
         out.append(_field(b"\x7a", _field(b"\x12", s.error.encode()) + b"\x18" + _SMALL[STATUS_ERROR]))
     else:
