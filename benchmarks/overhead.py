@@ -68,13 +68,14 @@ def free_port() -> int:
 class Proc:
     """A child process in its own session (stopped with its whole group), optionally pinned to CPUs."""
 
-    def __init__(self, name: str, args: list[str], cpus: str | None, log: Path, env: dict | None = None) -> None:
+    def __init__(self, name: str, args: list[str], cpus: str | None, log: Path, env: dict | None = None,
+                 cwd: str | None = None) -> None:
         self.name = name
         args = _placed(args, cpus)
         self.log = log
         self._fh = open(log, "wb")
         self.popen = subprocess.Popen(args, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=cwd)
 
     def wait_http(self, url: str, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -296,7 +297,8 @@ class Bench:
                 args += ["--otlp-endpoint", self.receiver_url, "--otlp-protocol", "http/protobuf"]
             else:
                 args.append("--no-tracing")
-            proc = Proc(name, args, self.proxy_cpus, log, env={"PYTHONPATH": self.args.pdproxy_path or str(REPO)})
+            src = self.args.pdproxy_path or str(REPO)  # `python -m` looks in the working directory first
+            proc = Proc(name, args, self.proxy_cpus, log, env={"PYTHONPATH": src}, cwd=src)
             proc.wait_http(url + "/health")
         elif name == "vllm-router":
             exe = peers.vllm_router()
