@@ -92,6 +92,18 @@ class ResponseScan:
             return
         self._buffer = buffer[cut + 2:]
         complete = buffer[:cut]
+        if self.fast and (self.response_id is None or self._keys is None):
+            # the stream's first events, one by one: the first gives the id (parsed), the next plain one
+            # the shape `_count_plain` checks; the rest of this read, often most of it, may be counted
+            events = complete.split(b"\n\n")
+            i = 0
+            while i < len(events) and (self.response_id is None or self._keys is None):
+                if not (self.response_id is not None and self._plain_event(events[i], now_ns)):
+                    self._event(events[i], now_ns)
+                i += 1
+            if i == len(events):
+                return
+            complete = b"\n\n".join(events[i:])
         if self.fast and self.response_id is not None:
             if self._bulk(complete, now_ns):
                 return
