@@ -319,13 +319,19 @@ def main() -> None:
     parser.add_argument("--once", action="store_true", help="each user sends one request (concurrency = streams held)")
     parser.add_argument("--ramp", type=float, default=0.0, help="seconds over which users start")
     parser.add_argument("--drain-timeout", type=float, default=30.0)
+    parser.add_argument("--out", help="write the JSON result here instead of stdout")
     args = parser.parse_args()
     import resource
 
     resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
     import uvloop
 
-    print(json.dumps(uvloop.run(run(args))))
+    result = json.dumps(uvloop.run(run(args)))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(result)
+    else:
+        print(result)
 
 
 if __name__ == "__main__":

@@ -222,7 +222,10 @@ class Bench:
              warmup: float, itl_ms: float | None = None, timings: bool = False, once: bool = False,
              ramp: float = 0.0, sample_rss: bool = False) -> PhaseResult:
         """Run the load generator once; sample the proxy's CPU over exactly the measured window."""
-        cmd = [sys.executable, str(HERE / "loadgen.py"), "--url", url, "--concurrency", str(concurrency),
+        out_file = self.work / "loadgen-result.json"
+        out_file.unlink(missing_ok=True)
+        cmd = [sys.executable, str(HERE / "loadgen.py"), "--out", str(out_file), "--url", url,
+               "--concurrency", str(concurrency),
                "--tokens", str(tokens), "--duration", str(duration), "--warmup", str(warmup),
                "--prompt-words", str(self.args.prompt_words)]
         if itl_ms is not None:
@@ -253,11 +256,12 @@ class Bench:
             threads.append(threading.Thread(target=watch_rss, daemon=True))
         for t in threads:
             t.start()
-        out = proc.stdout.read()  # stderr belongs to the marks thread
         proc.wait(timeout=duration + warmup + 120 + (60 if once else 0))
         for t in threads:
             t.join(5)
-        raw = json.loads(out)
+        if proc.returncode != 0 or not out_file.exists():
+            raise RuntimeError(f"load generator failed ({proc.returncode}): {proc.stdout.read()[-2000:]}")
+        raw = json.loads(out_file.read_text())
         r = PhaseResult(requests=raw["requests"], errors=raw["errors"], error_kinds=raw["error_kinds"],
                         events=raw["events"], seconds=raw["seconds"], client_cpu=raw.get("client_cpu", 0.0),
                         max_open_streams=raw["max_open_streams"], ttft_us=raw.get("ttft_us", []),
