@@ -30,6 +30,7 @@ from pdproxy.errors import DECODE, ProxyError
 _NEEDS_PARSE = (b'"finish_reason":"', b'"error":', b'"metrics":', b'"tool_calls":', b'"reasoning', b'": ', b'" :')
 _USAGE = b'"usage":{'
 _FINISH = b'"finish_reason":"'
+_NEVER_PLAIN = (b'"error":', _USAGE, b'"metrics":', b'"tool_calls":', b'"reasoning')
 _CLOSING = (b'"finish_reason":"', _USAGE, b"[DONE]", b'"error":', b'"metrics":')
 _COMPLETION_TOKENS = b'"completion_tokens":'
 _DATA = b"data: {"
@@ -130,14 +131,17 @@ class ResponseScan:
     def _count_plain(self, events: bytes) -> int | None:
         """Token-bearing events among `events` (complete events joined by blank lines) when every one of
         them is a single compact `data: {...}` line of the stream's usual shape: as many `":` (keys) as
-        the first plain event had, so no usage, error, metrics, extra choice or missing part; and no
-        finish reason. None otherwise. About ten `bytes.count`/`in` passes, whatever the number of events."""
+        the first plain event had, one choice each, no usage, error, metrics, tool calls or reasoning, no
+        finish reason. None otherwise. About fifteen `bytes.count`/`in` passes, whatever the number of events."""
         n = events.count(b"\n\n") + 1
         if (self._keys is None or not events.startswith(_DATA) or not events.endswith(b"}")
                 or events.count(_DATA) != n or events.count(b"\n") != 2 * (n - 1) or events.count(b"}\n\n") != n - 1
                 or events.count(b'":') != n * self._keys or events.count(self._text_key) != n
-                or _FINISH in events or b'": ' in events or b'" :' in events):
+                or events.count(_ONE_CHOICE) != n or _FINISH in events or b'": ' in events or b'" :' in events):
             return None
+        for marker in _NEVER_PLAIN:  # key counts of different events could balance out: rule these out by name
+            if marker in events:
+                return None
         return n - events.count(self._empty_text)
 
     def _plain_event(self, event: bytes, now_ns: int) -> bool:

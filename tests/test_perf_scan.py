@@ -91,3 +91,15 @@ def test_a_read_of_many_plain_events_is_counted_without_parsing(monkeypatch):
     scan.feed(many.encode(), 2)
     assert calls == []
     assert scan.chunk_times == [1, 2, 2, 2] and scan.chunk_tokens == [0, 0, 0, 0]
+
+
+def test_key_counts_of_two_unusual_events_cannot_pass_for_plain_ones():
+    plain = ('data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+             '"text":"","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n')
+    two_choices = plain.replace("}]}", '},{"index":0,"text":"","logprobs":null,"finish_reason":null,'
+                                       '"stop_reason":null}],"usage":null}')
+    error = 'data: {"error":{"message":"boom","type":"x","code":500}}\n\n'
+    fast, reference = ResponseScan(chat=False), ResponseScan(chat=False, fast=False)
+    for scan in (fast, reference):
+        scan.feed((plain + plain + two_choices + error).encode(), 1)
+    assert learned(fast) == learned(reference) and fast.error == {"message": "boom", "type": "x", "code": 500}
