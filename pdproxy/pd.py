@@ -37,7 +37,7 @@ from pdproxy.config import Settings
 from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, retry_after_seconds
 from pdproxy.pool import Instance, Pool
 from pdproxy.protocol import Route, check_trace_headers, decode_body, prefill_body, request_id, validate
-from pdproxy.stream import ClientGone, relay
+from pdproxy.stream import ClientGone, WholeEventWriter, relay
 from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.telemetry.clock import now
 
@@ -269,7 +269,7 @@ class Proxy:
 
         response = web.StreamResponse(status=upstream.status,
                                       headers={**reply_headers, "Content-Type": content_type, "Cache-Control": "no-cache"})
-        client = _WholeEvents(request, response, trace.scan)
+        client = WholeEventWriter(request, response, trace.scan)
         try:
             try:
                 await relay(upstream, client, trace.scan)
@@ -338,72 +338,6 @@ class Proxy:
                 raise bad_request("X-data-parallel-rank must be a non-negative integer", param="X-data-parallel-rank")
             headers["X-data-parallel-rank"] = rank.strip()
         return headers
-
-
-
-class _WholeEvents:
-    """The client's end of the relay: it gets whole SSE events only, and none past a malformed one.
-
-    The status line goes out with the first whole event, not with the decode's headers: a decode that
-    fails before its first event (breaks, goes silent, ends at once) still gives the client an HTTP
-    error status rather than a 200 carrying an error event. `relay` feeds each read to the scanner
-    before writing it here, so a read that brought a malformed event (a `data:` line that is not a
-    JSON object) is refused whole and the stream ends with an error event instead: a client's SSE
-    parser would otherwise choke on the broken line, or on our error event glued to its half.
-    """
-
-    def __init__(self, request: web.Request, response: web.StreamResponse, scan: Any) -> None:
-        self.request = request
-        self.response = response
-        self.scan = scan
-        self.malformed = scan.malformed
-        self.held = b""  # bytes after the last complete event, waiting for the rest of it
-
-    async def write(self, data: bytes) -> None:
-        if self.scan.malformed > self.malformed:
-            good = _events_before_malformed(self.held + data)  # rare: worth a parse to keep what was fine
-            self.held = b""
-            if good:
-                await self._send(good)
-            raise ProxyError(502, "decode instance sent a malformed stream event (not a JSON object)",
-                             error_type="malformed_stream", stage=DECODE)
-        if self.held:
-            data, self.held = self.held + data, b""
-        if b"\r" not in data:  # CRLF framing is passed through as it comes
-            cut = data.rfind(b"\n\n")
-            end = cut + 2 if cut >= 0 else 0
-            if end < len(data):
-                data, self.held = data[:end], data[end:]
-        if data:
-            await self._send(data)
-
-    async def flush(self) -> None:
-        if self.held:
-            data, self.held = self.held, b""
-            await self._send(data)
-
-    async def _send(self, data: bytes) -> None:
-        if not self.response.prepared:
-            await self.response.prepare(self.request)
-        await self.response.write(data)
-
-
-def _events_before_malformed(data: bytes) -> bytes:
-    """The whole SSE events in `data` that come before the first `data:` line that is not a JSON object."""
-    out = []
-    for event in data.split(b"\n\n")[:-1]:
-        for line in event.split(b"\n"):
-            payload = line[5:].strip() if line.startswith(b"data:") else None
-            if payload is None or payload == b"[DONE]":
-                continue
-            try:
-                ok = isinstance(json.loads(payload), dict)
-            except ValueError:
-                ok = False
-            if not ok:
-                return b"".join(out)
-        out.append(event + b"\n\n")
-    return b"".join(out)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Relaying a decode response to the client while timing its tokens.
 
-The bytes go to the client exactly as the instance sent them; the scanner only reads them to
+The bytes go to the client exactly as the instance sent them (`WholeEventWriter` only holds back a
+partial event until it is whole); the scanner only reads them to
 learn when each token-bearing event arrived, how many tokens it carried (when the stream reports
 `usage` on every chunk) and what the response said about itself (id, usage, finish reasons,
 vLLM's per-request `metrics`, an in-band error).
@@ -278,3 +279,68 @@ async def relay(upstream: aiohttp.ClientResponse, downstream: web.StreamResponse
     if not scan.done and scan.error is None:
         raise ProxyError(502, "decode instance ended the stream without [DONE]", error_type="stream_truncated",
                          stage=DECODE)
+
+
+class WholeEventWriter:
+    """The client's end of the relay: it gets whole SSE events only, and none past a malformed one.
+
+    The status line goes out with the first whole event, not with the decode's headers: a decode that
+    fails before its first event (breaks, goes silent, ends at once) still gives the client an HTTP
+    error status rather than a 200 carrying an error event. `relay` feeds each read to the scanner
+    before writing it here, so a read that brought a malformed event (a `data:` line that is not a
+    JSON object) is refused whole and the stream ends with an error event instead: a client's SSE
+    parser would otherwise choke on the broken line, or on our error event glued to its half.
+    """
+
+    def __init__(self, request: web.Request, response: web.StreamResponse, scan: Any) -> None:
+        self.request = request
+        self.response = response
+        self.scan = scan
+        self.malformed = scan.malformed
+        self.held = b""  # bytes after the last complete event, waiting for the rest of it
+
+    async def write(self, data: bytes) -> None:
+        if self.scan.malformed > self.malformed:
+            good = _events_before_malformed(self.held + data)  # rare: worth a parse to keep what was fine
+            self.held = b""
+            if good:
+                await self._send(good)
+            raise ProxyError(502, "decode instance sent a malformed stream event (not a JSON object)",
+                             error_type="malformed_stream", stage=DECODE)
+        if self.held:
+            data, self.held = self.held + data, b""
+        if b"\r" not in data:  # CRLF framing is passed through as it comes
+            cut = data.rfind(b"\n\n")
+            end = cut + 2 if cut >= 0 else 0
+            if end < len(data):
+                data, self.held = data[:end], data[end:]
+        if data:
+            await self._send(data)
+
+    async def flush(self) -> None:
+        if self.held:
+            data, self.held = self.held, b""
+            await self._send(data)
+
+    async def _send(self, data: bytes) -> None:
+        if not self.response.prepared:
+            await self.response.prepare(self.request)
+        await self.response.write(data)
+
+
+def _events_before_malformed(data: bytes) -> bytes:
+    """The whole SSE events in `data` that come before the first `data:` line that is not a JSON object."""
+    out = []
+    for event in data.split(b"\n\n")[:-1]:
+        for line in event.split(b"\n"):
+            payload = line[5:].strip() if line.startswith(b"data:") else None
+            if payload is None or payload == b"[DONE]":
+                continue
+            try:
+                ok = isinstance(json.loads(payload), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                return b"".join(out)
+        out.append(event + b"\n\n")
+    return b"".join(out)
