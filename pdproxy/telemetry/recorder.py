@@ -224,23 +224,24 @@ class RequestTrace:
         return a
 
     def _stage_attributes(self, stage: str, m: Measurement) -> dict[str, Any]:
+        """Every stage span names its model and deployment, so span-derived metrics split like the proxy's."""
+        attrs: dict[str, Any] = {"gen_ai.request.model": self.model, n.DEPLOYMENT: self.deployment}
         if stage == PREFILL:
             address, status = self.prefill_instance, self.prefill_status
             if not self.pd_mode:
                 address, status = self.decode_instance, self.decode_status
-            attrs = _leg_attributes(address, "prefill", status)
+            attrs.update(_leg_attributes(address, "prefill", status))
             if self.pd_mode:
                 attrs[n.PREFILL_ATTEMPTS] = max(self.prefill_attempts, 1)
-            return attrs
-        if stage == DECODE:
-            attrs = _leg_attributes(self.decode_instance, "decode", self.decode_status)
+        elif stage == DECODE:
+            attrs.update(_leg_attributes(self.decode_instance, "decode", self.decode_status))
             attrs[n.DECODE_ATTEMPTS] = self.decode_attempts
-            return attrs
-        if stage == KV_TRANSFER:
+        elif stage == KV_TRANSFER:
             optional = {n.HANDOFF_GAP: m.handoff_gap, n.DECODE_HEADERS_WAIT: m.decode_headers_wait,
                         n.DECODE_QUEUE_TIME: m.decode_queue_time, n.KV_ESTIMATED: m.kv_estimated}
-            return {n.KV_DEFINITION: "upper_bound", **{k: v for k, v in optional.items() if v is not None}}
-        return {}
+            attrs[n.KV_DEFINITION] = "upper_bound"
+            attrs.update({k: v for k, v in optional.items() if v is not None})
+        return attrs
 
 
 def _leg_attributes(address: str | None, phase: str, status: int | None) -> dict[str, Any]:
