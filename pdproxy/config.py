@@ -55,6 +55,7 @@ class Settings:
     queue_timeout: float = 30.0
     max_body_bytes: int = 32 * 1024 * 1024
     body_timeout: float = 30.0
+    write_timeout: float = 60.0
     keep_alive_timeout: float = 75.0
     client_kv_params: str = "reject"
     api_key: str | None = None
@@ -127,6 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument("--queue-timeout", type=float, help="seconds a request may wait for a slot before 503 (default 30)")
     route.add_argument("--max-body-bytes", type=int, help="largest request body accepted; larger gets 413 (default 32 MiB)")
     route.add_argument("--body-timeout", type=float, help="seconds a client may take to send its request body; then 408 (default 30)")
+    route.add_argument("--write-timeout", type=float,
+                       help="seconds a client may leave streamed data unread before it is cut off and its decode "
+                            "aborted (default 60)")
     route.add_argument("--keep-alive-timeout", type=float,
                        help="seconds a client connection may stay idle, or take to send its request line and headers, "
                             "before it is closed (default 75)")
@@ -337,7 +341,7 @@ def _read_config_file(path: str | None) -> dict[str, Any]:
 
 def _validate(s: Settings) -> None:
     positive = ("connect_timeout", "read_timeout", "health_check_timeout", "queue_timeout", "shadow_timeout",
-                "body_timeout", "keep_alive_timeout")
+                "body_timeout", "keep_alive_timeout", "write_timeout")
     for name in positive:
         if getattr(s, name) <= 0:
             raise ConfigError(f"{name.replace('_', '-')} must be > 0")

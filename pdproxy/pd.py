@@ -37,7 +37,7 @@ from pdproxy.config import Settings
 from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, retry_after_seconds
 from pdproxy.pool import Instance, Pool
 from pdproxy.protocol import Route, check_trace_headers, decode_body, prefill_body, request_id, validate
-from pdproxy.stream import ClientGone, WholeEventWriter, relay
+from pdproxy.stream import ClientGone, SlowReaders, WholeEventWriter, relay
 from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.telemetry.clock import now
 
@@ -62,6 +62,7 @@ class Proxy:
         self.admission = admission
         self.recorder = recorder
         self.shadow = shadow
+        self.slow_readers = SlowReaders(settings.write_timeout)  # started by the server for client traffic
         self.timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout,
                                              sock_connect=settings.connect_timeout, sock_read=settings.read_timeout)
         # compared as digests: equal lengths, so the comparison time says nothing about the key
@@ -269,7 +270,9 @@ class Proxy:
 
         response = web.StreamResponse(status=upstream.status,
                                       headers={**reply_headers, "Content-Type": content_type, "Cache-Control": "no-cache"})
-        client = WholeEventWriter(request, response, trace.scan)
+        client = WholeEventWriter(request, response, trace.scan, on_cut_off=lambda: trace.fail(
+            CLIENT_CLOSED, "client_too_slow", f"client left streamed data unread for {self.settings.write_timeout:g}s"))
+        self.slow_readers.writers.add(client)
         try:
             try:
                 await relay(upstream, client, trace.scan)
@@ -283,7 +286,9 @@ class Proxy:
                 await response.prepare(request)
             await response.write_eof()
         except (ClientGone, ConnectionError):
-            trace.client_gone()
+            trace.client_gone()  # unless it was cut off for reading too slowly: the first failure stands
+        finally:
+            self.slow_readers.writers.discard(client)
         return response
 
     # -- helpers ----------------------------------------------------------------------------

@@ -67,7 +67,8 @@ async def _lifecycle(app: web.Application, settings: Settings):
         from pdproxy.shadow import Shadow
 
         shadow = Shadow(settings, session, recorder)
-    app[PROXY_KEY] = Proxy(settings, session, prefill, decode, admission, recorder, shadow)
+    proxy = app[PROXY_KEY] = Proxy(settings, session, prefill, decode, admission, recorder, shadow)
+    proxy.slow_readers.start()
     checker = None
     if settings.health_check_interval > 0:
         auth = {"Authorization": f"Bearer {settings.upstream_api_key}"} if settings.upstream_api_key else None
@@ -75,6 +76,7 @@ async def _lifecycle(app: web.Application, settings: Settings):
                                 settings.health_check_timeout, auth)
         checker.start()
     yield
+    await proxy.slow_readers.stop()
     if checker:
         await checker.stop()
     if shadow is not None:

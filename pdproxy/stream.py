@@ -16,8 +16,10 @@ always parses; the tests check that both agree.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -292,12 +294,15 @@ class WholeEventWriter:
     parser would otherwise choke on the broken line, or on our error event glued to its half.
     """
 
-    def __init__(self, request: web.Request, response: web.StreamResponse, scan: Any) -> None:
+    def __init__(self, request: web.Request, response: web.StreamResponse, scan: Any,
+                 on_cut_off: Callable[[], None] = lambda: None) -> None:
         self.request = request
         self.response = response
         self.scan = scan
+        self.on_cut_off = on_cut_off
         self.malformed = scan.malformed
         self.held = b""  # bytes after the last complete event, waiting for the rest of it
+        self.write_started = 0.0  # monotonic time of the write in progress, 0 when none (see SlowReaders)
 
     async def write(self, data: bytes) -> None:
         if self.scan.malformed > self.malformed:
@@ -323,9 +328,46 @@ class WholeEventWriter:
             await self._send(data)
 
     async def _send(self, data: bytes) -> None:
+        self.write_started = time.monotonic()
         if not self.response.prepared:
             await self.response.prepare(self.request)
-        await self.response.write(data)
+        await self.response.write(data)  # waits while the client's socket is full
+        self.write_started = 0.0
+
+    def cut_off(self) -> None:
+        """Drop a client that stopped reading: its blocked write fails and the decode is aborted."""
+        self.on_cut_off()  # before the abort, which cancels the handler
+        if self.request.transport is not None:
+            self.request.transport.abort()
+
+
+class SlowReaders:
+    """Cuts off clients that leave streamed data unread for longer than `timeout` seconds.
+
+    Without it a client that stops reading holds its decode (and the KV blocks behind it) for as
+    long as it keeps the connection open. One sweeper for all streams keeps the per-event cost to
+    a clock read, instead of a timer armed around every write.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.writers: set[WholeEventWriter] = set()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._sweep(), name="slow-reader-sweeper")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.timeout / 4))
+            deadline = time.monotonic() - self.timeout
+            for writer in [w for w in self.writers if 0.0 < w.write_started < deadline]:
+                writer.cut_off()
 
 
 def _events_before_malformed(data: bytes) -> bytes:

@@ -9,7 +9,7 @@ By default it answers like a vLLM instance of its role (a prefill returns `kv_tr
 a decode streams a fixed SSE body). Tests queue exact answers with `POST /_script` (a list of
 steps, one consumed per inference request) and read what arrived with `GET /_journal`.
 A step may set: status, headers, body (JSON or string), chunks (list of strings written one by
-one), delay (before the status line), chunk_delay, stall_after (chunks before a long pause),
+one), repeat (send the chunks that many times), delay (before the status line), chunk_delay, stall_after (chunks before a long pause),
 abort_after (chunks before the connection is cut), drop (close the connection without answering).
 `--delay` and `--chunk-delay` set the defaults for requests without a step.
 """
@@ -90,7 +90,8 @@ class Backend:
             return web.Response(status=status, text=text, headers={"Content-Type": "application/json", **headers})
         response = web.StreamResponse(status=status, headers={"Content-Type": "text/event-stream", **headers})
         await response.prepare(request)
-        for i, chunk in enumerate(step.get("chunks") or default_stream(rid, chat)):
+        chunks = (step.get("chunks") or default_stream(rid, chat)) * step.get("repeat", 1)
+        for i, chunk in enumerate(chunks):
             if i == step.get("abort_after"):
                 request.transport.abort()
                 return response

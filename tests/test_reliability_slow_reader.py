@@ -1,0 +1,40 @@
+"""A client that stops reading a stream is cut off, and its decode aborted, after --write-timeout."""
+
+import socket
+import time
+
+import httpx
+
+from procs import start_proxy, start_scripted
+
+
+def test_client_that_stops_reading_is_cut_off_and_its_decode_aborted():
+    decode, d_url = start_scripted("decode")
+    proxy, url = start_proxy("--decode", d_url, "--write-timeout", "1", "--health-check-interval", "0")
+    try:
+        event = 'data: {"id":"c","choices":[{"index":0,"text":"%s","finish_reason":null}]}\n\n' % ("x" * 8000)
+        # 32 MB: far more than the socket buffers between the proxy and this client hold
+        script = httpx.post(d_url + "/_script", json=[{"chunks": [event], "repeat": 4000, "chunk_delay": 0}])
+        assert script.status_code == 200
+        host, port = url.removeprefix("http://").split(":")
+        body = b'{"model":"m","prompt":"a b","max_tokens":4000,"stream":true}'
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: no autotuning to 32 MB
+            s.connect((host, int(port)))
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            s.recv(1024)  # the stream has started; from now on this client reads nothing
+            deadline = time.monotonic() + 15
+            entry = {}
+            while time.monotonic() < deadline:
+                entry = httpx.get(d_url + "/_journal").json()[0]
+                if entry["aborted"]:
+                    break
+                time.sleep(0.2)
+            assert entry["aborted"] and not entry["completed"]
+        metrics = httpx.get(url + "/metrics").text
+        assert any(line.startswith("pdproxy_request_errors_total") and 'error_type="client_too_slow"' in line
+                   and 'stage="decode"' in line and line.endswith(" 1.0") for line in metrics.splitlines())
+    finally:
+        proxy.stop()
+        decode.stop()
