@@ -12,7 +12,7 @@ import html
 import json
 from typing import Any
 
-from pdproxy.bench.table import condition_rows, metric_rows, ms
+from pdproxy.bench.table import condition_rows, metric_rows, ms, pairing_text, results_title
 
 CSS = """
 body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1a1a1a;max-width:1400px}
@@ -66,6 +66,8 @@ function cdf(container, key, title, xlabel){
   runs.forEach(r => (r.plots[key] || []).forEach(p => { xmax = Math.max(xmax, p[0] * 1000); }));
   const f = frame(container, title, xlabel, 'fraction of samples', xmax * 1.05 || 1, 1, 560, 300);
   f.box.dataset.plot = key;
+  if (!xmax) { const t = el('text', {x: f.m.l + 10, y: f.m.t + 20, 'font-size': 12, 'data-empty': '1'}, f.svg);
+    t.textContent = key === 'itl' && data.definitions.itl_pooled ? data.definitions.itl_pooled : 'no data'; }
   runs.forEach((r, i) => { const pts = r.plots[key] || []; if (!pts.length) return;
     let d = `M${f.sx(pts[0][0] * 1000)},${f.sy(0)}`;
     for (const p of pts) d += ` L${f.sx(p[0] * 1000).toFixed(1)},${f.sy(p[1]).toFixed(1)}`;
@@ -191,7 +193,8 @@ def render(report: dict[str, Any]) -> str:
 <h2>Fixed conditions</h2>
 {_table(['condition', *labels], [[n, *c] for n, c in condition_rows(report)], num_from=99)}
 {('<div><b>Comparison:</b> ' + _e(comp['resources']) + '</div>') if comp.get('resources') else ''}{flags}{notes}
-<h2>Results (ms unless stated; p50 / p90 / p99)</h2>
+{('<div id=pairing><b>' + _e(pairing_text(report)) + '</b></div>') if report.get('pairing') else ''}
+<h2>{_e(results_title(report))}</h2>
 <table id=metrics><thead><tr><th>metric</th>{''.join(f'<th>{_e(x)}</th>' for x in labels)}</tr></thead><tbody>
 {''.join('<tr><td>' + _e(n) + '</td>' + ''.join(f'<td class=num>{_e(c)}</td>' for c in cells) + '</tr>'
          for n, cells in metric_rows(report))}

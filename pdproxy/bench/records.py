@@ -36,6 +36,7 @@ class Run:
     summary: dict[str, Any] | None = None
     source: str = ""
     traces: dict[str, Any] = field(default_factory=dict)  # request_id → trace info, after the join
+    deployment: str = "primary"  # whose traces the records join to (`pd.deployment` of the root)
 
     @property
     def label(self) -> str:

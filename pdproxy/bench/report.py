@@ -70,16 +70,17 @@ def _cdf(values: Sequence[float], points: int = 200) -> list[list[float]]:
 
 def _merge_conditions(run: Run, infos: list[traces.TraceInfo]) -> tuple[dict[str, Any], dict[str, str], list[str]]:
     given = {k: v for k, v in run.conditions.items() if v is not None and v != ""}
-    from_traces = traces.resource_conditions(infos) if infos else {}
+    from_traces = traces.resource_conditions(infos, run.deployment) if infos else {}
     merged = dict(given)
-    sources = {k: "bench" for k in given}
+    given_by = str(run.header.get("conditions_source") or "bench")
+    sources = {k: given_by for k in given}
     notes = []
     for k, v in from_traces.items():
         if k not in merged:
             merged[k] = v
             sources[k] = "trace"
         elif str(merged[k]) != str(v):
-            notes.append(f"{k}: bench says {merged[k]!r}, the proxy's traces say {v!r} (trace value used)")
+            notes.append(f"{k}: {given_by} says {merged[k]!r}, the proxy's traces say {v!r} (trace value used)")
             merged[k] = v
             sources[k] = "trace"
     return merged, sources, notes
@@ -98,7 +99,7 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
     joined: dict[str, traces.TraceInfo] = {}
     join_counts = None
     if idx is not None:
-        joined, join_counts = traces.join(run.requests, idx)
+        joined, join_counts = traces.join(run.requests, idx, run.deployment)
         run.traces = joined
     ok_infos = [joined[r["request_id"]] for r in ok if r["request_id"] in joined]
     conditions, sources, notes = _merge_conditions(run, list(joined.values()))
@@ -128,8 +129,7 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
         gpu_total = None
 
     def brief(r: dict[str, Any]) -> dict[str, Any]:
-        gaps = stats.request_gaps(r, u)
-        t = stats.tail(gaps)
+        t = stats.request_tail(r, u)
         info = joined.get(r["request_id"])
         return {
             "request_id": r["request_id"],
@@ -150,21 +150,25 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
         }
 
     by_ttft = sorted(ok, key=lambda r: r["ttft"], reverse=True)[:slowest]
-    with_tail = [(stats.tail(stats.request_gaps(r, u)), r) for r in ok]
+    with_tail = [(stats.request_tail(r, u), r) for r in ok]
     by_tail = [r for t, r in sorted(((t, r) for t, r in with_tail if t), key=lambda x: x[0][1], reverse=True)][:slowest]
     failed = [r for r in measured if not r.get("ok")]
     pooled: list[float] = []
     maxes: list[float] = []
+    by_start: list[list[float]] = []
     for r in ok:
-        g = stats.request_gaps(r, u)
-        pooled.extend(g)
-        if g:
-            maxes.append(max(g))
+        pooled.extend(stats.request_gaps(r, u))
+        t = stats.request_tail(r, u)
+        if t:
+            maxes.append(t[1])
+            by_start.append([r["start_offset"], t[1]])
     return {
         "label": run.label,
         "run_id": run.header.get("run_id"),
         "source": run.source,
         "tool": run.header.get("tool", "pdproxy bench"),
+        "measured_at": run.header.get("measured_at", "client"),
+        "deployment": run.deployment,
         "target": run.header.get("target"),
         "started_at": run.header.get("started_at"),
         "conditions": conditions,
@@ -182,8 +186,7 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
         "slowest": {"ttft": [brief(r) for r in by_ttft], "tail_itl": [brief(r) for r in by_tail]},
         "failed": [brief(r) for r in failed[:slowest * 2]],
         "plots": {"ttft": _cdf([r["ttft"] for r in ok]), "itl": _cdf(pooled), "tail_itl": _cdf(maxes),
-                  "tail_itl_by_start": [[r["start_offset"], max(stats.request_gaps(r, u))] for r in ok
-                                        if stats.request_gaps(r, u)][:2000]},
+                  "tail_itl_by_start": by_start[:2000]},
     }
 
 
@@ -259,7 +262,9 @@ def pick_candidate(entries: list[dict[str, Any]], wanted: str | None) -> dict[st
 
 def build(runs: list[Run], idx: traces.TraceIndex | None = None, *, unit: str = "auto",
           stall_threshold: float = stats.DEFAULT_STALL_THRESHOLD, slowest: int = 5, slo: Slo | None = None,
-          candidate: str | None = None, baselines: list[str] | None = None, verdict: bool = True) -> dict[str, Any]:
+          candidate: str | None = None, baselines: list[str] | None = None, verdict: bool = True,
+          definitions: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The report of `runs`; `definitions` replaces the default wording where the runs measure differently."""
     if not runs:
         raise ValueError("no runs to report")
     labels = [r.label for r in runs]
@@ -276,21 +281,28 @@ def build(runs: list[Run], idx: traces.TraceIndex | None = None, *, unit: str = 
     if len(units) > 1:  # one ITL definition across the comparison
         unit_note = "ITL split per token is not available for every run: all runs use per-chunk gaps"
         entries = [run_entry(r, idx, unit="chunk", stall_threshold=stall_threshold, slowest=slowest) for r in runs]
+        units = {e["stats"]["itl"]["unit"] for e in entries}
+        if len(units) > 1:  # proxy summaries keep the unit they were measured in
+            unit_note = ("ITL units differ between runs (" + ", ".join(f"{e['label']}: {e['stats']['itl']['unit']}"
+                                                                    for e in entries)
+                         + "); per-request summaries from traces cannot be re-split")
+    defs: dict[str, Any] = {
+        "percentiles": f"numpy.percentile, method={stats.PERCENTILE_METHOD}",
+        "itl_unit": "/".join(sorted(units)),
+        "itl_unit_note": unit_note,
+        "ttft": "client start -> first token-bearing SSE message (client clock)",
+        "tail_itl": "per request: p99 and max of its own gaps; then p50/p90/p99 across requests",
+        "stall_threshold_s": stall_threshold,
+        "kv_transfer": KV_DEFINITION,
+        "failures": "non-200, exception, error inside the stream, or no token-bearing message; counted in "
+                    "error rate, excluded from latency distributions",
+        "warmup": "warm-up requests are recorded but excluded from every statistic",
+    }
+    defs.update(definitions or {})
     report: dict[str, Any] = {
         "generated_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "pdproxy_version": __version__,
-        "definitions": {
-            "percentiles": f"numpy.percentile, method={stats.PERCENTILE_METHOD}",
-            "itl_unit": entries[0]["stats"]["itl"]["unit"],
-            "itl_unit_note": unit_note,
-            "ttft": "client start -> first token-bearing SSE message (client clock)",
-            "tail_itl": "per request: p99 and max of its own gaps; then p50/p90/p99 across requests",
-            "stall_threshold_s": stall_threshold,
-            "kv_transfer": KV_DEFINITION,
-            "failures": "non-200, exception, error inside the stream, or no token-bearing message; counted in "
-                        "error rate, excluded from latency distributions",
-            "warmup": "warm-up requests are recorded but excluded from every statistic",
-        },
+        "definitions": defs,
         "traces": None if idx is None else {
             "files": idx.sources, "spans": idx.spans, "traces": idx.traces,
             "request_traces": len(idx.by_request), "shadow_traces": len(idx.shadow),

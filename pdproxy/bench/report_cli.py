@@ -4,10 +4,13 @@ Examples:
 
     pdproxy report single.jsonl chunked.jsonl pd.jsonl --traces traces.jsonl --html report.html
     pdproxy report base=aiperf-artifacts/ pd.jsonl --slo-ttft-ms 500 --slo-tail-itl-ms 100 --json -
+    pdproxy report --traces traces.jsonl --by-deployment --shadow-condition gpu.count=1 --html live.html
 
 Record files: `pdproxy bench` output, or aiperf's `profile_export.jsonl` (or its artifact
 directory). `LABEL=PATH` renames a run. Traces: the proxy's `--trace-file` or a Collector's
-file-exporter output (OTLP-JSON lines), joined to records by request id.
+file-exporter output (OTLP-JSON lines), joined to records by request id. With --by-deployment
+there are no record files: the runs are the primary and the shadow of `pdproxy serve --shadow-url`,
+built from the traces' root spans and paired by request id (measured at the proxy).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from pdproxy.bench import html, report, stats, table, traces
+from pdproxy.bench import deployments, html, report, stats, table, traces
 from pdproxy.bench.external import read_any
 from pdproxy.bench.records import RecordError
 from pdproxy.bench.verdict import Slo
@@ -28,8 +31,18 @@ from pdproxy.bench.verdict import Slo
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = __doc__.split("\n", 2)[2]
-    p.add_argument("runs", nargs="+", metavar="[LABEL=]RECORDS", help="one record file (or aiperf dir) per run")
+    p.add_argument("runs", nargs="*", metavar="[LABEL=]RECORDS", help="one record file (or aiperf dir) per run")
     p.add_argument("--traces", action="append", default=[], metavar="FILE", help="OTLP-JSON trace file (repeatable)")
+    s = p.add_argument_group("primary vs shadow from traces alone (no record files)")
+    s.add_argument("--by-deployment", action="store_true",
+                   help="one run per pd.deployment (primary, shadow) from the --traces root spans, paired by request "
+                        "id; default verdict: primary is the candidate, shadow the baseline")
+    s.add_argument("--shadow-condition", action="append", default=[], metavar="KEY=VALUE",
+                   help="a fixed condition of the shadow set-up (e.g. gpu.count=1); the proxy's resource attributes "
+                        "describe the primary")
+    s.add_argument("--warmup-requests", type=int, default=0, help="exclude the first N paired requests (both runs)")
+    s.add_argument("--warmup-seconds", type=float, default=0.0,
+                   help="exclude paired requests started in the first S seconds (both runs)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON ('-' for stdout)")
     p.add_argument("--html", metavar="PATH", help="write a self-contained HTML page with plots")
     p.add_argument("--no-table", action="store_true", help="do not print the terminal table")
@@ -73,14 +86,47 @@ def load_runs(specs: list[str]) -> list:
     return runs
 
 
+def _conditions(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--shadow-condition {item!r}: expected KEY=VALUE")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _by_deployment(args: argparse.Namespace) -> dict:
+    """Primary vs shadow out of the traces alone (bench/deployments.py)."""
+    if args.runs:
+        raise ValueError("--by-deployment builds its runs from --traces: give no record files")
+    if not args.traces:
+        raise ValueError("--by-deployment needs --traces FILE")
+    idx = traces.read_traces(args.traces)
+    runs, pairing = deployments.split(idx, warmup_requests=args.warmup_requests, warmup_seconds=args.warmup_seconds,
+                                      shadow_conditions=_conditions(args.shadow_condition))
+    rep = report.build(runs, idx, unit=args.itl_unit, stall_threshold=args.stall_threshold_ms / 1e3,
+                       slowest=args.slowest, slo=slo_from(args), candidate=args.candidate or deployments.PRIMARY,
+                       baselines=args.baseline, definitions=deployments.DEFINITIONS)
+    rep["pairing"] = pairing.as_dict()
+    return rep
+
+
 def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
-        runs = load_runs(args.runs)
-        idx = traces.read_traces(args.traces) if args.traces else None
-        rep = report.build(runs, idx, unit=args.itl_unit, stall_threshold=args.stall_threshold_ms / 1e3,
-                           slowest=args.slowest, slo=slo_from(args), candidate=args.candidate,
-                           baselines=args.baseline)
+        if args.by_deployment:
+            rep = _by_deployment(args)
+        else:
+            if not args.runs:
+                raise ValueError("give one record file per run, or --traces FILE --by-deployment")
+            if args.shadow_condition or args.warmup_requests or args.warmup_seconds:
+                raise ValueError("--shadow-condition and --warmup-* apply to --by-deployment only")
+            runs = load_runs(args.runs)
+            idx = traces.read_traces(args.traces) if args.traces else None
+            rep = report.build(runs, idx, unit=args.itl_unit, stall_threshold=args.stall_threshold_ms / 1e3,
+                               slowest=args.slowest, slo=slo_from(args), candidate=args.candidate,
+                               baselines=args.baseline)
     except (RecordError, traces.TraceError, ValueError, OSError) as e:
         err.print(f"[red]pdproxy report: {e}[/]")
         return 2

@@ -18,6 +18,10 @@
 * Throughput: over the measurement window = first measured start → last measured end;
   output tokens/s (successful requests' tokens), requests/s (successful requests).
 * Error rate: failed / measured requests.
+
+Requests built from the proxy's traces (`bench/deployments.py`) carry no gaps, only the proxy's
+per-request summary (`itl_summary`: count, mean, p50, p99, max, unit). Their tail ITL, stalls and
+TPOT come from that summary; their pooled ITL is unavailable (it needs every gap), and says so.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 PERCENTILE_METHOD = "linear"
 PERCENTILES = (50, 90, 99)
 DEFAULT_STALL_THRESHOLD = 0.1
+POOLED_UNAVAILABLE = "not in traces: the proxy records per-request ITL summaries, not every gap"
 
 
 def percentile(values: Sequence[float], p: float) -> float | None:
@@ -78,7 +83,13 @@ def request_gaps(rec: dict[str, Any], unit: str) -> list[float]:
 
 
 def choose_unit(ok: Sequence[dict[str, Any]], wanted: str = "auto") -> str:
-    """`token` when every successful request streamed per-chunk token counts, else `chunk`."""
+    """`token` when every successful request streamed per-chunk token counts, else `chunk`.
+
+    Requests with only a proxy summary keep the unit the proxy measured (it cannot be re-split).
+    """
+    summarized = {str(r["itl_summary"].get("unit")) for r in ok if r.get("itl_summary")}
+    if summarized:
+        return summarized.pop() if len(summarized) == 1 else "/".join(sorted(summarized))
     if wanted in ("chunk", "token"):
         if wanted == "token" and not _all_have_tokens(ok):
             return "chunk"
@@ -91,6 +102,8 @@ def _all_have_tokens(ok: Sequence[dict[str, Any]]) -> bool:
 
 
 def tpot(rec: dict[str, Any]) -> float | None:
+    if "tpot" in rec:  # measured by the proxy (first → last token), kept as measured
+        return rec["tpot"] if rec.get("ok") else None
     n = rec.get("output_tokens")
     if not rec.get("ok") or not n or n <= 1 or rec.get("e2e") is None or rec.get("ttft") is None:
         return None
@@ -103,6 +116,16 @@ def tail(gaps: Sequence[float]) -> tuple[float, float] | None:
         return None
     arr = np.asarray(gaps, dtype=float)
     return float(np.percentile(arr, 99, method=PERCENTILE_METHOD)), float(arr.max())
+
+
+def request_tail(rec: dict[str, Any], unit: str) -> tuple[float, float] | None:
+    """(p99, max) of a request: from its gaps, or from the proxy's summary when it has no gaps."""
+    summary = rec.get("itl_summary")
+    if summary and not rec.get("itl"):
+        if not summary.get("count") or summary.get("p99") is None or summary.get("max") is None:
+            return None
+        return float(summary["p99"]), float(summary["max"])
+    return tail(request_gaps(rec, unit))
 
 
 def run_stats(
@@ -122,9 +145,8 @@ def run_stats(
     maxes: list[float] = []
     stalled = 0
     for r in ok:
-        gaps = request_gaps(r, u)
-        pooled.extend(gaps)
-        t = tail(gaps)
+        pooled.extend(request_gaps(r, u))
+        t = request_tail(r, u)
         if t:
             p99s.append(t[0])
             maxes.append(t[1])
@@ -168,6 +190,9 @@ def run_stats(
             "requests_per_s": (len(ok) / window) if window > 0 else None,
         },
     }
+    if any(r.get("itl_summary") and not r.get("itl") for r in ok):
+        stats["itl"]["available"] = False
+        stats["itl"]["note"] = POOLED_UNAVAILABLE
     if by_class:
         names = sorted({str(r.get("class")) for r in measured})
         if len(names) > 1:

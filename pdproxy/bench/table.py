@@ -87,7 +87,7 @@ def metric_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
     classes = sorted({c for e in runs for c in (e["stats"].get("classes") or {})})
     for c in classes:
         row(f"  TTFT, class {c}", lambda e, c=c: trio(((e["stats"].get("classes") or {}).get(c) or {}).get("ttft")))
-    row(f"ITL pooled (per {d['itl_unit']})", lambda e: trio(e["stats"]["itl"]))
+    row(f"ITL pooled (per {d['itl_unit']})", _pooled_itl)
     row("tail ITL: per-request p99", lambda e: trio(e["stats"]["tail_itl"]["per_request_p99"]))
     row("tail ITL: per-request max", lambda e: trio(e["stats"]["tail_itl"]["per_request_max"]))
     for c in classes:
@@ -110,13 +110,39 @@ def metric_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
     row("error rate", lambda e: _num(e["stats"]["requests"]["error_rate"], "{:.2%}"))
     row("errors by reason", lambda e: ", ".join(f"{k}: {v}" for k, v in e["stats"]["requests"]["errors"].items())
         or "none")
-    row("records joined to traces",
-        lambda e: "{joined}/{records}".format(**e["traces"]) if e.get("traces") else "no traces")
+    pairing = report.get("pairing")
+    if pairing:
+        row("requests paired by id (+ only in this run)",
+            lambda e: f"{pairing['paired']} (+{pairing.get(e.get('deployment', '') + '_only', 0)})")
+    else:
+        row("records joined to traces",
+            lambda e: "{joined}/{records}".format(**e["traces"]) if e.get("traces") else "no traces")
     return rows
 
 
+def _pooled_itl(e: dict[str, Any]) -> str:
+    itl = e["stats"]["itl"]
+    return "n/a: not in traces" if itl.get("available") is False else trio(itl)
+
+
+def pairing_text(report: dict[str, Any]) -> str | None:
+    """One sentence on how the deployments' requests matched up (None for bench runs)."""
+    p = report.get("pairing")
+    if not p:
+        return None
+    return (f"Paired by request id: {p['paired']} requests traced by both deployments"
+            + (f" ({p['warmup']} of them warm-up)" if p.get("warmup") else "")
+            + f"; unpaired, left out: {p['primary_only']} primary only, {p['shadow_only']} shadow only.")
+
+
+def results_title(report: dict[str, Any]) -> str:
+    """Says where the numbers were measured when it is not the client (runs built from traces)."""
+    at = "" if all(e.get("measured_at", "client") == "client" for e in report["runs"]) else ", measured at the proxy"
+    return f"Results{at} (ms unless stated; p50 / p90 / p99)"
+
+
 def metrics_table(report: dict[str, Any]) -> Table:
-    t = Table(title="Results (ms unless stated; p50 / p90 / p99)", title_justify="left")
+    t = Table(title=results_title(report), title_justify="left")
     t.add_column("metric", style="bold")
     for e in report["runs"]:
         t.add_column(e["label"], justify="right")
@@ -185,8 +211,13 @@ def render(report: dict[str, Any], console: Console | None = None, drilldown: bo
     console.print(Text(
         f"Percentiles: {d['percentiles']}. ITL unit: {d['itl_unit']}"
         + (f" ({d['itl_unit_note']})" if d.get("itl_unit_note") else "")
-        + f". Tail ITL: {d['tail_itl']}. KV transfer: {d['kv_transfer']} Failures: {d['failures']}.",
+        + f". Tail ITL: {d['tail_itl']}. KV transfer: {d['kv_transfer']} Failures: {d['failures']}."
+        + (f" Measured at {d['measured_at']}; TTFT: {d['ttft']}; E2E: {d['e2e']}. Pooled ITL: {d['itl_pooled']}."
+           if d.get("measured_at") else ""),
         style="dim"))
+    pt = pairing_text(report)
+    if pt:
+        console.print(Text(pt, style="bold"))
     comp = report["comparison"]
     if comp.get("resources"):
         console.print(Text(f"Comparison: {comp['resources']}", style="bold"))

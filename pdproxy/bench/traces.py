@@ -7,7 +7,8 @@ list of them, is read too). Spans of one trace may be spread over several lines.
 A request's trace is found through its root span's `pd.request_id` attribute (the client's
 `X-Request-Id`, docs/telemetry.md); the stage spans are that root's children named
 `pd.queue`, `pd.prefill`, `pd.kv_transfer`, `pd.decode`. Shadow copies
-(`pd.deployment=shadow`) are kept apart and never joined to the primary's records.
+(`pd.deployment=shadow`) are kept apart and never joined to the primary's records; a run built
+from the shadow's traces (`bench/deployments.py`) joins to them instead.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ STAGES = ("queue", "prefill", "kv_transfer", "decode")
 # Resource attributes that describe a process, not the run's fixed conditions.
 _NOT_CONDITIONS = {"service.name", "service.instance.id", "telemetry.sdk.name", "telemetry.sdk.language",
                    "telemetry.sdk.version", "host.name", "process.pid", "process.runtime.version"}
+# The resource describes the proxy process and its primary set-up; of it only these hold for the shadow
+# too (same proxy, same run, same requests). The shadow's own set-up is not in the resource.
+SHADOW_RESOURCE_KEYS = {"pd.run", "service.version", "vllm.model"}
 
 
 class TraceError(ValueError):
@@ -42,6 +46,8 @@ class TraceInfo:
     stage_status: dict[str, str] = field(default_factory=dict)
     duration: float = 0.0
     status: str = "UNSET"
+    status_message: str = ""
+    start: float = 0.0  # root start, unix seconds (the proxy's clock shifted to wall time)
 
     @property
     def deployment(self) -> str:
@@ -174,7 +180,9 @@ def _assemble(tid: str, spans: list[tuple[dict[str, Any], dict[str, Any]]], idx:
             idx.roots_without_request_id += 1
             continue
         info = TraceInfo(trace_id=tid, request_id=str(attrs["pd.request_id"]), root_name=str(sp.get("name")),
-                         attrs=attrs, resource=resource, duration=_dur(sp), status=_status(sp))
+                         attrs=attrs, resource=resource, duration=_dur(sp), status=_status(sp),
+                         status_message=str((sp.get("status") or {}).get("message") or ""),
+                         start=int(sp.get("startTimeUnixNano") or 0) / 1e9)
         for ch in children.get(str(sp.get("spanId")), []):
             name = str(ch.get("name", ""))
             if name.startswith("pd.") and name[3:] in STAGES:
@@ -186,27 +194,40 @@ def _assemble(tid: str, spans: list[tuple[dict[str, Any], dict[str, Any]]], idx:
     return out
 
 
-def resource_conditions(infos: list[TraceInfo]) -> dict[str, Any]:
-    """The most common value of each condition-like resource attribute (plus the root's pd.mode)."""
+def resource_conditions(infos: list[TraceInfo], deployment: str = "primary") -> dict[str, Any]:
+    """The most common value of each condition-like resource attribute (plus the root's pd.mode).
+
+    For the shadow only the process-wide keys are taken from the resource; its instance counts are
+    the distinct instances its roots name (the ones that served, a lower bound on the pool).
+    """
     counts: dict[str, Counter[str]] = defaultdict(Counter)
     raw: dict[tuple[str, str], Any] = {}
+    shadow = deployment == "shadow"
     for info in infos:
-        items = {k: v for k, v in info.resource.items() if k not in _NOT_CONDITIONS}
+        items = {k: v for k, v in info.resource.items()
+                 if k not in _NOT_CONDITIONS and (not shadow or k in SHADOW_RESOURCE_KEYS)}
         if "pd.mode" in info.attrs:
             items["pd.mode"] = info.attrs["pd.mode"]
         for k, v in items.items():
             key = json.dumps(v, sort_keys=True)
             counts[k][key] += 1
             raw[(k, key)] = v
-    return {k: raw[(k, c.most_common(1)[0][0])] for k, c in counts.items()}
+    out = {k: raw[(k, c.most_common(1)[0][0])] for k, c in counts.items()}
+    if shadow:
+        for role in ("prefill", "decode"):
+            out[f"pd.{role}.count"] = len({i.attrs[f"pd.{role}.instance"] for i in infos
+                                           if i.attrs.get(f"pd.{role}.instance")})
+    return out
 
 
-def join(requests: list[dict[str, Any]], idx: TraceIndex) -> tuple[dict[str, TraceInfo], dict[str, int]]:
-    """Match records to traces by request id; counts say how complete the join is."""
+def join(requests: list[dict[str, Any]], idx: TraceIndex,
+         deployment: str = "primary") -> tuple[dict[str, TraceInfo], dict[str, int]]:
+    """Match records to one deployment's traces by request id; counts say how complete the join is."""
     matched: dict[str, TraceInfo] = {}
     mismatch = 0
+    table = idx.shadow if deployment == "shadow" else idx.by_request
     for r in requests:
-        info = idx.by_request.get(str(r.get("request_id")))
+        info = table.get(str(r.get("request_id")))
         if info is None:
             continue
         matched[r["request_id"]] = info
