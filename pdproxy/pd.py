@@ -270,8 +270,9 @@ class Proxy:
 
         response = web.StreamResponse(status=upstream.status,
                                       headers={**reply_headers, "Content-Type": content_type, "Cache-Control": "no-cache"})
-        client = WholeEventWriter(request, response, trace.scan, on_cut_off=lambda: trace.fail(
-            CLIENT_CLOSED, "client_too_slow", f"client left streamed data unread for {self.settings.write_timeout:g}s"))
+        too_slow = f"client left streamed data unread for {self.settings.write_timeout:g}s"
+        client = WholeEventWriter(request, response, trace.scan, on_delivered=trace.delivered,
+                                  on_cut_off=lambda: trace.fail(CLIENT_CLOSED, "client_too_slow", too_slow))
         self.slow_readers.writers.add(client)
         try:
             try:

@@ -295,10 +295,12 @@ class WholeEventWriter:
     """
 
     def __init__(self, request: web.Request, response: web.StreamResponse, scan: Any,
+                 on_delivered: Callable[[], None] = lambda: None,
                  on_cut_off: Callable[[], None] = lambda: None) -> None:
         self.request = request
         self.response = response
         self.scan = scan
+        self.on_delivered = on_delivered  # called once `[DONE]` has been written to the client
         self.on_cut_off = on_cut_off
         self.malformed = scan.malformed
         self.held = b""  # bytes after the last complete event, waiting for the rest of it
@@ -333,6 +335,8 @@ class WholeEventWriter:
             await self.response.prepare(self.request)
         await self.response.write(data)  # waits while the client's socket is full
         self.write_started = 0.0
+        if self.scan.done and not self.held:
+            self.on_delivered()
 
     def cut_off(self) -> None:
         """Drop a client that stopped reading: its blocked write fails and the decode is aborted."""

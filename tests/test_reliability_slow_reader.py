@@ -38,3 +38,28 @@ def test_client_that_stops_reading_is_cut_off_and_its_decode_aborted():
     finally:
         proxy.stop()
         decode.stop()
+
+
+def test_client_hanging_up_right_after_done_was_served():
+    """A client may close as soon as it reads [DONE], before the instance ends its response: that
+    request was served in full and must not count as a disconnect."""
+    decode, d_url = start_scripted("decode")
+    proxy, url = start_proxy("--decode", d_url, "--health-check-interval", "0")
+    try:
+        event = 'data: {"id":"c","choices":[{"index":0,"text":"hi","finish_reason":null}]}\n\n'
+        # the instance ends its response 1 s after [DONE]
+        httpx.post(d_url + "/_script", json=[{"chunks": [event, "data: [DONE]\n\n", ""], "chunk_delay": 0.5}])
+        host, port = url.removeprefix("http://").split(":")
+        body = b'{"model":"m","prompt":"a b","max_tokens":4,"stream":true}'
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            seen = b""
+            while b"data: [DONE]" not in seen:
+                seen += s.recv(65536)
+        time.sleep(1.5)
+        metrics = httpx.get(url + "/metrics").text
+        assert 'pdproxy_requests_total{code="200"' in metrics and "client_disconnect" not in metrics
+    finally:
+        proxy.stop()
+        decode.stop()

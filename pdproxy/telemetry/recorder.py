@@ -71,6 +71,7 @@ class RequestTrace:
         self.error_type: str | None = None
         self.error_message = ""
         self.failed_stage: str | None = None
+        self._delivered = False  # the client has been given the whole answer
         self.finished: Measurement | None = None
 
     # -- what the flow reports --------------------------------------------------------------
@@ -126,7 +127,13 @@ class RequestTrace:
         self.status, self.error_type, self.error_message = status, error_type, message
         self.failed_stage = self._open_stage()
 
+    def delivered(self) -> None:
+        """The end of the answer (`[DONE]`) reached the client."""
+        self._delivered = True
+
     def client_gone(self) -> None:
+        if self._delivered:
+            return  # a client that hangs up after the whole answer (e.g. right after [DONE]) was served
         self.fail(CLIENT_CLOSED, "client_disconnect", "client closed the connection")
 
     def finish(self) -> Measurement:
