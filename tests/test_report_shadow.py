@@ -178,10 +178,8 @@ def test_failed_shadow_requests_are_counted(served: dict) -> None:
     primary = next(e for e in rep["runs"] if e["label"] == "primary")
     assert shadow["stats"]["requests"]["failed"] == SHADOW_FAULTS  # the injected 500s, one shadow request each
     assert shadow["stats"]["requests"]["errors"] == {"upstream_5xx": SHADOW_FAULTS}
-    # The shadow's failures never reach the primary. (Rarely, on a loaded host, the proxy traces a primary
-    # request as client_disconnect although the client read it to [DONE]: the bench closes the connection
-    # then, before the chunked terminator; that is the proxy's to fix, not a shadow effect.)
-    assert set(primary["stats"]["requests"]["errors"]) <= {"client_disconnect"}, primary["failed"]
+    # the shadow's failures never reach the primary (nor does a client closing right after [DONE] count)
+    assert primary["stats"]["requests"]["errors"] == {}, primary["failed"]
     assert len(shadow["failed"]) == SHADOW_FAULTS
     assert all(x["failed_stage"] == "prefill" and x["trace_id"] for x in shadow["failed"])  # single: one leg
     v = rep["verdict"]
