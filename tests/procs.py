@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -90,3 +91,11 @@ def start_scripted(role: str, port: int | None = None) -> tuple[Proc, str]:
     url = f"http://{HOST}:{port}"
     proc.wait_http(url + "/health")
     return proc, url
+
+
+def raw_post(body: dict, request_id: str | None = None, path: str = "/v1/completions") -> bytes:
+    """The bytes of a POST, for tests that drive a socket by hand (hang up, stop reading, ...)."""
+    data = json.dumps(body).encode()
+    rid = b"X-Request-Id: %s\r\n" % request_id.encode() if request_id else b""
+    return (b"POST %s HTTP/1.1\r\nHost: pdproxy\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\n\r\n%s"
+            % (path.encode(), rid, len(data), data))

@@ -5,7 +5,7 @@ import time
 
 import httpx
 
-from procs import free_port, start_proxy
+from procs import free_port, raw_post, start_proxy
 
 BODY = {"model": "m", "prompt": "one two three", "max_tokens": 16, "stream": True}
 
@@ -122,10 +122,8 @@ def test_client_disconnect_cancels_the_decode_request(pd):
     d.script({"chunks": [f'data: {{"id":"c","choices":[{{"index":0,"text":"t{i}","finish_reason":null}}]}}\n\n'
                          for i in range(200)], "chunk_delay": 0.05})
     host, port = url.removeprefix("http://").split(":")
-    body = b'{"model":"m","prompt":"a b","max_tokens":200,"stream":true}'
     with socket.create_connection((host, int(port))) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        s.sendall(raw_post({"model": "m", "prompt": "a b", "max_tokens": 200, "stream": True}))
         seen = b""
         while b"t1" not in seen:  # the stream is flowing: now hang up
             seen += s.recv(65536)

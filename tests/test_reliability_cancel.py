@@ -2,7 +2,6 @@
 thousands of such requests leave no task, socket, in-flight count or memory behind."""
 
 import asyncio
-import json
 import random
 import socket
 import time
@@ -12,22 +11,16 @@ import pytest
 
 from ledgers import Counters, ScriptedGroup, is_error, proc_fds, proc_rss, trace_of
 from otlp import attrs
-from procs import start_proxy
+from procs import raw_post, start_proxy
 
 BODY = {"model": "m", "prompt": "one two three", "max_tokens": 8, "stream": True}
 ENV = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
 
 
-def raw_request(body=BODY, rid="x") -> bytes:
-    data = json.dumps(body).encode()
-    return (b"POST /v1/completions HTTP/1.1\r\nHost: pdproxy\r\nContent-Type: application/json\r\n"
-            b"X-Request-Id: %s\r\nContent-Length: %d\r\n\r\n%s" % (rid.encode(), len(data), data))
-
-
 def hang_up_after(url, seconds, rid):
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as s:
-        s.sendall(raw_request(rid=rid))
+        s.sendall(raw_post(BODY, request_id=rid))
         time.sleep(seconds)
 
 
@@ -111,7 +104,7 @@ async def _cancel_flood(url: str, n: int, concurrency: int, seed: int) -> None:
     async def one(i: int) -> None:
         async with gate:
             reader, writer = await asyncio.open_connection(host, int(port))
-            writer.write(raw_request(rid=f"flood-{seed}-{i}"))
+            writer.write(raw_post(BODY, request_id=f"flood-{seed}-{i}"))
             await asyncio.sleep(rng.uniform(0, 0.12))
             if i % 2:
                 writer.transport.abort()

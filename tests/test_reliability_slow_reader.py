@@ -5,7 +5,7 @@ import time
 
 import httpx
 
-from procs import start_proxy, start_scripted
+from procs import raw_post, start_proxy, start_scripted
 
 
 def test_client_that_stops_reading_is_cut_off_and_its_decode_aborted():
@@ -17,12 +17,10 @@ def test_client_that_stops_reading_is_cut_off_and_its_decode_aborted():
         script = httpx.post(d_url + "/_script", json=[{"chunks": [event], "repeat": 4000, "chunk_delay": 0}])
         assert script.status_code == 200
         host, port = url.removeprefix("http://").split(":")
-        body = b'{"model":"m","prompt":"a b","max_tokens":4000,"stream":true}'
         with socket.socket() as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: no autotuning to 32 MB
             s.connect((host, int(port)))
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            s.sendall(raw_post({"model": "m", "prompt": "a b", "max_tokens": 4000, "stream": True}))
             s.recv(1024)  # the stream has started; from now on this client reads nothing
             deadline = time.monotonic() + 15
             entry = {}
@@ -50,10 +48,8 @@ def test_client_hanging_up_right_after_done_was_served():
         # the instance ends its response 1 s after [DONE]
         httpx.post(d_url + "/_script", json=[{"chunks": [event, "data: [DONE]\n\n", ""], "chunk_delay": 0.5}])
         host, port = url.removeprefix("http://").split(":")
-        body = b'{"model":"m","prompt":"a b","max_tokens":4,"stream":true}'
         with socket.create_connection((host, int(port))) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            s.sendall(raw_post({"model": "m", "prompt": "a b", "max_tokens": 4, "stream": True}))
             seen = b""
             while b"data: [DONE]" not in seen:
                 seen += s.recv(65536)
