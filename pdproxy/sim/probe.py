@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 
 @dataclass
@@ -180,21 +181,8 @@ async def pd_request(session: aiohttp.ClientSession, prefill_url: str, decode_ur
 
 def metric_samples(exposition: str, name: str) -> list[tuple[dict[str, str], float]]:
     """Samples of one metric (exact sample name, e.g. `vllm:prompt_tokens_total`) from /metrics text."""
-    out = []
-    for line in exposition.splitlines():
-        if not line.startswith(name) or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        metric, _, labels = head.partition("{")
-        if metric != name:
-            continue
-        pairs = {}
-        for part in labels.rstrip("}").split(","):
-            if "=" in part:
-                k, _, v = part.partition("=")
-                pairs[k] = v.strip('"')
-        out.append((pairs, float(value)))
-    return out
+    return [(sample.labels, sample.value) for family in text_string_to_metric_families(exposition)
+            for sample in family.samples if sample.name == name]
 
 
 def metric_value(exposition: str, name: str, **labels: str) -> float:
