@@ -11,8 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
-# Stages a request passes through; `client` marks a request the client abandoned.
-QUEUE, PREFILL, KV_TRANSFER, DECODE, CLIENT = "queue", "prefill", "kv_transfer", "decode", "client"
+# Stages a request passes through.
+QUEUE, PREFILL, KV_TRANSFER, DECODE = "queue", "prefill", "kv_transfer", "decode"
 
 _OPENAI_TYPES = {
     400: "invalid_request_error",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, TextIO
+from typing import Any, TextIO
 
 FORMAT = "pdproxy-bench/1"
 
@@ -140,8 +140,3 @@ def read_run(path: str | Path) -> Run:
     if header is None:
         raise RecordError(f"{p}: no run header line; is this a `pdproxy bench` record file?")
     return Run(header=header, requests=reqs, summary=summary, source=str(p))
-
-
-def iter_measured(requests: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Requests that count: everything except warm-up (failures included)."""
-    return [r for r in requests if not r.get("warmup")]

@@ -86,10 +86,6 @@ def _merge_conditions(run: Run, infos: list[traces.TraceInfo]) -> tuple[dict[str
     return merged, sources, notes
 
 
-def _ms(x: float | None) -> float | None:
-    return None if x is None else x * 1e3
-
-
 def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_threshold: float,
               slowest: int) -> dict[str, Any]:
     st = stats.run_stats(run.requests, unit=unit, stall_threshold=stall_threshold)

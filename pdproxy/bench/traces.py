@@ -60,7 +60,6 @@ class TraceIndex:
     shadow: dict[str, TraceInfo] = field(default_factory=dict)
     spans: int = 0
     traces: int = 0
-    roots_without_request_id: int = 0
     duplicates: int = 0
     sources: list[str] = field(default_factory=list)
 
@@ -177,7 +176,6 @@ def _assemble(tid: str, spans: list[tuple[dict[str, Any], dict[str, Any]]], idx:
         if "pd.request_id" not in attrs or str(sp.get("name", "")).startswith("pd."):
             continue
         if not attrs["pd.request_id"]:
-            idx.roots_without_request_id += 1
             continue
         info = TraceInfo(trace_id=tid, request_id=str(attrs["pd.request_id"]), root_name=str(sp.get("name")),
                          attrs=attrs, resource=resource, duration=_dur(sp), status=_status(sp),
