@@ -16,6 +16,7 @@ import asyncio
 import json
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from rawhttp import take_requests
 
 
 class Sink(asyncio.Protocol):
@@ -31,22 +32,9 @@ class Sink(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        while True:
-            end = self.buffer.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            head = self.buffer[:end].decode("latin-1").split("\r\n")
-            length = 0
-            for line in head[1:]:
-                name, _, value = line.partition(":")
-                if name.strip().lower() == "content-length":
-                    length = int(value)
-            if len(self.buffer) < end + 4 + length:
-                return
-            body = self.buffer[end + 4:end + 4 + length]
-            self.buffer = self.buffer[end + 4 + length:]
-            self.handle(head[0], body)
+        requests, self.buffer = take_requests(self.buffer + data)
+        for request_line, _, body in requests:
+            self.handle(request_line, body)
 
     def handle(self, request_line: str, body: bytes) -> None:
         if request_line.startswith("GET /count"):

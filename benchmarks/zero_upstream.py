@@ -31,6 +31,8 @@ import os
 import socket
 import time
 
+from rawhttp import take_requests
+
 WORDS = [b" alpha", b" beta", b" gamma", b" delta", b" eps", b" zeta", b" eta", b" theta"]
 CREATED = int(time.time())
 
@@ -171,28 +173,10 @@ class Upstream(asyncio.Protocol):
             self.stream.paused = False
 
     def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        while True:
-            end = self.buffer.find(b"\r\n\r\n")
-            if end < 0:
-                return
-            head = self.buffer[:end].decode("latin-1")
-            lines = head.split("\r\n")
-            method, path, _ = lines[0].split(" ", 2)
-            length = 0
-            rid = None
-            for line in lines[1:]:
-                name, _, value = line.partition(":")
-                name = name.strip().lower()
-                if name == "content-length":
-                    length = int(value)
-                elif name == "x-request-id":
-                    rid = value.strip()
-            if len(self.buffer) < end + 4 + length:
-                return
-            body = self.buffer[end + 4:end + 4 + length]
-            self.buffer = self.buffer[end + 4 + length:]
-            self.handle(method, path, body, rid)
+        requests, self.buffer = take_requests(self.buffer + data)
+        for request_line, headers, body in requests:
+            method, path, _ = request_line.split(" ", 2)
+            self.handle(method, path, body, headers.get("x-request-id"))
 
     def handle(self, method: str, path: str, body: bytes, rid: str | None) -> None:
         if method == "GET":
