@@ -1,8 +1,10 @@
 """Which other request caused a stall: what happened on the same instance while a stream stalled.
 
 A stall is a gap between token-bearing events above the stall threshold. Its time comes from the
-`pd.stall` events the proxy records on `pd.decode` (proxy clock) or, for traces without them,
-from the bench record's gaps (client clock; client and proxy on one host). What happened on the
+bench record's gaps (client clock; the report's other stall numbers come from them too) or, for
+requests without a record's gaps, from the `pd.stall` events the proxy records on `pd.decode`
+(proxy clock, its own --stall-threshold). Client, proxy and instances are assumed on one clock
+(one host, or NTP-synchronised hosts: TOLERANCE absorbs a few ms). What happened on the
 instance comes from the other requests' traces, all of them (both deployments, every run):
 
 * kv_arrival: another request's KV was arriving on the same decode instance (P/D): from when that
@@ -39,8 +41,8 @@ LARGE_KV_TOKENS = 1024  # prompt tokens from which a KV arrival counts as large 
 STALL_EVENT = "pd.stall"
 STALL_DURATION = "pd.stall.duration"
 DEFINITION = (
-    "a stall is a gap above the stall threshold (times from pd.stall events on pd.decode, else from the "
-    "bench record); it is put down to what happened on the same instance within the gap (±10 ms): another "
+    "a stall is a gap above the stall threshold (times from the bench record, else from the pd.stall "
+    "events on pd.decode); it is put down to what happened on the same instance within the gap (±10 ms): another "
     "request's KV arrival (P/D decode: from its decode's queueing, KV pull included, to its first token; else "
     "its pd.kv_transfer), another request's prefill (vLLM's "
     "scheduled→first token, else pd.prefill), a preemption the instance reported, or none; shares are of "
@@ -130,21 +132,25 @@ class Timeline:
 
 
 def stalls_of(info: TraceInfo | None, record: dict[str, Any] | None, threshold: float) -> list[Stall]:
-    """The request's stalls: from its pd.stall events, else from its bench record's gaps."""
-    if info is not None:
-        events = [e for e in info.stage_events.get("decode") or [] if e.name == STALL_EVENT]
-        if events:
-            return [Stall(e.time, float(e.attrs.get(STALL_DURATION) or 0.0), "span") for e in events
-                    if float(e.attrs.get(STALL_DURATION) or 0.0) > threshold]
-    if record is None or not record.get("itl") or record.get("start_time") is None or record.get("ttft") is None:
+    """The request's stalls: from its bench record's gaps (what the report's other numbers use), else
+    from the pd.stall events the proxy recorded (runs built from traces, `pdproxy trace`)."""
+    if record is not None and record.get("itl") and record.get("start_time") is not None \
+            and record.get("ttft") is not None:
+        return _record_stalls(record, threshold)
+    if info is None:
         return []
+    events = [e for e in info.stage_events.get("decode") or [] if e.name == STALL_EVENT]
+    return [Stall(e.time, float(e.attrs.get(STALL_DURATION) or 0.0), "span") for e in events
+            if float(e.attrs.get(STALL_DURATION) or 0.0) > threshold]
+
+
+def _record_stalls(record: dict[str, Any], threshold: float) -> list[Stall]:
     gaps, tokens = record["itl"], record.get("chunk_tokens")
     per_token = bool(tokens) and len(tokens) == len(gaps) + 1 and all(k > 0 for k in tokens)
     out = []
     t = float(record["start_time"]) + float(record["ttft"])
     for i, g in enumerate(gaps):
-        unit_gap = g / tokens[i + 1] if per_token else g
-        if unit_gap > threshold:
+        if (g / tokens[i + 1] if per_token else g) > threshold:
             out.append(Stall(t, g, "record"))
         t += g
     return out

@@ -113,8 +113,8 @@ def engine_span(sp: dict[str, Any], resource: dict[str, Any]) -> EngineSpan:
 
 
 def expected_request_ids(request_id: str) -> set[str]:
-    """vLLM's id for a request sent with X-Request-Id: `cmpl-<id>-0` (`chatcmpl-<id>-0` for chat)."""
-    return {f"cmpl-{request_id}-0", f"chatcmpl-{request_id}-0"}
+    """vLLM's id for a request sent with X-Request-Id: `cmpl-<id>-0` (chat: `chatcmpl-<id>`)."""
+    return {f"cmpl-{request_id}-0", f"chatcmpl-{request_id}", f"chatcmpl-{request_id}-0"}
 
 
 def split(info: Any) -> dict[str, float]:

@@ -90,6 +90,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="finish with 'stop' after this many tokens unless ignore_eos (min_tokens respected); "
                         "0 = never (the default: output runs to max_tokens)")
 
+    g = parser.add_argument_group("tracing (vLLM's llm_request span per request)")
+    g.add_argument("--otlp-traces-endpoint", default=None,
+                   help="vLLM's flag: export one llm_request span per finished request to this OTLP endpoint "
+                        "(gRPC, or OTLP/HTTP with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); "
+                        "service.name from OTEL_SERVICE_NAME")
+    g.add_argument("--otlp-traces-file", default=None, metavar="PATH",
+                   help="sim only: append those spans to PATH as OTLP-JSON lines instead (like a Collector's "
+                        "file exporter)")
+
     g = parser.add_argument_group("faults (random, per request; POST /sim/faults queues one-shot faults)")
     g.add_argument("--error-rate", type=float, default=0.0, help="probability of answering with --error-status")
     g.add_argument("--error-status", type=int, default=500, help="HTTP status of injected errors (default 500)")
@@ -136,7 +145,8 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         enable_per_request_metrics=args.enable_per_request_metrics,
         enable_request_id_headers=args.enable_request_id_headers, stream_interval=args.stream_interval,
         eos_after_tokens=args.eos_after_tokens, seed=args.seed, refuse_connections=args.refuse_connections,
-        journal_size=args.journal_size, faults=faults,
+        journal_size=args.journal_size, faults=faults, otlp_traces_endpoint=args.otlp_traces_endpoint,
+        otlp_traces_file=args.otlp_traces_file,
     )
 
 
