@@ -19,7 +19,7 @@ import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from pdproxy.bench.otlpjson import attr_value, attrs_of  # noqa: F401 (re-exported)
 from pdproxy.bench.engine_spans import ENGINE_SPAN, EngineSpan, SpanEvent, engine_span, span_events
@@ -71,6 +71,7 @@ class TraceIndex:
     duplicates: int = 0
     engine_spans: int = 0  # instances' request spans (vLLM's llm_request) seen
     engine_unjoined: int = 0  # of those, not under a pdproxy stage span (sent to the instance directly)
+    spans_of: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = field(default_factory=dict)  # keep_spans
     sources: list[str] = field(default_factory=list)
 
 
@@ -118,30 +119,47 @@ def _documents(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         yield i, obj
 
 
-def read_traces(paths: list[str]) -> TraceIndex:
+def read_traces(paths: list[str], keep_spans: bool = False) -> TraceIndex:
     """Index every pdproxy request trace in the given files by request id."""
-    spans_by_trace: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
     idx = TraceIndex()
-    for p in paths:
-        path = Path(p)
-        if not path.is_file():
-            raise TraceError(f"{p}: no such trace file")
-        idx.sources.append(str(path))
-        for n, obj in _documents(path):
-            rs_list = obj.get("resourceSpans")
-            if rs_list is None:
-                raise TraceError(f"{p}:{n}: no 'resourceSpans' (not OTLP-JSON trace data)")
-            for rs in rs_list or []:
-                resource = attrs_of((rs.get("resource") or {}).get("attributes"))
-                for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or []:
-                    for sp in ss.get("spans") or []:
-                        tid = str(sp.get("traceId", "")).lower()
-                        if not tid:
-                            raise TraceError(f"{p}:{n}: a span without traceId")
-                        spans_by_trace[tid].append((sp, resource))
-                        idx.spans += 1
-                        idx.engine_spans += sp.get("name") == ENGINE_SPAN
-    idx.traces = len(spans_by_trace)
+
+    def documents() -> Iterator[tuple[str, dict[str, Any]]]:
+        for p in paths:
+            path = Path(p)
+            if not path.is_file():
+                raise TraceError(f"{p}: no such trace file")
+            idx.sources.append(str(path))
+            for n, obj in _documents(path):
+                yield f"{p}:{n}", obj
+
+    return index_documents(documents(), idx, keep_spans)
+
+
+def index_documents(docs: Iterable[tuple[str, dict[str, Any]]], idx: TraceIndex | None = None,
+                    keep_spans: bool = False) -> TraceIndex:
+    """Index OTLP-JSON `{"resourceSpans": [...]}` documents, each named by where it came from (for errors).
+
+    `keep_spans` keeps every span of every trace (idx.spans_of), for drawing one trace whole.
+    """
+    idx = idx if idx is not None else TraceIndex()
+    spans_by_trace: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
+    for where, obj in docs:
+        rs_list = obj.get("resourceSpans")
+        if rs_list is None:
+            raise TraceError(f"{where}: no 'resourceSpans' (not OTLP-JSON trace data)")
+        for rs in rs_list or []:
+            resource = attrs_of((rs.get("resource") or {}).get("attributes"))
+            for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or []:
+                for sp in ss.get("spans") or []:
+                    tid = str(sp.get("traceId", "")).lower()
+                    if not tid:
+                        raise TraceError(f"{where}: a span without traceId")
+                    spans_by_trace[tid].append((sp, resource))
+                    idx.spans += 1
+                    idx.engine_spans += sp.get("name") == ENGINE_SPAN
+    idx.traces += len(spans_by_trace)
+    if keep_spans:
+        idx.spans_of = dict(spans_by_trace)
     for tid, spans in spans_by_trace.items():
         for info in _assemble(tid, spans, idx):
             target = idx.shadow if info.deployment == "shadow" else idx.by_request

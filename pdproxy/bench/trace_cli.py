@@ -1,0 +1,76 @@
+"""`pdproxy trace ID`: one request's waterfall in the terminal, from trace files or a trace store.
+
+Examples:
+
+    pdproxy trace bench-0210e3e3-stream-42 --traces traces.jsonl --traces vllm.jsonl.gz
+    pdproxy trace 4d77811eaae16d28d109cbdc9c404c0d --jaeger http://localhost:16686
+    pdproxy trace bench-0210e3e3-long-3 --tempo http://localhost:3200
+
+ID is a trace id (32 hex digits) or a request id (the X-Request-Id, pd.request_id on the root span).
+The proxy's stages and the instances' own spans (vLLM's llm_request, with --otlp-traces-endpoint)
+share one time axis; each stage is split where vLLM's spans allow, the largest part is named, and
+the stalls recorded on pd.decode are listed — with their cause when the other requests' traces are
+at hand (trace files; a store is asked for this one trace only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from pdproxy.bench import attribution, traces, waterfall
+from pdproxy.bench.trace_store import TraceStore
+
+TRACE_ID = re.compile(r"^[0-9a-fA-F]{32}$")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = __doc__.split("\n", 2)[2]
+    p.add_argument("id", metavar="ID", help="trace id or request id")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--traces", action="append", metavar="FILE",
+                     help="OTLP-JSON trace file, gzipped or not (repeatable): pdproxy's, a Collector's file exporter's")
+    src.add_argument("--jaeger", metavar="URL", help="Jaeger query service (api/v3, else api/traces)")
+    src.add_argument("--tempo", metavar="URL", help="Tempo's HTTP API")
+    p.add_argument("--service", default="pdproxy", help="the proxy's service.name, for Jaeger's search by request id")
+    p.add_argument("--stall-threshold-ms", type=float, default=0.0,
+                   help="list stalls above this (default 0: every pd.stall event the proxy recorded)")
+
+
+def _pick(idx: traces.TraceIndex, wanted: str) -> traces.TraceInfo | None:
+    if wanted in idx.by_request:
+        return idx.by_request[wanted]
+    tid = wanted.lower()
+    found = [i for i in (*idx.by_request.values(), *idx.shadow.values()) if i.trace_id == tid]
+    return next((i for i in found if i.deployment != "shadow"), found[0] if found else None)
+
+
+def _from_store(args: argparse.Namespace) -> traces.TraceIndex:
+    store = TraceStore("tempo" if args.tempo else "jaeger", args.tempo or args.jaeger, args.service)
+    ids = [args.id] if TRACE_ID.match(args.id) else store.find_request(args.id)
+    docs = []
+    for tid in ids:
+        docs += [(f"{store.url} trace {tid}", d) for d in store.trace(tid)]
+    return traces.index_documents(docs, keep_spans=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.traces:
+            idx = traces.read_traces(args.traces, keep_spans=True)
+            timeline = attribution.Timeline([*idx.by_request.values(), *idx.shadow.values()])
+        else:
+            idx, timeline = _from_store(args), None
+    except (traces.TraceError, OSError) as e:
+        print(f"pdproxy trace: {e}", file=sys.stderr)
+        return 2
+    info = _pick(idx, args.id)
+    if info is None:
+        print(f"pdproxy trace: no request trace with id {args.id!r} ({idx.traces} traces read)", file=sys.stderr)
+        return 1
+    spans = idx.spans_of.get(info.trace_id, [])
+    for line in waterfall.render(info, spans, timeline, args.stall_threshold_ms / 1e3):
+        print(line)
+    return 0
