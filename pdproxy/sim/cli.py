@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-latency-ms", type=float, default=None, help="fixed latency per KV transfer (preset: 4.75)")
     g.add_argument("--kv-bytes-per-token", type=int, default=None,
                    help="KV bytes per prompt token (preset: 131072, Llama-3.1-8B bf16)")
+    stall = g.add_mutually_exclusive_group()
+    stall.add_argument("--kv-pull-stalls-decode", dest="kv_pull_stalls_decode", action="store_true", default=None,
+                       help="decode: start no engine step while a KV pull is in flight, so the other streams "
+                            "stall for the transfer, as recorded on two real H200s (default: off)")
+    stall.add_argument("--no-kv-pull-stalls-decode", dest="kv_pull_stalls_decode", action="store_false",
+                       help="decode: keep stepping during KV pulls (the default)")
     g.add_argument("--skip-kv-pull", action="store_true",
                    help="decode: trust kv_transfer_params without contacting the prefill (no transfer time)")
 
@@ -130,7 +136,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         max_num_seqs=args.max_num_seqs, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
         max_model_len=args.max_model_len, kv_bandwidth_gbps=args.kv_bandwidth_gbps, kv_latency_ms=args.kv_latency_ms,
         kv_bytes_per_token=args.kv_bytes_per_token, frontend_overhead_ms=args.frontend_overhead_ms,
-        kv_pull_overhead_ms=args.kv_pull_overhead_ms,
+        kv_pull_overhead_ms=args.kv_pull_overhead_ms, kv_pull_stalls_decode=args.kv_pull_stalls_decode,
     )
     faults = FaultRates(
         error_rate=args.error_rate, error_status=args.error_status, slow_start_seconds=args.slow_start_seconds,
