@@ -110,8 +110,8 @@ def test_report_splits_and_attributes_on_the_real_2gpu_runs(real, tmp_path):
                         "--stall-threshold-ms", "40", "--json", str(out)], capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr
     text = " ".join(p.stdout.split())  # the definitions are wrapped to the terminal's width
-    assert "decode's wait for the KV (vLLM)" in text and "stall time by cause" in text
-    assert "Split by vLLM's spans: from vLLM's llm_request spans" in text  # defined as the others are
+    assert "vLLM split: kv_transfer.kv_wait" in text and "stall time by cause" in text
+    assert "Split by vLLM's spans: rows 'vLLM split: stage.part'; from vLLM's llm_request spans" in text
     rep = json.loads(out.read_text())
     single, pd = rep["runs"]
     assert single["engine_split"]["parts"]["kv_transfer.kv_wait"]["count"] == 0

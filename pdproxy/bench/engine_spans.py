@@ -40,7 +40,7 @@ PART_LABELS = {
     "decode.compute": "decode compute", "decode.relay": "proxy relay",
 }
 SPLIT_DEFINITION = (
-    "from vLLM's llm_request spans (children of pd.prefill / pd.decode; single mode: one span under "
+    "rows 'vLLM split: stage.part'; from vLLM's llm_request spans (children of pd.prefill / pd.decode; single mode: one span under "
     "pd.prefill) and their gen_ai.latency.* attributes: prefill = proxy→instance overhead (the rest: HTTP, "
     "vLLM's API server, tokenization) + prefill queue (time_in_queue) + prefill compute "
     "(time_in_model_prefill); kv_transfer = decode's wait for the KV (the decode's time_in_queue, the NIXL "

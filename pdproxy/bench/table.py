@@ -8,7 +8,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from pdproxy.bench.engine_spans import PART_LABELS, PARTS
+from pdproxy.bench.engine_spans import PARTS
 from pdproxy.bench.report import CONDITION_LABELS
 
 
@@ -108,11 +108,11 @@ def metric_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
     if any(e.get("engine_split") for e in runs):
         for st, pt in PARTS:
             key = f"{st}.{pt}"
-            row(f"  {st}: {PART_LABELS[key]} (vLLM)", lambda e, key=key: trio(
+            row(f"  vLLM split: {key}", lambda e, key=key: trio(
                 ((e.get("engine_split") or {}).get("parts") or {}).get(key)) if e.get("engine_split") else "n/a")
     if any(e.get("stall_attribution") for e in runs):
         row("stall time by cause", _stall_shares)
-        row("max gap p50: decode window with / without a large KV arrival (n)", _overlap)
+        row("max gap p50, large KV in window: yes / no (n)", _overlap)
     row("proxy TTFT (trace)", lambda e: trio(e.get("proxy_ttft")) if e.get("proxy_ttft") else "n/a")
     row("throughput, output tokens/s", lambda e: _num(e["stats"]["throughput"]["output_tokens_per_s"]))
     row("throughput, requests/s", lambda e: _num(e["stats"]["throughput"]["requests_per_s"], "{:.2f}"))
