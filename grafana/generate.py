@@ -57,7 +57,8 @@ ITL_DEFINITIONS = {
 
 
 def selector(*matchers: str, base: tuple[str, ...] = ()) -> str:
-    return "{" + ", ".join([*base, *matchers]) + "}"
+    both = [*base, *matchers]
+    return "{" + ", ".join(both) + "}" if both else ""
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ BOTH = Scope(('model=~"$model"', 'run=~"$run"'))
 TRACE = Scope(('gen_ai_request_model=~"$model"', 'pd_deployment=~"$deployment"', 'pd_run=~"$run"'))
 SPANS = Scope(('service_name="pdproxy"', 'pd_run=~"$run"'))  # span_metrics
 RUN = Scope(('pd_run=~"$run"',))  # signal_to_metrics series without request attributes
+VLLM = Scope(())  # signal_to_metrics series from vLLM's llm_request spans: only service_name (the instance)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -396,10 +398,20 @@ def overview() -> dict:
     L.add(timeseries("pd.kv_transfer p50 / p90 / p99 (upper bound)",
                      "Duration of the pd.kv_transfer span: hand-off + decode queue + KV pull + one decode step. "
                      "An upper bound on the transfer, never the transfer alone.",
-                     quantiles(REQ, "pdproxy_stage_duration_seconds", "kv_transfer", 'stage="kv_transfer"')), w=12)
+                     quantiles(REQ, "pdproxy_stage_duration_seconds", "kv_transfer", 'stage="kv_transfer"')), w=8)
+    L.add(timeseries("Decode: KV wait vs compute p50 / p99 (vLLM's spans)",
+                     "What pd.kv_transfer is made of, from vLLM's own llm_request spans on the decode instances "
+                     "(vLLM with --otlp-traces-endpoint, service.name containing 'decode'; derived by the "
+                     "collector): KV wait = the decode's time_in_queue (waiting for the remote KV, NIXL pull "
+                     "included); compute = its first step once the KV is there (time_in_model_prefill). "
+                     "pd.kv_transfer minus both is the proxy's hand-off and HTTP. All instances and runs.",
+                     [prom(VLLM.quantile(0.5, "pdproxy_trace_decode_kv_wait_seconds"), "KV wait p50"),
+                      prom(VLLM.quantile(0.99, "pdproxy_trace_decode_kv_wait_seconds"), "KV wait p99", exemplar=True),
+                      prom(VLLM.quantile(0.5, "pdproxy_trace_decode_first_step_seconds"), "first step p50"),
+                      prom(VLLM.quantile(0.99, "pdproxy_trace_decode_first_step_seconds"), "first step p99")]), w=8)
     L.add(timeseries("Proxy's own hand-off gap p50 / p99",
                      "Prefill response read → decode request sent: the proxy's share of the hand-off.",
-                     quantiles(REQ, "pdproxy_handoff_gap_seconds", "hand-off", qs=(0.5, 0.99))), w=12)
+                     quantiles(REQ, "pdproxy_handoff_gap_seconds", "hand-off", qs=(0.5, 0.99))), w=8)
 
     L.row("Throughput and per-instance load")
     L.add(timeseries("Tokens/s by type", "Input and output tokens from the instances' usage reports.",
@@ -512,6 +524,11 @@ def from_traces() -> dict:
                      [prom(RUN.quantile(0.5, "pdproxy_trace_kv_transfer_estimated_seconds"), "estimate p50"),
                       prom(RUN.quantile(0.99, "pdproxy_trace_kv_transfer_estimated_seconds"), "estimate p99"),
                       prom(RUN.quantile(0.99, "pdproxy_trace_handoff_gap_seconds"), "hand-off p99")]), w=8)
+    L.add(timeseries("Instances' queue time p50 / p99 (vLLM's spans)",
+                     "vLLM's time_in_queue from its llm_request spans, per instance (service.name): on a P/D "
+                     "decode it holds the wait for the remote KV.",
+                     [prom(VLLM.quantile(q, "pdproxy_trace_instance_queue_seconds", by="service_name"),
+                           f"{{{{service_name}}}} p{round(q * 100)}") for q in (0.5, 0.99)]), w=8)
     L.add(timeseries("Share of requests with a stall: traces vs proxy",
                      ITL_DEFINITIONS["stall"],
                      [prom(f'{TRACE.rate("pdproxy_trace_requests_stalled_total")} / {TRACE.rate("pdproxy_trace_requests_total")}',
