@@ -235,17 +235,17 @@ def run_setup(name: str, plan: dict[str, Any], wl: Workload, out: Path,
 
 
 def _waterfall(rep: dict[str, Any], idx: traces.TraceIndex | None, console: Console) -> str | None:
-    """Print the waterfall of the candidate run's request with the longest stall; returns its id."""
+    """Print the waterfall of the candidate run's request with the longest gap the proxy saw; returns its id."""
     if idx is None:
         return None
-    entry = next((e for e in rep["runs"] if e["label"] == (rep.get("verdict") or {}).get("candidate")),
-                 rep["runs"][-1])
-    slow = entry["slowest"]["tail_itl"] or entry["slowest"]["ttft"]
-    info = idx.by_request.get(slow[0]["request_id"]) if slow else None
-    if info is None:
+    label = (rep.get("verdict") or {}).get("candidate") or rep["runs"][-1]["label"]
+    infos = [i for i in idx.by_request.values()
+             if i.attrs.get("pd.run") == label and isinstance(i.attrs.get("pd.itl.max"), (int, float))]
+    if not infos:
         return None
+    info = max(infos, key=lambda i: i.attrs["pd.itl.max"])
     timeline = attribution.Timeline([*idx.by_request.values(), *idx.shadow.values()])
-    console.print(Text(f"\nWaterfall of {entry['label']}'s request with the longest gap (pdproxy trace):",
+    console.print(Text(f"\nWaterfall of {label}'s request with the longest gap at the proxy (pdproxy trace):",
                        style="bold"))
     for line in waterfall.render(info, idx.spans_of.get(info.trace_id), timeline):
         console.print(Text(line))

@@ -103,3 +103,20 @@ def test_trace_names_the_prefill_behind_a_stall(run):
     assert "!" in decode_row
     stalls = [line for line in lines if line.startswith("  +")]
     assert stalls and all(" prefill with " in line and "-long-" in line for line in stalls), p.stdout
+
+
+def test_a_gap_the_proxy_did_not_see_is_put_on_the_client_side():
+    from pdproxy.bench import attribution
+    from pdproxy.bench.traces import TraceInfo
+
+    record = {"request_id": "r1", "start_time": 100.0, "ttft": 0.05, "itl": [0.01, 0.3, 0.01],
+              "chunk_tokens": [1, 1, 1, 1]}
+    other = TraceInfo("t2", "r2", "root", {"pd.mode": "single", "pd.decode.instance": "h:1"}, {},
+                      stage_times={"prefill": (100.05, 100.4)})
+    timeline = attribution.Timeline([other])
+    for seen, cause in ((0.02, "client"), (0.305, "prefill")):
+        info = TraceInfo("t1", "r1", "root", {"pd.mode": "single", "pd.decode.instance": "h:1", "pd.itl.max": seen},
+                         {})
+        (stall,) = attribution.request_stalls(info, record, 0.1, timeline)
+        assert stall["duration"] == 0.3 and stall["cause"] == cause
+        assert stall["with"] == ([{"request_id": "r2", "tokens": 0}] if cause == "prefill" else [])

@@ -16,6 +16,8 @@ instance comes from the other requests' traces, all of them (both deployments, e
   [scheduled, first token] when its `llm_request` span is there, else the proxy's `pd.prefill`.
 * preemption: the instance reported a preemption (an event named `*preempt*` on an instance's
   span) of this or another request on it at that moment. vLLM 0.23's spans carry none.
+* client: the proxy saw no gap that long (its pd.itl.max is shorter): the delay arose between the
+  proxy and the client (e.g. a loaded client host). Only for stalls taken from bench records.
 * none: nothing of the above found within the stall (± TOLERANCE).
 
 A stall with several candidate causes takes the first of preemption, kv_arrival, prefill; its
@@ -34,18 +36,20 @@ from typing import Any, Iterable
 from pdproxy.bench import stats
 from pdproxy.bench.traces import TraceIndex, TraceInfo
 
-CAUSES = ("kv_arrival", "prefill", "preemption", "none")
+CAUSES = ("kv_arrival", "prefill", "preemption", "client", "none")
 PRIORITY = ("preemption", "kv_arrival", "prefill")
 TOLERANCE = 0.010  # s: clocks of client, proxy and instance, and the step that delivers both tokens
 LARGE_KV_TOKENS = 1024  # prompt tokens from which a KV arrival counts as large (request-level view)
 STALL_EVENT = "pd.stall"
 STALL_DURATION = "pd.stall.duration"
+STALL_TOKENS = "pd.stall.tokens"
 DEFINITION = (
     "a stall is a gap above the stall threshold (times from the bench record, else from the pd.stall "
     "events on pd.decode); it is put down to what happened on the same instance within the gap (±10 ms): another "
     "request's KV arrival (P/D decode: from its decode's queueing, KV pull included, to its first token; else "
     "its pd.kv_transfer), another request's prefill (vLLM's "
-    "scheduled→first token, else pd.prefill), a preemption the instance reported, or none; shares are of "
+    "scheduled→first token, else pd.prefill), a preemption the instance reported, the client side (a "
+    "recorded gap the proxy did not see: longer than its pd.itl.max), or none; shares are of "
     "stall time. Request level: P/D requests with a short prompt whose pd.decode window contains a KV "
     "arrival of ≥ {tokens} prompt tokens (its first token at the proxy) on their decode instance vs the others, by "
     "max gap (pd.itl.max). Split columns: ms, parts in the order of the definition above."
@@ -57,6 +61,7 @@ class Stall:
     start: float  # unix seconds
     duration: float
     source: str  # "span" (pd.stall event) or "record" (bench record)
+    unit_gap: float = 0.0  # per token when the gap's tokens are known, as the threshold is applied
 
     @property
     def end(self) -> float:
@@ -140,8 +145,12 @@ def stalls_of(info: TraceInfo | None, record: dict[str, Any] | None, threshold: 
     if info is None:
         return []
     events = [e for e in info.stage_events.get("decode") or [] if e.name == STALL_EVENT]
-    return [Stall(e.time, float(e.attrs.get(STALL_DURATION) or 0.0), "span") for e in events
-            if float(e.attrs.get(STALL_DURATION) or 0.0) > threshold]
+    out = []
+    for e in events:
+        gap, tokens = float(e.attrs.get(STALL_DURATION) or 0.0), int(e.attrs.get(STALL_TOKENS) or 1)
+        if gap / max(tokens, 1) > threshold:
+            out.append(Stall(e.time, gap, "span", gap / max(tokens, 1)))
+    return out
 
 
 def _record_stalls(record: dict[str, Any], threshold: float) -> list[Stall]:
@@ -150,14 +159,18 @@ def _record_stalls(record: dict[str, Any], threshold: float) -> list[Stall]:
     out = []
     t = float(record["start_time"]) + float(record["ttft"])
     for i, g in enumerate(gaps):
-        if (g / tokens[i + 1] if per_token else g) > threshold:
-            out.append(Stall(t, g, "record"))
+        unit_gap = g / tokens[i + 1] if per_token else g
+        if unit_gap > threshold:
+            out.append(Stall(t, g, "record", unit_gap))
         t += g
     return out
 
 
-def attribute(stall: Stall, request_id: str, instance: str | None, timeline: Timeline) -> tuple[str, list[Activity]]:
+def attribute(stall: Stall, request_id: str, instance: str | None, timeline: Timeline,
+              proxy_max_gap: float | None = None) -> tuple[str, list[Activity]]:
     """The cause of one stall and the activities (other requests) behind it."""
+    if stall.source == "record" and proxy_max_gap is not None and stall.unit_gap > proxy_max_gap + TOLERANCE:
+        return "client", []
     if instance is None:
         return "none", []
     found = timeline.around(instance, stall.start - TOLERANCE, stall.end + TOLERANCE)
@@ -173,9 +186,10 @@ def request_stalls(info: TraceInfo | None, record: dict[str, Any] | None, thresh
     """Each stall of one request with its cause and coinciding requests (for the drill-down)."""
     rid = info.request_id if info is not None else str((record or {}).get("request_id"))
     inst = decode_instance(info) if info is not None else None
+    seen = info.attrs.get("pd.itl.max") if info is not None else None
     out = []
     for s in stalls_of(info, record, threshold):
-        cause, acts = attribute(s, rid, inst, timeline)
+        cause, acts = attribute(s, rid, inst, timeline, seen if isinstance(seen, (int, float)) else None)
         out.append({"start": s.start, "duration": s.duration, "source": s.source, "cause": cause,
                     "with": [{"request_id": a.request_id, "tokens": a.tokens} for a in acts[:5]]})
     return out
