@@ -76,7 +76,8 @@ def render(info: TraceInfo, spans: list[tuple[dict[str, Any], dict[str, Any]]] |
     t0, t1 = info.start, info.start + info.duration
     ends = [e.end for e in info.engine.values()] + [b for _, b in info.stage_times.values()]
     axis = Axis(t0, max([t1, *ends]))
-    head = f"trace {info.trace_id}  {info.attrs.get('pd.mode', '?')}  {info.status}"
+    status = "failed: " + str(info.attrs.get("pd.failed_stage", "?")) if info.status == "ERROR" else "ok"
+    head = f"trace {info.trace_id}  {info.attrs.get('pd.mode', '?')}  {status}"
     lines = [head[:WIDTH], f"request {info.request_id}"[:WIDTH],
              f"{'':<{NAME}} {'0 ms':<{BAR - 12}}{_ms(axis.span) + ' ms':>12} {'ms':>11}"]
     lines.append(_row(info.root_name, axis.bar(t0, t1), info.duration))
