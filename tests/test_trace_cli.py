@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 
@@ -104,21 +104,37 @@ def _jaeger_v1(tid: str, spans: list) -> dict:
     return {"data": [{"traceID": tid, "spans": out, "processes": processes}]}
 
 
-@pytest.fixture(scope="module")
-def store(one_trace):
-    tid, spans = one_trace
-    tempo = _otlp(spans)
-    for rs in tempo:
+def _tempo(spans: list) -> dict:
+    batches = _otlp(spans)
+    for rs in batches:
         for sp in rs["scopeSpans"][0]["spans"]:
             sp["traceId"], sp["spanId"] = _b64(sp["traceId"]), _b64(sp["spanId"])
             if sp.get("parentSpanId"):
                 sp["parentSpanId"] = _b64(sp["parentSpanId"])
+    return {"batches": batches}
+
+
+def _attr(sp: dict, key: str):
+    return next((next(iter(a["value"].values())) for a in sp.get("attributes", []) if a["key"] == key), None)
+
+
+@pytest.fixture(scope="module")
+def store(one_trace, real):
+    """A loopback server answering as Jaeger (api/v3, api/traces) and Tempo for the 2-GPU recording."""
+    tid, spans = one_trace
+    by_trace: dict[str, list] = {}
+    for s in otlp_spans(real / "vllm023-pd-2gpu.otlp.jsonl.gz"):
+        by_trace.setdefault(s[2]["traceId"], []).append(s)
+    roots = {t: next((sp for _, _, sp in ss if _attr(sp, "pd.request_id")), None) for t, ss in by_trace.items()}
     answers = {
         f"/jaeger/api/v3/traces/{tid}": {"result": {"resourceSpans": _otlp(spans)}},
         f"/jaeger1/api/traces/{tid}": _jaeger_v1(tid, spans),
-        f"/tempo/api/traces/{tid}": {"batches": tempo},
     }
     asked: list[str] = []
+
+    def on_instance(instance: str, start_ns: int, end_ns: int) -> list[str]:
+        return [t for t, r in roots.items() if r is not None and _attr(r, "pd.decode.instance") == instance
+                and start_ns <= int(r["startTimeUnixNano"]) <= end_ns]
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -126,11 +142,22 @@ def store(one_trace):
             asked.append(self.path)
             body = answers.get(url.path)
             q = parse_qs(url.query)
-            if url.path == "/jaeger1/api/traces" and json.loads(q["tags"][0]) == {"pd.request_id": REQUEST} \
-                    and q["service"] == ["pdproxy"]:
-                body = {"data": [{"traceID": tid}]}
-            if url.path == "/tempo/api/search" and q["q"] == [f'{{ span.pd.request_id = "{REQUEST}" }}']:
-                body = {"traces": [{"traceID": tid}]}
+            if url.path.startswith("/tempo/api/traces/") and url.path.rsplit("/", 1)[1] in by_trace:
+                body = _tempo(by_trace[url.path.rsplit("/", 1)[1]])
+            if url.path == "/jaeger1/api/traces" and q["service"] == ["pdproxy"]:
+                tags = json.loads(q["tags"][0])
+                if tags == {"pd.request_id": REQUEST}:
+                    body = {"data": [{"traceID": tid}]}
+                elif "pd.decode.instance" in tags:  # search by tag and time (microseconds)
+                    found = on_instance(tags["pd.decode.instance"], int(q["start"][0]) * 1000, int(q["end"][0]) * 1000)
+                    body = {"data": [_jaeger_v1(t, by_trace[t])["data"][0] for t in found]}
+            if url.path == "/tempo/api/search":
+                if q["q"] == [f'{{ span.pd.request_id = "{REQUEST}" }}']:
+                    body = {"traces": [{"traceID": tid}]}
+                elif q["q"][0].startswith("{ span.pd.decode.instance = "):  # TraceQL, seconds
+                    instance = q["q"][0].split('"')[1]
+                    found = on_instance(instance, int(q["start"][0]) * 10**9, int(q["end"][0]) * 10**9)
+                    body = {"traces": [{"traceID": t} for t in found]}
             data = json.dumps(body).encode() if body is not None else b'{"error": "not found"}'
             self.send_response(200 if body is not None else 404)
             self.send_header("Content-Type", "application/json")
@@ -163,8 +190,12 @@ def test_waterfall_from_a_trace_store(store, real, one_trace, flag, path, ident)
     ref = trace_cmd(REQUEST, "--traces", str(real / "vllm023-pd-2gpu.otlp.jsonl.gz"))
     p = trace_cmd(one_trace[0] if ident == "trace" else REQUEST, flag, base + path)
     assert p.returncode == 0, p.stderr
-    assert _body(p.stdout) == _body(ref.stdout)
     assert any(a.startswith(path + "/api/") for a in asked)
+    if path == "/jaeger":  # this store answers api/v3 only: no search for the other requests
+        assert _body(p.stdout) == _body(ref.stdout)
+    else:  # the requests on the same decode around this one came from the store's search: the same view
+        assert p.stdout == ref.stdout
+        assert any("pd.decode.instance" in unquote(a) for a in asked)
 
 
 def test_store_without_the_trace(store):

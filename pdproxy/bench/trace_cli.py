@@ -9,8 +9,9 @@ Examples:
 ID is a trace id (32 hex digits) or a request id (the X-Request-Id, pd.request_id on the root span).
 The proxy's stages and the instances' own spans (vLLM's llm_request, with --otlp-traces-endpoint)
 share one time axis; each stage is split where vLLM's spans allow, the largest part is named, and
-the stalls recorded on pd.decode are listed — with their cause when the other requests' traces are
-at hand (trace files; a store is asked for this one trace only).
+the stalls recorded on pd.decode are listed with their cause: what the other requests did on the
+same instance then (from the trace files; a store is asked for the requests its decode instance
+served in the LOOKBACK seconds before this one and during it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pdproxy.bench import attribution, traces, waterfall
 from pdproxy.bench.trace_store import TraceStore
 
 TRACE_ID = re.compile(r"^[0-9a-fA-F]{32}$")
+LOOKBACK = 10.0  # s: other requests that started this long before may overlap this one's stalls
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,21 +50,30 @@ def _pick(idx: traces.TraceIndex, wanted: str) -> traces.TraceInfo | None:
 
 
 def _from_store(args: argparse.Namespace) -> traces.TraceIndex:
+    """The trace, plus the traces of the requests on the same decode instance around it."""
     store = TraceStore("tempo" if args.tempo else "jaeger", args.tempo or args.jaeger, args.service)
     ids = [args.id] if TRACE_ID.match(args.id) else store.find_request(args.id)
     docs = []
     for tid in ids:
         docs += [(f"{store.url} trace {tid}", d) for d in store.trace(tid)]
-    return traces.index_documents(docs, keep_spans=True)
+    idx = traces.index_documents(docs, keep_spans=True)
+    info = _pick(idx, args.id)
+    instance = attribution.decode_instance(info) if info is not None else None
+    if instance is None:
+        return idx
+    near = [d for d in store.around(instance, info.start - LOOKBACK, info.start + info.duration)
+            if info.trace_id not in _trace_ids(d)]  # the request's own trace is in already
+    return traces.index_documents(docs + [(f"{store.url} near {instance}", d) for d in near], keep_spans=True)
+
+
+def _trace_ids(doc: dict) -> set[str]:
+    return {str(sp.get("traceId", "")).lower() for rs in doc.get("resourceSpans") or []
+            for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or [] for sp in ss.get("spans") or []}
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if args.traces:
-            idx = traces.read_traces(args.traces, keep_spans=True)
-            timeline = attribution.Timeline([*idx.by_request.values(), *idx.shadow.values()])
-        else:
-            idx, timeline = _from_store(args), None
+        idx = traces.read_traces(args.traces, keep_spans=True) if args.traces else _from_store(args)
     except (traces.TraceError, OSError) as e:
         print(f"pdproxy trace: {e}", file=sys.stderr)
         return 2
@@ -71,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdproxy trace: no request trace with id {args.id!r} ({idx.traces} traces read)", file=sys.stderr)
         return 1
     spans = idx.spans_of.get(info.trace_id, [])
+    timeline = attribution.Timeline([*idx.by_request.values(), *idx.shadow.values()])
     for line in waterfall.render(info, spans, timeline, args.stall_threshold_ms / 1e3):
         print(line)
     return 0

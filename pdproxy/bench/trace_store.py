@@ -3,10 +3,12 @@
 * Jaeger (v2, and v1's query service): `GET /api/v3/traces/{id}` answers OTLP JSON under
   `result`; the older `GET /api/traces/{id}` answers Jaeger's own JSON (`data[].spans` with
   `operationName`, `references`, microsecond times, `tags`, `logs`, `processes`), converted here.
-  A request id is looked up with `GET /api/traces?service=...&tags={"pd.request_id": ...}`.
+  A request id is looked up with `GET /api/traces?service=...&tags={"pd.request_id": ...}`, the
+  other requests on an instance around a time with `tags={"pd.decode.instance": ...}&start&end`.
 * Tempo: `GET /api/traces/{id}` answers OTLP JSON under `batches` (ids in base64, the protobuf JSON
   mapping); `/api/v2/traces/{id}` under `trace`. A request id is looked up with TraceQL
-  `GET /api/search?q={ span.pd.request_id = "..." }`.
+  `GET /api/search?q={ span.pd.request_id = "..." }`, the other requests on an instance with
+  `{ span.pd.decode.instance = "..." }` and `start`/`end` (unix seconds), then fetched one by one.
 """
 
 from __future__ import annotations
@@ -151,3 +153,18 @@ class TraceStore:
         tags = urllib.parse.quote(json.dumps({"pd.request_id": request_id}))
         doc = _get(f"{self.url}/api/traces?service={urllib.parse.quote(self.service)}&tags={tags}&limit=5") or {}
         return [hex_id(t.get("traceID"), 16) for t in doc.get("data") or [] if t.get("traceID")]
+
+    def around(self, instance: str, start: float, end: float, limit: int = 200) -> list[dict[str, Any]]:
+        """OTLP-JSON documents of the requests served by `instance` whose traces started in [start, end]."""
+        if self.kind == "tempo":
+            q = urllib.parse.quote(f'{{ span.pd.decode.instance = "{instance}" }}')
+            doc = _get(f"{self.url}/api/search?q={q}&start={int(start)}&end={int(end) + 1}&limit={limit}") or {}
+            docs = []
+            for t in (doc.get("traces") or [])[:limit]:
+                if t.get("traceID"):
+                    docs += self.trace(hex_id(t["traceID"], 16))
+            return docs
+        tags = urllib.parse.quote(json.dumps({"pd.decode.instance": instance}))
+        doc = _get(f"{self.url}/api/traces?service={urllib.parse.quote(self.service)}&tags={tags}"
+                   f"&start={int(start * 1e6)}&end={int(end * 1e6)}&limit={limit}") or {}
+        return [from_jaeger(t) for t in (doc.get("data") or [])[:limit]]
