@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from pdproxy.bench import stats
-from pdproxy.bench.traces import TraceIndex, TraceInfo
+from pdproxy.bench.traces import TraceInfo
 
 CAUSES = ("kv_arrival", "prefill", "preemption", "client", "none")
 PRIORITY = ("preemption", "kv_arrival", "prefill")

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from pdproxy.bench.otlpjson import attr_value, attrs_of  # noqa: F401 (re-exported)
 from pdproxy.bench.engine_spans import ENGINE_SPAN, EngineSpan, SpanEvent, engine_span, span_events
+from pdproxy.bench.otlpjson import attrs_of
 
 STAGES = ("queue", "prefill", "kv_transfer", "decode")
 # Resource attributes that describe a process, not the run's fixed conditions.
