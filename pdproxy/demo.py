@@ -234,7 +234,7 @@ def run_setup(name: str, plan: dict[str, Any], wl: Workload, out: Path,
             sim_traces)
 
 
-def _waterfall(rep: dict[str, Any], idx: traces.TraceIndex | None, console: Console) -> str | None:
+def _waterfall(rep: dict[str, Any], runs: list[Run], idx: traces.TraceIndex | None, console: Console) -> str | None:
     """Print the waterfall of the candidate run's request with the longest gap the proxy saw; returns its id."""
     if idx is None:
         return None
@@ -247,7 +247,9 @@ def _waterfall(rep: dict[str, Any], idx: traces.TraceIndex | None, console: Cons
     timeline = attribution.Timeline([*idx.by_request.values(), *idx.shadow.values()])
     console.print(Text(f"\nWaterfall of {label}'s request with the longest gap at the proxy (pdproxy trace):",
                        style="bold"))
-    for line in waterfall.render(info, idx.spans_of.get(info.trace_id), timeline):
+    record = next((r for run_ in runs if run_.label == label for r in run_.requests
+                   if r["request_id"] == info.request_id), None)
+    for line in waterfall.render(info, idx.spans_of.get(info.trace_id), timeline, record=record):
         console.print(Text(line))
     return info.request_id
 
@@ -290,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
         (out / "report.json").write_text(json.dumps(rep, indent=1))
         (out / "report.html").write_text(html.render(rep))
         table.render(rep, out_console, drilldown=True, drilldown_rows=2)
-        slowest = _waterfall(rep, idx, out_console)
+        slowest = _waterfall(rep, runs, idx, out_console)
         wall = time.monotonic() - t0
         out_console.print(f"\nRun directory: {out}")
         for r, tf in zip(runs, trace_files):
@@ -301,7 +303,8 @@ def run(args: argparse.Namespace) -> int:
                           f"  report   report.html (plots), report.json; process logs in logs/\n"
                           f"Re-run the report: pdproxy report {' '.join(Path(r.source).name for r in runs)} "
                           f"{all_traces} --html report.html  (in {out})"
-                          + (f"\nOne request's waterfall: pdproxy trace {slowest} {all_traces}" if slowest else "")
+                          + (f"\nOne request's waterfall: pdproxy trace {slowest} {all_traces} --records "
+                             f"{' --records '.join(Path(r.source).name for r in runs)}" if slowest else "")
                           + f"\nWall time: {wall:.1f}s")
         return 0
     except DemoError as e:

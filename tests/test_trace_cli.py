@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -204,3 +205,16 @@ def test_store_without_the_trace(store):
     assert p.returncode == 1 and "no request trace" in p.stderr
     p = trace_cmd("0" * 32, "--jaeger", "http://127.0.0.1:9")  # nothing listens: a clear error, no traceback
     assert p.returncode == 2 and "pdproxy trace:" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_stalls_from_the_bench_record_with_their_cause(real):
+    """The recording has no pd.stall events; the client's record gives the gaps' times."""
+    p = trace_cmd(REQUEST, "--traces", str(real / "vllm023-pd-2gpu.otlp.jsonl.gz"),
+                  "--records", str(real / "bench-2gpu-pd.jsonl.gz"), "--stall-threshold-ms", "40")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert "stalls (bench record, above 40 ms): 1" in lines
+    stall = lines[lines.index("stalls (bench record, above 40 ms): 1") + 1]
+    # the 60 ms gap coincides with the arrival of a 4.5k-token prompt's KV on the same decode
+    assert re.fullmatch(r"  \+[\d,.]+ ms: 6\d\.\d ms kv_arrival with bench-0210e3e3-long-\d+ \(45\d\d tok\)", stall)
+    assert "!" in next(line for line in lines if line.startswith(" pd.decode"))

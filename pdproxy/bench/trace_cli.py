@@ -2,7 +2,7 @@
 
 Examples:
 
-    pdproxy trace bench-0210e3e3-stream-42 --traces traces.jsonl --traces vllm.jsonl.gz
+    pdproxy trace bench-0210e3e3-stream-42 --traces traces.jsonl --traces vllm.jsonl.gz --records pd.jsonl
     pdproxy trace 4d77811eaae16d28d109cbdc9c404c0d --jaeger http://localhost:16686
     pdproxy trace bench-0210e3e3-long-3 --tempo http://localhost:3200
 
@@ -21,6 +21,7 @@ import re
 import sys
 
 from pdproxy.bench import attribution, traces, waterfall
+from pdproxy.bench.records import RecordError, read_run
 from pdproxy.bench.trace_store import TraceStore
 
 TRACE_ID = re.compile(r"^[0-9a-fA-F]{32}$")
@@ -37,8 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--jaeger", metavar="URL", help="Jaeger query service (api/v3, else api/traces)")
     src.add_argument("--tempo", metavar="URL", help="Tempo's HTTP API")
     p.add_argument("--service", default="pdproxy", help="the proxy's service.name, for Jaeger's search by request id")
-    p.add_argument("--stall-threshold-ms", type=float, default=0.0,
-                   help="list stalls above this (default 0: every pd.stall event the proxy recorded)")
+    p.add_argument("--records", action="append", default=[], metavar="FILE",
+                   help="pdproxy bench record file(s), gzipped or not: the request's gaps as the client saw them "
+                        "give the stalls' times (else the proxy's pd.stall events)")
+    p.add_argument("--stall-threshold-ms", type=float, default=None,
+                   help="list stalls above this (default: 100 with --records, else every pd.stall event recorded)")
 
 
 def _pick(idx: traces.TraceIndex, wanted: str) -> traces.TraceInfo | None:
@@ -74,7 +78,8 @@ def _trace_ids(doc: dict) -> set[str]:
 def run(args: argparse.Namespace) -> int:
     try:
         idx = traces.read_traces(args.traces, keep_spans=True) if args.traces else _from_store(args)
-    except (traces.TraceError, OSError) as e:
+        records = {r["request_id"]: r for f in args.records for r in read_run(f).requests}
+    except (traces.TraceError, RecordError, OSError) as e:
         print(f"pdproxy trace: {e}", file=sys.stderr)
         return 2
     info = _pick(idx, args.id)
@@ -83,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     spans = idx.spans_of.get(info.trace_id, [])
     timeline = attribution.Timeline([*idx.by_request.values(), *idx.shadow.values()])
-    for line in waterfall.render(info, spans, timeline, args.stall_threshold_ms / 1e3):
+    threshold = None if args.stall_threshold_ms is None else args.stall_threshold_ms / 1e3
+    for line in waterfall.render(info, spans, timeline, threshold, records.get(info.request_id)):
         print(line)
     return 0

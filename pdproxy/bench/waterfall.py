@@ -3,8 +3,9 @@
 Fits 80 columns: a 22-character name, a 44-character bar and the duration. vLLM's `llm_request`
 bars are shaded by what vLLM says the time was: `·` outside the engine (API server), `░` queue (on
 a P/D decode: the wait for the KV), `█` compute (prefill, then decode). Stalls recorded on
-`pd.decode` are marked `!`. Below: each stage's split, the largest contributor, and each stall
-with its cause when other requests' traces are at hand (bench/attribution.py).
+`pd.decode` (or in the request's bench record) are marked `!`. Below: each stage's split, the
+largest contributor, and each stall with its cause when other requests' traces are at hand
+(bench/attribution.py).
 """
 
 from __future__ import annotations
@@ -71,8 +72,21 @@ def largest(info: TraceInfo) -> tuple[str, float]:
 
 
 def render(info: TraceInfo, spans: list[tuple[dict[str, Any], dict[str, Any]]] | None = None,
-           timeline: attribution.Timeline | None = None, stall_threshold: float = 0.0) -> list[str]:
-    """The waterfall's lines (each at most 80 characters)."""
+           timeline: attribution.Timeline | None = None, stall_threshold: float | None = None,
+           record: dict[str, Any] | None = None) -> list[str]:
+    """The waterfall's lines (each at most 80 characters).
+
+    Stalls come from the request's bench `record` when given (above `stall_threshold`, default
+    0.1 s), else from its pd.stall events (above `stall_threshold`, default: every one recorded).
+    """
+    timeline = timeline or attribution.Timeline([])
+    from_record = bool(record and record.get("itl"))
+    has_events = any(e.name == attribution.STALL_EVENT for e in info.stage_events.get("decode") or [])
+    stalls, source = None, ""
+    if from_record or has_events:
+        threshold = stall_threshold if stall_threshold is not None else (0.1 if from_record else 0.0)
+        stalls = attribution.request_stalls(info, record, threshold, timeline)
+        source = f"{'bench record' if from_record else 'pd.stall events'}, above {threshold * 1e3:g} ms"
     t0, t1 = info.start, info.start + info.duration
     ends = [e.end for e in info.engine.values()] + [b for _, b in info.stage_times.values()]
     axis = Axis(t0, max([t1, *ends]))
@@ -87,9 +101,8 @@ def render(info: TraceInfo, spans: list[tuple[dict[str, Any], dict[str, Any]]] |
         a, b = info.stage_times[stage]
         cells = axis.bar(a, b)
         if stage == "decode":
-            for ev in info.stage_events.get("decode") or []:
-                if ev.name == attribution.STALL_EVENT:
-                    cells[axis.col(ev.time)] = "!"
+            for s in stalls or []:
+                cells[axis.col(s["start"])] = "!"
         lines.append(_row(f" pd.{stage}", cells, b - a))
         e = info.engine.get(stage)
         if e is not None:
@@ -107,7 +120,7 @@ def render(info: TraceInfo, spans: list[tuple[dict[str, Any], dict[str, Any]]] |
     what, secs = largest(info)
     share = f" ({secs / info.duration:.0%} of E2E)" if info.duration > 0 else ""
     lines.append(f"largest: {what} {_ms(secs)} ms{share}"[:WIDTH])
-    lines += stall_lines(info, timeline, stall_threshold)
+    lines += stall_lines(info, stalls, source) if stalls is not None else window_lines(info, timeline)
     return lines
 
 
@@ -126,31 +139,26 @@ def split_lines(info: TraceInfo) -> list[str]:
     return out
 
 
-def stall_lines(info: TraceInfo, timeline: attribution.Timeline | None, threshold: float) -> list[str]:
-    events = [e for e in info.stage_events.get("decode") or [] if e.name == attribution.STALL_EVENT]
-    if not events:
-        return window_lines(info, timeline)
-    stalls = attribution.stalls_of(info, None, threshold)
-    out = [f"stalls (pd.stall events): {len(stalls)}"]
+def stall_lines(info: TraceInfo, stalls: list[dict[str, Any]] | None, source: str) -> list[str]:
+    """Each stall with its cause and the requests that coincided (bench/attribution.py)."""
+    if stalls is None:
+        return []
+    out = [f"stalls ({source}): {len(stalls)}"]
     for s in stalls:
-        text = f"  +{_ms(s.start - info.start)} ms: {_ms(s.duration)} ms"
-        if timeline is None:
-            out.append(text + " (cause: needs the other requests' traces, --traces FILE)")
-            continue
-        cause, acts = attribution.attribute(s, info.request_id, attribution.decode_instance(info), timeline)
-        who = ", ".join(f"{a.request_id} ({a.tokens} tok)" for a in acts[:2])
-        out.append(f"{text} {cause}" + (f" with {who}" if who else ""))
+        who = ", ".join(f"{w['request_id']} ({w['tokens']} tok)" for w in s["with"][:2])
+        out.append(f"  +{_ms(s['start'] - info.start)} ms: {_ms(s['duration'])} ms {s['cause']}"
+                   + (f" with {who}" if who else ""))
     return [line[:WIDTH] for line in out]
 
 
-def window_lines(info: TraceInfo, timeline: attribution.Timeline | None) -> list[str]:
+def window_lines(info: TraceInfo, timeline: attribution.Timeline) -> list[str]:
     """Without pd.stall events: the max gap, and the large KV arrivals inside the decode window."""
     gap = info.attrs.get("pd.itl.max")
     if not isinstance(gap, (int, float)) or "decode" not in info.stage_times:
         return []
     out = [f"max gap {_ms(gap)} ms (no pd.stall events: times of gaps unknown)"]
     inst = attribution.decode_instance(info)
-    if timeline is None or inst is None or "kv_transfer" not in info.stages:
+    if inst is None or "kv_transfer" not in info.stages:
         return out
     a, b = info.stage_times["decode"]
     acts = [x for x in timeline.around(inst, a, b) if x.kind == "kv_arrival" and x.request_id != info.request_id
