@@ -100,13 +100,9 @@ def test_streams_with_a_long_kv_arrival_in_their_decode_window_stall(idx2, real)
 
 
 def test_report_splits_and_attributes_on_the_real_2gpu_runs(real, tmp_path):
-    out = tmp_path / "r.json"
-    for mode in ("pd", "single"):
-        (tmp_path / f"{mode}.jsonl").write_bytes(
-            subprocess.run(["gzip", "-dc", str(real / f"bench-2gpu-{mode}.jsonl.gz")], capture_output=True,
-                           check=True).stdout)
-    p = subprocess.run([sys.executable, "-m", "pdproxy", "report", f"single={tmp_path / 'single.jsonl'}",
-                        f"pd={tmp_path / 'pd.jsonl'}", "--traces", str(real / "vllm023-pd-2gpu.otlp.jsonl.gz"),
+    out = tmp_path / "r.json"  # the gzipped record and trace files are read as they are
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "report", f"single={real / 'bench-2gpu-single.jsonl.gz'}",
+                        f"pd={real / 'bench-2gpu-pd.jsonl.gz'}", "--traces", str(real / "vllm023-pd-2gpu.otlp.jsonl.gz"),
                         "--stall-threshold-ms", "40", "--json", str(out)], capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr
     text = " ".join(p.stdout.split())  # the definitions are wrapped to the terminal's width
