@@ -11,9 +11,11 @@ splits every request with them.
 from __future__ import annotations
 
 import base64
+import os
 import json
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -222,3 +224,21 @@ def test_decode_stalls_on_another_requests_kv_arrival(tmp_path):
     assert o["with_large_kv_arrival"]["p50"] > 2 * o["others"]["p50"]
     o = off["overlap"]  # without the flag, a large KV arrival barely matters to the other streams
     assert o["with_large_kv_arrival"]["p50"] < 1.5 * o["others"]["p50"] + 0.02
+
+
+def test_a_dead_collector_does_not_break_serving_and_a_bad_protocol_is_refused():
+    dead = f"http://{HOST}:{free_port()}"  # nothing listens there
+    proc, url = sim("single", "vllm-single", "--otlp-traces-endpoint", dead, "--time-scale", "0.2")
+    try:
+        for _ in range(3):
+            body = json.dumps({"model": "sim-model", "prompt": "a b c", "max_tokens": 4}).encode()
+            req = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=10) as r:
+                assert r.status == 200 and json.loads(r.read())["choices"][0]["text"]
+    finally:
+        proc.stop()
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "sim", "--otlp-traces-endpoint", dead, "--port",
+                        str(free_port())], capture_output=True, text=True, timeout=30,
+                       env={**os.environ, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"})
+    assert p.returncode == 2 and "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" in p.stderr and "Traceback" not in p.stderr

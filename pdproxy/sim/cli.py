@@ -181,6 +181,10 @@ async def serve(settings: SimSettings) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
+        if settings.otlp_traces_endpoint and not settings.otlp_traces_file:
+            from pdproxy.sim.tracing import check_protocol
+
+            check_protocol()
     except ValueError as exc:
         print(f"pdproxy sim: {exc}", file=sys.stderr)
         return 2

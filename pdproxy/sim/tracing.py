@@ -51,6 +51,13 @@ class _Exporter(SpanExporter):
         self.sink.close()
 
 
+def check_protocol() -> None:
+    """Refuse an OTLP protocol the exporter does not speak before the server starts (as vLLM does)."""
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
+    if protocol not in ("grpc", "http/protobuf"):
+        raise ValueError(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL={protocol!r}: use grpc or http/protobuf")
+
+
 def _sink(endpoint: str | None, trace_file: str | None) -> Any:
     if trace_file:
         from pdproxy.telemetry.tracefile import TraceFileExporter
