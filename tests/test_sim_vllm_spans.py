@@ -11,8 +11,8 @@ splits every request with them.
 from __future__ import annotations
 
 import base64
-import os
 import json
+import os
 import subprocess
 import sys
 import urllib.request
