@@ -57,6 +57,10 @@ def test_waterfall_from_a_file(real):
     # the 591.6 ms pd.kv_transfer of this request is 544.5 ms of the decode's KV wait, the largest part
     assert "kv_transfer 591.6 = kv wait 544.5 + first step 10.7 + handoff 36.4" in text
     assert "largest: kv_transfer: decode's wait for the KV 544.5 ms (83% of E2E)" in text
+    # a prefix that only this request has will do; one that several have will not
+    assert trace_cmd(CALIBRATION[:8], "--traces", str(real / "vllm023-pd-1gpu.otlp.jsonl.gz")).stdout == p.stdout
+    several = trace_cmd("bench-", "--traces", str(real / "vllm023-pd-1gpu.otlp.jsonl.gz"))
+    assert several.returncode == 1 and "no request trace" in several.stderr
 
 
 def test_by_trace_id_and_unknown_id(real, one_trace):

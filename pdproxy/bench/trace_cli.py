@@ -6,7 +6,8 @@ Examples:
     pdproxy trace 4d77811eaae16d28d109cbdc9c404c0d --jaeger http://localhost:16686
     pdproxy trace bench-0210e3e3-long-3 --tempo http://localhost:3200
 
-ID is a trace id (32 hex digits) or a request id (the X-Request-Id, pd.request_id on the root span).
+ID is a trace id (32 hex digits) or a request id (the X-Request-Id, pd.request_id on the root span),
+or, with trace files, a prefix of either that only one request has.
 The proxy's stages and the instances' own spans (vLLM's llm_request, with --otlp-traces-endpoint)
 share one time axis; each stage is split where vLLM's spans allow, the largest part is named, and
 the stalls recorded on pd.decode are listed with their cause: what the other requests did on the
@@ -46,10 +47,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _pick(idx: traces.TraceIndex, wanted: str) -> traces.TraceInfo | None:
+    """By request id or trace id; a prefix of either will do when only one request has it."""
     if wanted in idx.by_request:
         return idx.by_request[wanted]
+    infos = [*idx.by_request.values(), *idx.shadow.values()]
     tid = wanted.lower()
-    found = [i for i in (*idx.by_request.values(), *idx.shadow.values()) if i.trace_id == tid]
+    found = [i for i in infos if i.trace_id == tid]
+    if not found:
+        found = [i for i in infos if i.request_id.startswith(wanted) or i.trace_id.startswith(tid)]
+        if len({i.trace_id for i in found}) != 1:
+            return None
     return next((i for i in found if i.deployment != "shadow"), found[0] if found else None)
 
 
@@ -84,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     info = _pick(idx, args.id)
     if info is None:
-        print(f"pdproxy trace: no request trace with id {args.id!r} ({idx.traces} traces read)", file=sys.stderr)
+        print(f"pdproxy trace: no request trace with id {args.id!r}, nor one request alone with it as a prefix "
+              f"({idx.traces} traces read)", file=sys.stderr)
         return 1
     spans = idx.spans_of.get(info.trace_id, [])
     timeline = attribution.Timeline([*idx.by_request.values(), *idx.shadow.values()])
