@@ -259,6 +259,10 @@ def render(report: dict[str, Any], console: Console | None = None, drilldown: bo
     for e in report["runs"]:
         for n in e.get("condition_notes") or []:
             console.print(f"[yellow]note[/] {e['label']}: {n}")
+        wrong = (e.get("engine_split") or {}).get("id_mismatches")
+        if wrong:
+            console.print(f"[yellow]note[/] {e['label']}: {wrong} vLLM span(s) under this run's requests carry another "
+                          "request's gen_ai.request.id (expected cmpl-<X-Request-Id>-0): their split may be wrong")
     console.print(metrics_table(report))
     d = report["definitions"]
     console.print(Text(
