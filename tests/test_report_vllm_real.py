@@ -8,6 +8,7 @@ on 2 GPUs, P/D streams whose decode window holds a long prompt's KV arrival have
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -44,6 +45,9 @@ def test_every_pd_request_has_both_vllm_spans_with_its_id(idx1, real):
     assert sum(engine_spans.id_mismatches(i) for i in idx1.by_request.values()) == 0
     for i in pd:
         assert i.engine["decode"].request_id == f"cmpl-{i.request_id}-0"
+    wrong = copy.deepcopy(pd[0])
+    wrong.engine["decode"].request_id = f"cmpl-{pd[1].request_id}-0"  # a span joined to the wrong request
+    assert engine_spans.id_mismatches(wrong) == 1
     # the calibration's direct prefill calls have no proxy parent: counted, not joined
     raw = [sp for res, _, sp in otlp_spans(real / "vllm023-pd-1gpu.otlp.jsonl.gz") if sp["name"] == "llm_request"]
     assert idx1.engine_spans == len(raw)
