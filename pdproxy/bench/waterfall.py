@@ -67,6 +67,8 @@ def largest(info: TraceInfo) -> tuple[str, float]:
     if split:
         key = max(split, key=lambda k: split[k])
         return f"{key.split('.')[0]}: {PART_LABELS[key]}", split[key]
+    if not info.stages:  # a trace without its stage spans (e.g. cut by a store's sampling)
+        return info.root_name, info.duration
     stage = max(info.stages, key=lambda s: info.stages[s])
     return stage, info.stages[stage]
 
