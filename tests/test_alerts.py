@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from test_deploy import DURATION, K8S, by_kind, kustomize
 from test_grafana_dashboards import collector_prometheus_names, contract_metrics, load_dashboards, metric_names, panels, series_base
 
 REPO = Path(__file__).resolve().parents[1]
@@ -282,7 +283,6 @@ def test_prometheusrule_is_generated_from_the_rule_files():
 
 # Written from the PrometheusRule CRD (monitoring.coreos.com/v1) for the fields used here; unknown
 # fields are rejected, as `kubectl apply --validate=strict` would.
-DURATION = r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
 PROMETHEUSRULE_SCHEMA = {
     "type": "object",
     "required": ["apiVersion", "kind", "metadata", "spec"],
@@ -314,7 +314,6 @@ PROMETHEUSRULE_SCHEMA = {
 
 def test_operator_overlay_carries_the_rules(tmp_path):
     import jsonschema
-    from test_deploy import K8S, by_kind, kustomize
 
     built = by_kind(kustomize(K8S / "overlays" / "prometheus-operator"), "PrometheusRule")
     assert set(built) == {"pdproxy"}
