@@ -189,6 +189,42 @@ def trace_table(title: str, description: str, target: dict) -> dict:
     }
 
 
+# Alerts: the rules in deploy/prometheus/rules/ are evaluated by Prometheus (data source-managed
+# rules); Grafana's alert list panel reads them from the Prometheus data source by its *name*.
+PROM_DATASOURCE_NAME = "Prometheus"  # grafana/provisioning/datasources/datasources.yaml
+ALERT_PREFIX = "Pdproxy"  # every alert in deploy/prometheus/rules/pdproxy-alerts.yml
+FIRING_ALERTS = f'ALERTS{{alertstate="firing", alertname=~"{ALERT_PREFIX}.+"}}'
+
+
+def alert_list(title: str, description: str) -> dict:
+    """Firing and pending pdproxy alerts; runbooks in docs/runbooks.md (each alert's runbook_url)."""
+    return {
+        "type": "alertlist",
+        "title": title,
+        "description": description,
+        "options": {
+            "viewMode": "list",
+            "groupMode": "default",
+            "groupBy": [],
+            "maxItems": 20,
+            "sortOrder": 3,  # importance: firing first
+            "dashboardAlerts": False,
+            "alertName": ALERT_PREFIX,
+            "alertInstanceLabelFilter": "",
+            "datasource": PROM_DATASOURCE_NAME,
+            "stateFilter": {"firing": True, "pending": True, "noData": False, "normal": False, "error": True},
+            "showInstances": True,
+        },
+    }
+
+
+def alert_annotation() -> dict:
+    """Firing pdproxy alerts as annotations on every time series panel (ALERTS is Prometheus's own series)."""
+    return {"datasource": PROM, "enable": True, "expr": FIRING_ALERTS, "iconColor": "red", "name": "pdproxy alerts",
+            "step": "15s", "titleFormat": "{{alertname}}", "tagKeys": "severity", "useValueForTime": False,
+            "textFormat": "{{severity}} run={{run}} model={{model}} stage={{stage}} role={{role}} {{exported_instance}}"}
+
+
 @dataclass
 class Layout:
     """Packs panels left to right on Grafana's 24-column grid, wrapping to a new line when full."""
@@ -285,7 +321,7 @@ def dashboard(uid: str, title: str, description: str, panels: list[dict], variab
         "annotations": {"list": [{
             "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True, "hide": True,
             "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard",
-        }]},
+        }, alert_annotation()]},
         "templating": {"list": variables},
         "panels": panels,
     }
@@ -333,6 +369,9 @@ def overview() -> dict:
                "percentunit"), w=4, h=4)
     L.add(stat("Output tokens/s", "Output tokens from the instances' usage reports.",
                prom(REQ.rate("pdproxy_tokens_total", 'type="output"')), "short", decimals=1), w=4, h=4)
+
+    L.add(alert_list("Firing alerts", "pdproxy alerts firing or pending in Prometheus (deploy/prometheus/rules/); "
+                                      "each alert's runbook_url points at its entry in docs/runbooks.md."), w=24, h=5)
 
     L.row("Traffic and errors")
     L.add(timeseries("Requests/s by HTTP status",
@@ -493,6 +532,9 @@ def trace_variables() -> list[dict]:
 
 def from_traces() -> dict:
     L = Layout()
+    L.add(alert_list("Firing alerts", "pdproxy alerts firing or pending in Prometheus (deploy/prometheus/rules/), "
+                                      "PdproxySpansDropped and PdproxyTraceMetricsIncomplete among them: while those "
+                                      "fire, this dashboard undercounts."), w=24, h=5)
 
     L.row("Stage durations from span_metrics (every span, before sampling)")
     L.add(timeseries("Stage p50 / p99 from spans",
