@@ -11,7 +11,7 @@ import importlib
 import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("pdproxy.config", "run the P/D proxy (drop-in for vLLM's XpYd toy proxy)"),
+    "serve": ("pdproxy.serve_cli", "run the P/D proxy (drop-in for vLLM's XpYd toy proxy)"),
     "sim": ("pdproxy.sim.cli", "run a simulated vLLM instance (prefill, decode or single)"),
     "bench": ("pdproxy.bench.cli", "drive a workload against an OpenAI-compatible endpoint"),
     "report": ("pdproxy.bench.report_cli", "turn bench records and traces into the comparison table"),

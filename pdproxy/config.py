@@ -363,16 +363,3 @@ def _validate(s: Settings) -> None:
     if not 0 <= s.port < 65536:
         raise ConfigError(f"port {s.port} is out of range")
 
-
-def run(args: argparse.Namespace) -> int:
-    """`pdproxy serve`."""
-    import sys
-
-    try:
-        settings = load_settings(args)
-    except ConfigError as exc:
-        print(f"pdproxy serve: error: {exc}", file=sys.stderr)
-        return 2
-    from pdproxy.server import serve
-
-    return serve(settings)

@@ -40,9 +40,7 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     if settings.debug_endpoints:
-        from pdproxy.runtime import runtime
-
-        app.router.add_get("/debug/runtime", runtime)
+        app.router.add_get("/debug/runtime", debug_runtime)
     return app
 
 
@@ -162,6 +160,18 @@ async def models(request: web.Request) -> web.Response:
         err = ProxyError(502, f"decode instance did not answer /v1/models ({type(exc).__name__})",
                          error_type="connect_error")
         return err.response()
+
+
+async def debug_runtime(request: web.Request) -> web.Response:
+    """What the process holds (pdproxy/runtime.py), for leak checks; behind --api-key when set."""
+    from pdproxy.runtime import snapshot
+
+    proxy = request.app[PROXY_KEY]
+    try:
+        proxy.authenticate(request)
+    except ProxyError as err:
+        return err.response()
+    return web.json_response(snapshot(proxy))
 
 
 async def metrics(request: web.Request) -> web.Response:
