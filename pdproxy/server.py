@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
@@ -68,12 +69,19 @@ async def _lifecycle(app: web.Application, settings: Settings):
     proxy = app[PROXY_KEY] = Proxy(settings, session, prefill, decode, admission, recorder, shadow)
     proxy.slow_readers.start()
     checker = None
+    auth = {"Authorization": f"Bearer {settings.upstream_api_key}"} if settings.upstream_api_key else {}
     if settings.health_check_interval > 0:
-        auth = {"Authorization": f"Bearer {settings.upstream_api_key}"} if settings.upstream_api_key else None
         checker = HealthChecker(pools, session, settings.health_check_path, settings.health_check_interval,
                                 settings.health_check_timeout, auth)
         checker.start()
+    # the model names that may label telemetry: what the instances serve (pdproxy/telemetry/models.py)
+    learning = asyncio.create_task(recorder.models.watch(
+        session, [i.url for p in pools for i in p.instances], auth, settings.health_check_interval,
+        settings.health_check_timeout), name="model-names")
     yield
+    learning.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await learning
     await proxy.slow_readers.stop()
     if checker:
         await checker.stop()
@@ -138,6 +146,7 @@ async def status(request: web.Request) -> web.Response:
         "prefill_nodes": [i.address for i in prefill], "decode_nodes": [i.address for i in decode],
         "instances": {"prefill": describe(prefill), "decode": describe(decode)},
         "mode": proxy.settings.mode, "version": __version__,
+        "model_labels": proxy.recorder.models.describe(),
     })
 
 

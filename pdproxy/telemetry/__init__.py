@@ -6,11 +6,12 @@ import os
 
 from pdproxy.config import Settings
 from pdproxy.telemetry.metrics import Metrics
+from pdproxy.telemetry.models import ModelNames
 from pdproxy.telemetry.recorder import Recorder, RequestTrace
 from pdproxy.telemetry.tracefile import TraceFileExporter
 from pdproxy.telemetry.tracing import Tracing, otlp_transport
 
-__all__ = ["Metrics", "Recorder", "RequestTrace", "Tracing", "setup"]
+__all__ = ["Metrics", "ModelNames", "Recorder", "RequestTrace", "Tracing", "setup"]
 
 
 def setup(settings: Settings) -> tuple[Recorder, Tracing | None]:
@@ -26,8 +27,9 @@ def setup(settings: Settings) -> tuple[Recorder, Tracing | None]:
         if sinks:
             tracing = Tracing(resource_attributes(settings), sinks, settings.span_queue_size,
                               on_drop=lambda reason, count: metrics.spans_dropped.labels(reason).inc(count))
+    models = ModelNames([*settings.served_model_name, *([settings.model] if settings.model else [])])
     recorder = Recorder(metrics, tracing, stall_threshold=settings.stall_threshold, run_label=settings.run_label,
-                        capture_content=settings.capture_content)
+                        capture_content=settings.capture_content, models=models)
     return recorder, tracing
 
 
