@@ -39,7 +39,7 @@ class ModelNames:
         self._full_warned = False
 
     def known(self, name: object) -> bool:
-        return name in self.allowed or name in self.learned
+        return isinstance(name, str) and (name in self.allowed or name in self.learned)
 
     def learn(self, name: object) -> None:
         """An instance serves `name`: give it its own label (while the cap allows)."""
