@@ -21,6 +21,7 @@ from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, HealthChecker, Pool
 from pdproxy.protocol import CHAT, COMPLETIONS
 from pdproxy.telemetry import setup as setup_telemetry
+from pdproxy.telemetry import trace_destination
 from pdproxy.telemetry.metrics import merge_expositions
 
 log = logging.getLogger("pdproxy")
@@ -146,6 +147,7 @@ async def status(request: web.Request) -> web.Response:
         "prefill_nodes": [i.address for i in prefill], "decode_nodes": [i.address for i in decode],
         "instances": {"prefill": describe(prefill), "decode": describe(decode)},
         "mode": proxy.settings.mode, "version": __version__,
+        "tracing": trace_destination(proxy.settings).as_dict(),
         "model_labels": proxy.recorder.models.describe(),
     })
 
@@ -204,6 +206,11 @@ def serve(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
+        traces = trace_destination(settings)
+    except ValueError as exc:
+        print(f"pdproxy serve: error: {exc}")
+        return 2
+    try:
         sock = workers.bind(settings.host, settings.port, reuse_port=settings.workers > 1)
     except OSError as exc:
         print(f"pdproxy serve: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror}")
@@ -211,6 +218,9 @@ def serve(settings: Settings) -> int:
     log.info("pdproxy %s listening on http://%s:%d (%s mode: %d prefill, %d decode, %d worker(s))", __version__,
              settings.host, sock.getsockname()[1], settings.mode, len(settings.prefill_urls),
              len(settings.decode_urls), settings.workers)
+    # said at warning level when nobody chose it: a proxy with no trace destination records no spans at all
+    quiet = traces.enabled or not settings.tracing
+    log.log(logging.INFO if quiet else logging.WARNING, "%s", traces.summary())
     if settings.workers == 1:
         return _run_worker(settings, sock, None)
     return workers.run_workers(settings.workers, sock, settings.host,
