@@ -34,7 +34,9 @@ def test_tables_fit_80_columns_and_never_cut_an_id(tmp_path: Path) -> None:
     files = [traced_run(tmp_path / "single.jsonl", "single", 0.2, 0.150, {**SINGLE, "gpu.kind": "H200 141GB HBM3e"}),
              traced_run(tmp_path / "chunked.jsonl", "chunked", 0.18, 0.060, {**CHUNKED, "gpu.kind": "H200 141GB HBM3e",
                                                                             "vllm.max_num_batched_tokens": "2048"}),
-             traced_run(tmp_path / "pd.jsonl", "pd", 0.1, 0.040, {**PD, "gpu.kind": "H200 141GB HBM3e"}, failures=2)]
+             traced_run(tmp_path / "pd.jsonl", "pd", 0.1, 0.040, {**PD, "gpu.kind": "H200 141GB HBM3e",
+                                                                  "pd.kv_connector": "NixlConnector (UCX, RDMA)"},
+                       failures=2)]
     p = subprocess.run([sys.executable, "-m", "pdproxy", "report", "--no-table", "--json", "-", *map(str, files),
                         "--slo-ttft-ms", "300"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
@@ -45,6 +47,9 @@ def test_tables_fit_80_columns_and_never_cut_an_id(tmp_path: Path) -> None:
     lines = text.splitlines()
 
     assert max(map(len, lines)) <= WIDTH
+    for line in lines:  # a table wider than the console is cropped at its right edge, border and all
+        if line[:1] in "│┃┏┡└":
+            assert line.rstrip()[-1] in "│┃┓┩┘", line
     assert "…" not in text  # rich cuts a cell that does not fit with an ellipsis: nothing may be cut
     listed = [r for e in rep["runs"] for by in ("ttft", "tail_itl") for r in e["slowest"][by][:3]]
     listed += [r for e in rep["runs"] for r in e["failed"][:3]]

@@ -55,7 +55,7 @@ def conditions_table(report: dict[str, Any]) -> Group:
     """The conditions that differ between runs side by side; the ones all runs share, once, below."""
     t = Table(title="Fixed conditions", title_justify="left")
     rows = condition_rows(report)
-    t.add_column("condition", style="bold", overflow="fold", min_width=min(22, max(len(name) for name, _ in rows)))
+    t.add_column("condition", style="bold", overflow="fold")
     for e in report["runs"]:
         t.add_column(e["label"], overflow="fold")
     shared = []
