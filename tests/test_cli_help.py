@@ -106,3 +106,11 @@ def test_license_is_an_spdx_expression_with_a_setuptools_that_reads_it() -> None
     assert meta["project"]["license"] == "Apache-2.0"  # the table form is deprecated (setuptools warns)
     (setuptools,) = [r for r in meta["build-system"]["requires"] if r.startswith("setuptools")]
     assert tuple(int(x) for x in setuptools.split(">=")[1].split(".")) >= (77,)  # SPDX strings: setuptools 77
+
+
+def test_demo_results_are_ignored_by_git() -> None:
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    p = subprocess.run(["git", "check-ignore", "-q", "pdproxy-demo-20261201-101010/report.json"], cwd=ROOT,
+                       timeout=30)
+    assert p.returncode == 0, "the demo's default run directory is not in .gitignore"
