@@ -52,3 +52,20 @@ def test_status_codes_outside_the_known_set_are_labelled_by_class() -> None:
     assert [status_label(s) for s in (200, 404, 429, 499, 502)] == ["200", "404", "429", "499", "502"]
     assert [status_label(s) for s in (206, 418, 451, 507, 599, 42, 1000)] == ["2xx", "4xx", "4xx", "5xx", "5xx",
                                                                               "other", "other"]
+
+
+def test_the_collector_keys_only_on_bounded_attributes() -> None:
+    """span_metrics and signal_to_metrics turn attributes into series: only bounded ones may be keys."""
+    import yaml
+
+    bounded = {"gen_ai.request.model",  # a served model or `other` (pdproxy/telemetry/models.py)
+               "pd.run", "service.name", "server.address",  # the operator's
+               "pd.deployment", "pd.mode", "pd.failed_stage"}  # pdproxy's fixed lists
+    collector = Path(__file__).resolve().parent.parent / "collector"
+    for path in sorted(collector.glob("otelcol*.yaml")):
+        connectors = yaml.safe_load(path.read_text()).get("connectors") or {}
+        keys = {d["name"] for d in (connectors.get("span_metrics") or {}).get("dimensions") or []}
+        for rule in ((connectors.get("signal_to_metrics") or {}).get("spans") or []):
+            keys |= {a["key"] for a in rule.get("attributes") or []}
+            keys |= {a["key"] for a in rule.get("include_resource_attributes") or []}
+        assert keys <= bounded, (path.name, keys - bounded)
