@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 import socket
+import sys
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -208,12 +209,13 @@ def serve(settings: Settings) -> int:
     try:
         traces = trace_destination(settings)
     except ValueError as exc:
-        print(f"pdproxy serve: error: {exc}")
+        print(f"pdproxy serve: error: {exc}", file=sys.stderr)
         return 2
     try:
         sock = workers.bind(settings.host, settings.port, reuse_port=settings.workers > 1)
     except OSError as exc:
-        print(f"pdproxy serve: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror}")
+        print(f"pdproxy serve: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror}",
+              file=sys.stderr)
         return 2
     log.info("pdproxy %s listening on http://%s:%d (%s mode: %d prefill, %d decode, %d worker(s))", __version__,
              settings.host, sock.getsockname()[1], settings.mode, len(settings.prefill_urls),

@@ -292,7 +292,8 @@ def http_traces_url(endpoint: str | None) -> str:
 
 
 def grpc_endpoint(endpoint: str | None) -> str:
-    return endpoint or _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4317"
+    return (endpoint or _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+            or "http://localhost:4317")
 
 
 def otlp_target(endpoint: str | None, protocol: str | None) -> tuple[str, str] | None:
