@@ -6,7 +6,8 @@ span metrics: anyone who can reach the proxy could exhaust its memory and Promet
 name labels telemetry only when it is known:
 
 * given by the operator (`--served-model-name`, and `--model`);
-* listed by an instance's `GET /v1/models` (at start, then at every health-check interval);
+* listed by an instance's `GET /v1/models` (at start, then with the health checks, at most every
+  `MIN_REFRESH_SECONDS`: answers teach new names at once, this only catches what they miss);
 * the `model` field of a successful answer from an instance.
 
 Names learned from instances are capped at `MAX_LEARNED` (a backend that echoes any requested
@@ -27,6 +28,7 @@ log = logging.getLogger("pdproxy.models")
 OTHER = "other"  # the label of every model name that is not known
 MAX_LEARNED = 100  # names learned from instances; beyond this they are labelled OTHER
 MAX_NAME_LENGTH = 256  # longer is not a model name anyone serves
+MIN_REFRESH_SECONDS = 30.0  # /v1/models is asked no more often than this, whatever the health-check interval
 
 
 class ModelNames:
@@ -81,12 +83,13 @@ class ModelNames:
 
     async def watch(self, session: aiohttp.ClientSession, urls: list[str], headers: Mapping[str, str],
                     interval: float, timeout: float) -> None:
-        """Refresh now and then every `interval` seconds (once only when `interval` is 0); run as a task."""
+        """Refresh now, then every `interval` seconds but at most every MIN_REFRESH_SECONDS (once only when
+        `interval` is 0: health checks are off); run as a task."""
         while True:
             await self.refresh(session, urls, headers, timeout)
             if interval <= 0:
                 return
-            await asyncio.sleep(interval)
+            await asyncio.sleep(max(interval, MIN_REFRESH_SECONDS))
 
 
 async def _served(session: aiohttp.ClientSession, url: str, headers: Mapping[str, str], timeout: float) -> list[str]:
