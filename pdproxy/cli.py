@@ -1,4 +1,4 @@
-"""The `pdproxy` command: one subcommand per job, each owned by its own module.
+"""The `pdproxy` command.
 
 Subcommand modules expose `add_arguments(parser)` and `run(args) -> int` and are imported
 lazily, so `pdproxy sim` does not pay for the proxy's telemetry stack and vice versa.
@@ -10,8 +10,18 @@ import argparse
 import importlib
 import sys
 
+DESCRIPTION = """\
+pdproxy sits in front of vLLM prefill and decode instances as a drop-in for vLLM's P/D proxy:
+each request is prefilled on one instance and decoded on another, and every request becomes a
+trace (queue, prefill, KV transfer, decode) and Prometheus metrics (TTFT, ITL, tail ITL). It also
+simulates vLLM instances, drives workloads, and reports whether P/D beats a single instance for
+your traffic.
+
+Start with `pdproxy demo`: single vs chunked prefill vs P/D on simulated instances, with a verdict."""
+EPILOG = "Run `pdproxy COMMAND --help` for a command's flags."
+
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("pdproxy.config", "run the P/D proxy (drop-in for vLLM's XpYd toy proxy)"),
+    "serve": ("pdproxy.serve_cli", "run the P/D proxy (drop-in for vLLM's XpYd toy proxy)"),
     "sim": ("pdproxy.sim.cli", "run a simulated vLLM instance (prefill, decode or single)"),
     "bench": ("pdproxy.bench.cli", "drive a workload against an OpenAI-compatible endpoint"),
     "report": ("pdproxy.bench.report_cli", "turn bench records and traces into the comparison table"),
@@ -21,7 +31,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdproxy", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="pdproxy", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     from pdproxy import __version__
 
     parser.add_argument("--version", action="version", version=f"pdproxy {__version__}")

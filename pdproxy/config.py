@@ -1,8 +1,9 @@
 """Settings for `pdproxy serve`: vLLM's toy-proxy flags unchanged, plus pdproxy's own.
 
 Every setting can come from (highest first) a command-line flag, an environment variable
-`PDPROXY_<NAME>` (e.g. `PDPROXY_READ_TIMEOUT=30`, lists comma-separated), a YAML config file
-(`--config FILE`, keys are the flag names with `_` or `-`), or the built-in default.
+`PDPROXY_<FLAG>` named after the flag (e.g. `PDPROXY_READ_TIMEOUT=30`, `PDPROXY_NO_TRACING=1`,
+lists comma-separated), a YAML config file (`--config FILE`, keys are the flag names with `_` or
+`-`), or the built-in default.
 
 Instances are given either with the toy proxy's paired flags (`--prefiller-hosts a b
 --prefiller-ports 8100 8101`), with the demo/router URL forms (`--prefill URL [BOOTSTRAP_PORT]`,
@@ -22,8 +23,15 @@ from typing import Any
 
 import yaml
 
+ENV_HELP = ("Every flag can also be set as an environment variable PDPROXY_<FLAG> named after it "
+            "(--read-timeout 30 is PDPROXY_READ_TIMEOUT=30, --no-tracing is PDPROXY_NO_TRACING=1, lists "
+            "comma-separated) or as a key of the --config YAML file (read-timeout: 30). A flag wins over the "
+            "environment, which wins over the file.")
 TOY_DEFAULTS = {"prefiller_hosts": ["localhost"], "prefiller_ports": [8100], "decoder_hosts": ["localhost"], "decoder_ports": [8200]}
 POLICIES = ("round_robin", "least_inflight")
+# flags named other than their setting: the flag's name works in the environment and the file too
+FLAG_NAMES = {"resource_attrs": "resource_attr", "shadow_prefill_urls": "shadow_prefill"}
+NEGATED_FLAGS = {"tracing": "no_tracing"}  # PDPROXY_NO_TRACING=1 is tracing off
 
 
 class ConfigError(ValueError):
@@ -68,6 +76,7 @@ class Settings:
     trace_file: str | None = None
     span_queue_size: int = 8192
     run_label: str = ""
+    served_model_name: list[str] = field(default_factory=list)
     resource_attrs: dict[str, str] = field(default_factory=dict)
     capture_content: bool = False
     shadow_url: str | None = None
@@ -86,6 +95,7 @@ class Settings:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `serve` flags. Defaults are suppressed so that env vars and the config file can fill gaps."""
     parser.argument_default = argparse.SUPPRESS
+    parser.epilog = ENV_HELP
     parser.add_argument("--config", help="YAML file with any of these settings (flag names as keys)")
 
     toy = parser.add_argument_group("vLLM toy-proxy flags (same names and pairing)")
@@ -140,7 +150,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument("--workers", type=int, help="server processes sharing the port (default 1)")
 
     sec = parser.add_argument_group("authentication")
-    sec.add_argument("--api-key", help="require 'Authorization: Bearer KEY' from clients (env PDPROXY_API_KEY)")
+    sec.add_argument("--api-key", help="require 'Authorization: Bearer KEY' from clients")
     sec.add_argument("--upstream-api-key",
                      help="key sent to instances as 'Authorization: Bearer KEY' (env OPENAI_API_KEY, as vLLM's proxies). "
                           "Without it the client's Authorization header is forwarded, unless --api-key is set")
@@ -154,6 +164,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tel.add_argument("--trace-file", help="also write spans as OTLP-JSON lines (the Collector file-exporter format) to this file")
     tel.add_argument("--span-queue-size", type=int, help="spans buffered for export before new ones are dropped and counted (default 8192)")
     tel.add_argument("--stall-threshold", type=float, help="a token gap above this many seconds counts as a stall (default 0.1)")
+    tel.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                     help="model names that label metrics and name spans, besides those the instances list in "
+                          "/v1/models or answer with; any other requested name is labelled 'other' (bounds the "
+                          "series a client can create)")
     tel.add_argument("--run-label", help="label of this run: resource attribute pd.run and metric label run")
     tel.add_argument("--resource-attr", dest="resource_attrs", action="append", metavar="KEY=VALUE",
                      help="fixed condition recorded on every span, e.g. vllm.version=0.23.0 gpu.kind=H200 (repeatable)")
@@ -178,10 +192,15 @@ def load_settings(args: argparse.Namespace, environ: dict[str, str] | None = Non
     def pick(name: str) -> Any:
         if name in given:
             return given[name]
-        env_name = "PDPROXY_" + name.upper()
-        if env_name in env:
-            return env[env_name]
-        return file_values.get(name)
+        for source in (env, file_values):
+            for key in (name, FLAG_NAMES.get(name)):
+                found = _lookup(source, key, env_style=source is env)
+                if found is not None:
+                    return found
+            negated = _lookup(source, NEGATED_FLAGS.get(name), env_style=source is env)
+            if negated is not None:
+                return not _coerce(name, negated)
+        return None
 
     values: dict[str, Any] = {}
     for f in fields(Settings):
@@ -196,8 +215,6 @@ def load_settings(args: argparse.Namespace, environ: dict[str, str] | None = Non
         values.setdefault(side, policy or "round_robin")
         if values[side] not in POLICIES:
             raise ConfigError(f"{side.replace('_', '-')} must be one of {', '.join(POLICIES)}")
-    if "api_key" not in values and env.get("PDPROXY_API_KEY"):
-        values["api_key"] = env["PDPROXY_API_KEY"]
     if "upstream_api_key" not in values and env.get("OPENAI_API_KEY"):
         values["upstream_api_key"] = env["OPENAI_API_KEY"]
 
@@ -205,6 +222,12 @@ def load_settings(args: argparse.Namespace, environ: dict[str, str] | None = Non
     settings = Settings(**values)
     _validate(settings)
     return settings
+
+
+def _lookup(source: Any, key: str | None, env_style: bool) -> Any:
+    if key is None:
+        return None
+    return source.get("PDPROXY_" + key.upper() if env_style else key)
 
 
 def _instances(pick) -> tuple[list[str], list[str]]:
@@ -289,6 +312,8 @@ def _coerce(name: str, raw: Any) -> Any:
             return _parse_attrs(raw)
         if name == "shadow_prefill_urls":
             return [u for g in _groups(raw) for u in _parse_url_group(g)]
+        if name == "served_model_name":
+            return [str(v) for v in _as_list(raw)]
         if kind == "bool":
             if isinstance(raw, bool):
                 return raw
@@ -331,7 +356,8 @@ def _read_config_file(path: str | None) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of settings")
-    known = {f.name for f in fields(Settings)} | set(TOY_DEFAULTS) | {"prefill", "decode", "policy"}
+    known = ({f.name for f in fields(Settings)} | set(TOY_DEFAULTS) | {"prefill", "decode", "policy"}
+             | set(FLAG_NAMES.values()) | set(NEGATED_FLAGS.values()))
     values = {str(k).replace("-", "_"): v for k, v in data.items()}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -363,16 +389,3 @@ def _validate(s: Settings) -> None:
     if not 0 <= s.port < 65536:
         raise ConfigError(f"port {s.port} is out of range")
 
-
-def run(args: argparse.Namespace) -> int:
-    """`pdproxy serve`."""
-    import sys
-
-    try:
-        settings = load_settings(args)
-    except ConfigError as exc:
-        print(f"pdproxy serve: error: {exc}", file=sys.stderr)
-        return 2
-    from pdproxy.server import serve
-
-    return serve(settings)

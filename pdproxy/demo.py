@@ -38,7 +38,7 @@ from rich.text import Text
 from pdproxy import __version__
 from pdproxy.bench import attribution, html, report, runner, table, traces, waterfall
 from pdproxy.bench.records import Run
-from pdproxy.bench.report_cli import slo_from
+from pdproxy.bench.report_cli import add_slo_arguments, slo_from
 from pdproxy.bench.workload import TrafficClass, Workload
 
 HOST = "127.0.0.1"
@@ -47,7 +47,9 @@ SETUPS = ("single", "chunked", "pd")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = "Defaults finish in well under 2 minutes on 2 cores. Ctrl-C stops everything it started."
+    p.epilog = ("Results (records, traces, report.json, report.html, process logs) go to a new directory\n"
+                "./pdproxy-demo-YYYYmmdd-HHMMSS in the current directory, or to --output-dir DIR.\n"
+                "Defaults finish in well under 2 minutes on 2 cores. Ctrl-C stops everything it started.")
     p.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of single,chunked,pd")
     p.add_argument("--xpyd", default="1P1D", help="P/D topology, e.g. 1P1D, 2P1D, 1P2D (default 1P1D)")
     p.add_argument("--duration", type=float, default=16.0, help="seconds of load per set-up, warm-up included (16)")
@@ -66,16 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="h200-llama8b-2gpu", help="simulator preset (default h200-llama8b-2gpu)")
     p.add_argument("--time-scale", type=float, default=4.0,
                    help="simulated instances run this many times slower than the preset (4)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", help="run directory (default ./pdproxy-demo-YYYYmmdd-HHMMSS)")
-    v = p.add_argument_group("verdict SLOs (as in pdproxy report)")
-    v.add_argument("--slo-ttft-ms", type=float)
-    v.add_argument("--slo-tail-itl-ms", type=float)
-    v.add_argument("--slo-percentile", type=int, default=99, choices=[50, 90, 99])
-    v.add_argument("--max-kv-transfer-ms", type=float)
-    v.add_argument("--kv-metric", choices=["upper_bound", "estimated"], default="upper_bound")
-    v.add_argument("--max-error-rate", type=float, default=0.01)
-    v.add_argument("--min-improvement", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the workload's random draws (prompt and output lengths): the same seed sends the same "
+                        "requests (0)")
+    p.add_argument("--output-dir", "--out-dir", dest="out_dir", metavar="DIR",
+                   help="where results go (default: a new ./pdproxy-demo-YYYYmmdd-HHMMSS)")
+    add_slo_arguments(p.add_argument_group("verdict SLOs (as in pdproxy report)"))
 
 
 class DemoError(RuntimeError):
@@ -254,6 +252,13 @@ def _waterfall(rep: dict[str, Any], runs: list[Run], idx: traces.TraceIndex | No
     return info.request_id
 
 
+def time_scale_note(args: argparse.Namespace) -> str:
+    """The scale every printed time is measured at, said up front rather than inside one table cell."""
+    return (f"Time scale: the simulated instances run preset {args.preset} at --time-scale {args.time_scale:g}, "
+            f"{args.time_scale:g}x slower than its real timings so that the CPU keeps up; every time below is "
+            "measured at that scale.")
+
+
 def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     out_console = table.make_console()
@@ -278,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
                   f"out {args.stream_output})"
                   + (f" + one {args.long_prompt}-token prompt every {args.long_every:g}s" if args.long_every > 0 else "")
                   + f"; {args.duration:g}s per set-up, first {args.warmup:g}s warm-up; run directory {out}")
+        err.print(time_scale_note(args))
         runs: list[Run] = []
         trace_files: list[Path] = []
         instance_files: list[Path] = []
@@ -291,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
         rep = report.build(runs, idx, slo=slo_from(args), candidate="pd" if "pd" in setups else None)
         (out / "report.json").write_text(json.dumps(rep, indent=1))
         (out / "report.html").write_text(html.render(rep))
+        out_console.print(time_scale_note(args))
         table.render(rep, out_console, drilldown=True, drilldown_rows=2)
         slowest = _waterfall(rep, runs, idx, out_console)
         wall = time.monotonic() - t0

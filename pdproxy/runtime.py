@@ -11,12 +11,9 @@ import asyncio
 import os
 import resource
 
-from aiohttp import web
-
-from pdproxy.errors import ProxyError
-
 
 def snapshot(proxy) -> dict:
+    """What `proxy` (a pdproxy.pd.Proxy) and this process hold right now; served by pdproxy/server.py."""
     fds = _fd_kinds()
     pools = [p for p in (proxy.prefill, proxy.decode) if p is not None]
     return {
@@ -30,17 +27,6 @@ def snapshot(proxy) -> dict:
         "instance_inflight": {f"{p.role}:{i.address}": i.inflight for p in pools for i in p.instances},
         "shadow_tasks": len(proxy.shadow.tasks) if proxy.shadow is not None else 0,
     }
-
-
-async def runtime(request: web.Request) -> web.Response:
-    from pdproxy.server import PROXY_KEY
-
-    proxy = request.app[PROXY_KEY]
-    try:
-        proxy.authenticate(request)
-    except ProxyError as err:
-        return err.response()
-    return web.json_response(snapshot(proxy))
 
 
 def _fd_kinds() -> dict[str, int]:

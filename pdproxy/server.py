@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import socket
+import sys
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -20,6 +22,7 @@ from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, HealthChecker, Pool
 from pdproxy.protocol import CHAT, COMPLETIONS
 from pdproxy.telemetry import setup as setup_telemetry
+from pdproxy.telemetry import trace_destination
 from pdproxy.telemetry.metrics import merge_expositions
 
 log = logging.getLogger("pdproxy")
@@ -40,9 +43,7 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     if settings.debug_endpoints:
-        from pdproxy.runtime import runtime
-
-        app.router.add_get("/debug/runtime", runtime)
+        app.router.add_get("/debug/runtime", debug_runtime)
     return app
 
 
@@ -70,12 +71,19 @@ async def _lifecycle(app: web.Application, settings: Settings):
     proxy = app[PROXY_KEY] = Proxy(settings, session, prefill, decode, admission, recorder, shadow)
     proxy.slow_readers.start()
     checker = None
+    auth = {"Authorization": f"Bearer {settings.upstream_api_key}"} if settings.upstream_api_key else {}
     if settings.health_check_interval > 0:
-        auth = {"Authorization": f"Bearer {settings.upstream_api_key}"} if settings.upstream_api_key else None
         checker = HealthChecker(pools, session, settings.health_check_path, settings.health_check_interval,
                                 settings.health_check_timeout, auth)
         checker.start()
+    # the model names that may label telemetry: what the instances serve (pdproxy/telemetry/models.py)
+    learning = asyncio.create_task(recorder.models.watch(
+        session, [i.url for p in pools for i in p.instances], auth, settings.health_check_interval,
+        settings.health_check_timeout), name="model-names")
     yield
+    learning.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await learning
     await proxy.slow_readers.stop()
     if checker:
         await checker.stop()
@@ -140,6 +148,8 @@ async def status(request: web.Request) -> web.Response:
         "prefill_nodes": [i.address for i in prefill], "decode_nodes": [i.address for i in decode],
         "instances": {"prefill": describe(prefill), "decode": describe(decode)},
         "mode": proxy.settings.mode, "version": __version__,
+        "tracing": trace_destination(proxy.settings).as_dict(),
+        "model_labels": proxy.recorder.models.describe(),
     })
 
 
@@ -164,6 +174,18 @@ async def models(request: web.Request) -> web.Response:
         return err.response()
 
 
+async def debug_runtime(request: web.Request) -> web.Response:
+    """What the process holds (pdproxy/runtime.py), for leak checks; behind --api-key when set."""
+    from pdproxy.runtime import snapshot
+
+    proxy = request.app[PROXY_KEY]
+    try:
+        proxy.authenticate(request)
+    except ProxyError as err:
+        return err.response()
+    return web.json_response(snapshot(proxy))
+
+
 async def metrics(request: web.Request) -> web.Response:
     """This process's metrics; with --workers, every worker's merged (pdproxy/workers.py)."""
     accept = request.headers.get("Accept", "")
@@ -185,13 +207,22 @@ def serve(settings: Settings) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
+        traces = trace_destination(settings)
+    except ValueError as exc:
+        print(f"pdproxy serve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
         sock = workers.bind(settings.host, settings.port, reuse_port=settings.workers > 1)
     except OSError as exc:
-        print(f"pdproxy serve: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror}")
+        print(f"pdproxy serve: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror}",
+              file=sys.stderr)
         return 2
     log.info("pdproxy %s listening on http://%s:%d (%s mode: %d prefill, %d decode, %d worker(s))", __version__,
              settings.host, sock.getsockname()[1], settings.mode, len(settings.prefill_urls),
              len(settings.decode_urls), settings.workers)
+    # said at warning level when nobody chose it: a proxy with no trace destination records no spans at all
+    quiet = traces.enabled or not settings.tracing
+    log.log(logging.INFO if quiet else logging.WARNING, "%s", traces.summary())
     if settings.workers == 1:
         return _run_worker(settings, sock, None)
     return workers.run_workers(settings.workers, sock, settings.host,

@@ -53,6 +53,7 @@ class ResponseScan:
         self.chunk_times: list[int] = []  # monotonic ns of each token-bearing event
         self.chunk_tokens: list[int] = []  # tokens each carried; 0 when the stream did not say
         self.response_id: str | None = None
+        self.response_model: str | None = None  # the answer's `model`: a name the instance serves
         self.finish_reasons: list[str] = []
         self.server_metrics: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
@@ -218,6 +219,8 @@ class ResponseScan:
             return
         if self.response_id is None and isinstance(obj.get("id"), str):
             self.response_id = obj["id"]
+            if isinstance(obj.get("model"), str):
+                self.response_model = obj["model"]
         bearing = False
         for choice in obj.get("choices") or ():
             if not isinstance(choice, dict):

@@ -53,6 +53,8 @@ def test_demo_defaults_finish_in_two_minutes_with_the_comparison(tmp_path: Path)
         assert row in text, row
     assert re.search(r"single\s+.*chunked\s+.*pd", text)  # side by side
     assert f"Run directory: {out}" in text and "traces-pd.jsonl" in text
+    for printed in (" ".join(text.split()), " ".join(p.stderr.split())):  # the header says the time scale
+        assert "Time scale: the simulated instances run preset h200-llama8b-2gpu at --time-scale 4" in printed
     for name in ("records-single.jsonl", "records-chunked.jsonl", "records-pd.jsonl", "traces-single.jsonl",
                  "traces-chunked.jsonl", "traces-pd.jsonl", "report.json", "report.html"):
         assert (out / name).stat().st_size > 0, name

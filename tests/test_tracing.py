@@ -28,6 +28,7 @@ def traced(tmp_path_factory):
     p_proc, p_url = start_scripted("prefill")
     d_proc, d_url = start_scripted("decode")
     proxy, url = start_proxy("--prefill", p_url, "--decode", d_url, "--prefill-retries", "0", "--decode-retries", "0",
+                             "--served-model-name", "tiny",  # the scripted instances list another name
                              "--otlp-endpoint", tap.endpoint, "--otlp-protocol", "http/protobuf",
                              "--trace-file", str(trace_file), "--run-label", "trace-test",
                              "--resource-attr", "vllm.version=0.23.0", "--resource-attr", "gpu.kind=H200",
@@ -177,7 +178,8 @@ def test_metrics_come_from_the_same_measurement_with_exemplars(traced):
 def test_single_mode_emits_the_same_tree_without_kv_transfer(traced):
     tap = traced["tap"]
     proxy, url = start_proxy("--decode", traced["d"], "--otlp-endpoint", tap.endpoint, "--otlp-protocol",
-                             "http/protobuf", "--health-check-interval", "0", env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
+                             "http/protobuf", "--health-check-interval", "0", "--served-model-name", "tiny",
+                             env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
     try:
         script(traced["d"], {"delay": 0.04})
         r, started, arrivals, _ = stream(url, headers={"traceparent": "00-11111111111111111111111111111111-2222222222222222-01"})
@@ -193,9 +195,50 @@ def test_single_mode_emits_the_same_tree_without_kv_transfer(traced):
         proxy.stop()
 
 
+def test_span_names_and_model_attributes_are_bounded_to_served_models(traced):
+    """A client-chosen model name never names a span nor fills the attribute the collector keys on;
+    names the instance lists in /v1/models, or answers with, do."""
+    tap = traced["tap"]
+    proxy, url = start_proxy("--decode", traced["d"], "--otlp-endpoint", tap.endpoint, "--otlp-protocol",
+                             "http/protobuf", "--health-check-interval", "0", env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
+    stages = ("pd.queue", "pd.prefill", "pd.decode")
+
+    def traced_request(trace_id, model, steps=()):
+        script(traced["d"], *steps)
+        stream(url, {**BODY, "model": model}, headers={"traceparent": f"00-{trace_id}-2222222222222222-01"})
+        return by_name(tap.trace(trace_id, 4))
+
+    try:
+        deadline = time.monotonic() + 10  # the instances' /v1/models is read right after start-up
+        while "scripted-model" not in httpx.get(url + "/status").json()["model_labels"]["learned"]:
+            assert time.monotonic() < deadline, "the proxy never read the instance's /v1/models"
+            time.sleep(0.05)
+
+        named = traced_request("a" * 32, "made-up-1")  # served by nobody: the instance answers without `model`
+        assert set(named) == {"text_completion", *stages}
+        root = attrs(named["text_completion"])
+        assert root["gen_ai.request.model"] == "other" and root["pd.request.model"] == "made-up-1"
+        assert {attrs(named[s])["gen_ai.request.model"] for s in stages} == {"other"}
+
+        named = traced_request("b" * 32, "scripted-model")  # listed by the instance's /v1/models
+        assert set(named) == {"text_completion scripted-model", *stages}
+        root = attrs(named["text_completion scripted-model"])
+        assert root["gen_ai.request.model"] == "scripted-model" and "pd.request.model" not in root
+
+        answer = {"id": "cmpl-m", "model": "answered-model", "choices": [{"index": 0, "text": " a", "finish_reason": None}]}
+        named = traced_request("c" * 32, "answered-model",  # named in a successful answer: learned from then on
+                               [{"chunks": ["data: " + json.dumps(answer) + "\n\n", "data: [DONE]\n\n"]}])
+        assert "text_completion answered-model" in named
+        named = traced_request("d" * 32, "answered-model")
+        assert attrs(named["text_completion answered-model"])["gen_ai.request.model"] == "answered-model"
+        assert "answered-model" in httpx.get(url + "/status").json()["model_labels"]["learned"]
+    finally:
+        proxy.stop()
+
+
 def test_grpc_export(traced):
     receiver = GrpcReceiver()
-    proxy, url = start_proxy("--decode", traced["d"], "--health-check-interval", "0",
+    proxy, url = start_proxy("--decode", traced["d"], "--health-check-interval", "0", "--served-model-name", "tiny",
                              env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
                                   "OTEL_BSP_SCHEDULE_DELAY": "100"})
     try:

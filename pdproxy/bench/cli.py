@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--warmup-requests", type=int, help="exclude the first N requests from statistics")
     w.add_argument("--warmup-seconds", type=float, help="exclude requests started in the first S seconds")
     w.add_argument("--seed", type=int, help="seed: same seed, same request bodies (default 0)")
-    w.add_argument("--temperature", type=float)
+    w.add_argument("--temperature", type=float, help="sampling temperature sent with every request (default 0)")
     w.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos=true")
     w.add_argument("--no-continuous-usage", action="store_true",
                    help="do not ask for usage on every chunk (then ITL is per chunk only)")

@@ -51,6 +51,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v = p.add_argument_group("verdict (candidate vs every baseline)")
     v.add_argument("--candidate", metavar="LABEL", help="run to adopt or not (default: the P/D run, else the last)")
     v.add_argument("--baseline", action="append", metavar="LABEL", help="baseline run(s) (default: all others)")
+    add_slo_arguments(v)
+    d = p.add_argument_group("definitions")
+    d.add_argument("--itl-unit", choices=["auto", "chunk", "token"], default="auto",
+                   help="ITL per chunk or per token (token needs usage on every chunk; default auto)")
+    d.add_argument("--stall-threshold-ms", type=float, default=stats.DEFAULT_STALL_THRESHOLD * 1e3,
+                   help="a gap above this is a stall (default 100)")
+    d.add_argument("--slowest", type=int, default=5, help="slowest requests listed per run and criterion")
+
+
+def add_slo_arguments(v: argparse._ArgumentGroup) -> None:
+    """The verdict's SLOs and bounds (shared with `pdproxy demo`)."""
     v.add_argument("--slo-ttft-ms", type=float, help="TTFT SLO at --slo-percentile")
     v.add_argument("--slo-tail-itl-ms", type=float, help="tail ITL (per-request max gap) SLO at --slo-percentile")
     v.add_argument("--slo-percentile", type=int, default=99, choices=[50, 90, 99], help="percentile for SLOs (99)")
@@ -60,12 +71,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--max-error-rate", type=float, default=0.01, help="bound on the error rate (fraction, 0.01)")
     v.add_argument("--min-improvement", type=float, default=0.0,
                    help="TTFT/tail ITL must be lower by at least this fraction (default 0: any improvement)")
-    d = p.add_argument_group("definitions")
-    d.add_argument("--itl-unit", choices=["auto", "chunk", "token"], default="auto",
-                   help="ITL per chunk or per token (token needs usage on every chunk; default auto)")
-    d.add_argument("--stall-threshold-ms", type=float, default=stats.DEFAULT_STALL_THRESHOLD * 1e3,
-                   help="a gap above this is a stall (default 100)")
-    d.add_argument("--slowest", type=int, default=5, help="slowest requests listed per run and criterion")
 
 
 def slo_from(args: argparse.Namespace) -> Slo:

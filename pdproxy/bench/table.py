@@ -1,4 +1,9 @@
-"""The report as terminal tables (rich): conditions, metrics side by side, flags, verdict, drill-down."""
+"""The report as terminal tables (rich): conditions, metrics side by side, flags, verdict, drill-down.
+
+Readable in an 80-column terminal: cells wrap (never cut with an ellipsis), conditions shared by
+every run are listed once under the table, and the drill-down prints one block per request so
+trace and request ids are always whole (they are what you look up in the trace backend).
+"""
 
 from __future__ import annotations
 
@@ -47,14 +52,22 @@ def condition_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
     return rows
 
 
-def conditions_table(report: dict[str, Any]) -> Table:
+def conditions_table(report: dict[str, Any]) -> Group:
+    """The conditions that differ between runs side by side; the ones all runs share, once, below."""
     t = Table(title="Fixed conditions", title_justify="left")
-    t.add_column("condition", style="bold")
+    rows = condition_rows(report)
+    t.add_column("condition", style="bold", overflow="fold")
     for e in report["runs"]:
-        t.add_column(e["label"])
-    for name, cells in condition_rows(report):
-        t.add_row(Text(name), *map(Text, cells))
-    return t
+        t.add_column(e["label"], overflow="fold")
+    shared = []
+    for name, cells in rows:
+        if len(cells) > 1 and len(set(cells)) == 1:
+            shared.append(Text.assemble((f"{name}: ", "bold"), cells[0]))
+        else:
+            t.add_row(Text(name), *map(Text, cells))
+    if shared:
+        return Group(t, Text("Same in every run:", style="bold"), *(Text("  ") + line for line in shared))
+    return Group(t)
 
 
 def _workload_brief(w: dict[str, Any] | None) -> str:
@@ -152,9 +165,9 @@ def results_title(report: dict[str, Any]) -> str:
 
 def metrics_table(report: dict[str, Any]) -> Table:
     t = Table(title=results_title(report), title_justify="left")
-    t.add_column("metric", style="bold")
+    t.add_column("metric", style="bold", overflow="fold", ratio=3)
     for e in report["runs"]:
-        t.add_column(e["label"], justify="right")
+        t.add_column(e["label"], justify="right", overflow="fold", ratio=2)
     for name, cells in metric_rows(report):
         t.add_row(Text(name), *map(Text, cells))
     return t
@@ -202,7 +215,7 @@ def stalls_text(stalls: list[dict[str, Any]], total: int) -> str:
         return ""
     out = []
     for s in stalls[:2]:
-        who = ",".join(w["request_id"][-12:] for w in s["with"][:2])
+        who = ", ".join(w["request_id"] for w in s["with"][:2])
         out.append(f"{s['duration'] * 1e3:.0f}ms {s['cause']}" + (f" ({who})" if who else ""))
     more = f" +{total - 2}" if total > 2 else ""
     return "; ".join(out) + more
@@ -217,7 +230,7 @@ def verdict_text(report: dict[str, Any]) -> Group | None:
                          f"  ({v['candidate']} vs {', '.join(v['baselines'])})")
     t = Table(show_header=True, box=None, padding=(0, 1))
     for col in ("", "criterion", "detail"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")
     for c in v["criteria"]:
         mark = {True: "[green]pass[/]", False: "[red]FAIL[/]", None: "[dim]—[/]"}[c["passed"]]
         name = c["criterion"] + (f" vs {c['baseline']}" if c.get("baseline") else "")
@@ -228,28 +241,38 @@ def verdict_text(report: dict[str, Any]) -> Group | None:
     return Group(*lines)
 
 
-def drilldown_table(report: dict[str, Any], per_run: int = 3) -> Table:
-    t = Table(title="Slowest requests (drill-down: look the trace id up in your trace backend)",
-              title_justify="left")
-    for col in ("run", "by", "request id", "trace id", "class", "TTFT", "max ITL", "queue/prefill/kv/decode",
-                "split (vLLM) / stalls: cause (with)"):
-        t.add_column(col)
+def drilldown_blocks(report: dict[str, Any], per_run: int = 3) -> Group:
+    """The slowest and failed requests, one block each: ids on lines of their own, never shortened."""
+    lines: list[Any] = [Text("Slowest requests (drill-down: look the trace id up in your trace backend)",
+                             style="bold")]
+
+    def line(name: str, value: str) -> None:
+        lines.append(Text(f"  {name:<11}{value}", overflow="fold"))
+
+    def block(run: str, by: str, r: dict[str, Any], facts: str) -> None:
+        lines.append(Text.assemble((f"{run} · {by}", "bold"), f"  class {r['class']}  {facts}"))
+        line("trace id", r.get("trace_id") or "— (not traced)")
+        line("request id", r["request_id"])
+
     for e in report["runs"]:
         for by in ("ttft", "tail_itl"):
             for r in e["slowest"][by][:per_run]:
                 st = r.get("stages") or {}
-                split = " / ".join(ms(st.get(s)) if s in st else "—" for s in ("queue", "prefill", "kv_transfer",
-                                                                              "decode")) if st else "no trace"
-                where = "\n".join(x for x in (split_text(r.get("split") or {}),
-                                               stalls_text(r.get("stalls") or [], r.get("stall_count", 0))) if x)
-                t.add_row(*map(Text, (e["label"], "TTFT" if by == "ttft" else "tail", r["request_id"],
-                                      r["trace_id"] or "—", str(r["class"]), ms(r["ttft"]), ms(r["itl_max"]), split,
-                                      where or "—")))
+                split = (" / ".join(ms(st.get(s)) if s in st else "—" for s in ("queue", "prefill", "kv_transfer",
+                                                                                "decode")) + " ms"
+                         if st else "no trace")
+                block(e["label"], "slowest TTFT" if by == "ttft" else "slowest tail ITL", r,
+                      f"TTFT {ms(r['ttft'])} ms, max ITL {ms(r['itl_max'])} ms")
+                line("stages", f"queue/prefill/kv/decode {split}")
+                if r.get("split"):
+                    line("vLLM split", split_text(r["split"]) + " ms")
+                if r.get("stalls"):
+                    line("stalls", stalls_text(r["stalls"], r.get("stall_count", 0)))
         for r in e["failed"][:per_run]:
-            t.add_row(*map(Text, (e["label"], "failed", r["request_id"], r["trace_id"] or "—", str(r["class"]),
-                                  str(r.get("error")), str(r.get("failed_stage") or ""),
-                                  (r.get("error_detail") or "")[:40])))
-    return t
+            block(e["label"], "failed", r, f"{r.get('error')} in {r.get('failed_stage') or '?'}")
+            if r.get("error_detail"):
+                line("detail", r["error_detail"])
+    return Group(*lines)
 
 
 def render(report: dict[str, Any], console: Console | None = None, drilldown: bool = True,
@@ -288,4 +311,4 @@ def render(report: dict[str, Any], console: Console | None = None, drilldown: bo
     if vt is not None:
         console.print(vt)
     if drilldown:
-        console.print(drilldown_table(report, drilldown_rows))
+        console.print(drilldown_blocks(report, drilldown_rows))

@@ -3,31 +3,89 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from pdproxy.config import Settings
 from pdproxy.telemetry.metrics import Metrics
+from pdproxy.telemetry.models import ModelNames
 from pdproxy.telemetry.recorder import Recorder, RequestTrace
 from pdproxy.telemetry.tracefile import TraceFileExporter
+from pdproxy.telemetry.otlp import otlp_target
 from pdproxy.telemetry.tracing import Tracing, otlp_transport
 
-__all__ = ["Metrics", "Recorder", "RequestTrace", "Tracing", "setup"]
+__all__ = ["Metrics", "ModelNames", "Recorder", "RequestTrace", "TraceDestination", "Tracing", "setup",
+           "trace_destination"]
+
+TURN_ON = "to record traces, give --otlp-endpoint URL (or set OTEL_EXPORTER_OTLP_ENDPOINT) and/or --trace-file FILE"
+
+
+@dataclass(frozen=True)
+class TraceDestination:
+    """Where this process's spans go; the start-up log and `/status` say it, so tracing is never silently off."""
+
+    otlp_protocol: str | None = None
+    otlp_endpoint: str | None = None
+    trace_file: str | None = None
+    sampler: str | None = None  # OTEL_TRACES_SAMPLER, when set
+    off_reason: str | None = None  # why no span is recorded; None when tracing is on
+
+    @property
+    def enabled(self) -> bool:
+        return self.off_reason is None
+
+    def summary(self) -> str:
+        if not self.enabled:
+            hint = "drop --no-tracing" if self.off_reason == "--no-tracing" else TURN_ON
+            return f"traces: off ({self.off_reason}); {hint}"
+        where = []
+        if self.otlp_endpoint:
+            where.append(f"OTLP {self.otlp_protocol} to {self.otlp_endpoint}")
+        if self.trace_file:
+            where.append(f"file {self.trace_file}")
+        return "traces: " + " and ".join(where) + (f" (sampler {self.sampler})" if self.sampler else "")
+
+    def as_dict(self) -> dict:
+        d = {"enabled": self.enabled, "otlp_protocol": self.otlp_protocol, "otlp_endpoint": self.otlp_endpoint,
+             "trace_file": self.trace_file, "sampler": self.sampler, "summary": self.summary()}
+        if not self.enabled:
+            d["off_reason"] = self.off_reason
+        return d
+
+
+def trace_destination(settings: Settings) -> TraceDestination:
+    """Where spans go, from the flags and the standard OTEL_* variables (raises ValueError on an unknown protocol)."""
+    env = os.environ
+    if not settings.tracing:
+        return TraceDestination(off_reason="--no-tracing")
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return TraceDestination(off_reason="OTEL_SDK_DISABLED=true")
+    target = otlp_target(settings.otlp_endpoint, settings.otlp_protocol)
+    if target is None and not settings.trace_file:
+        exporter_off = env.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none"
+        return TraceDestination(off_reason=("OTEL_TRACES_EXPORTER=none" if exporter_off else "no OTLP endpoint")
+                                + " and no trace file")
+    protocol, endpoint = target if target else (None, None)
+    sampler = env.get("OTEL_TRACES_SAMPLER")
+    if sampler and env.get("OTEL_TRACES_SAMPLER_ARG"):
+        sampler += f" {env['OTEL_TRACES_SAMPLER_ARG']}"
+    return TraceDestination(protocol, endpoint, settings.trace_file, sampler or None)
 
 
 def setup(settings: Settings) -> tuple[Recorder, Tracing | None]:
     metrics = Metrics(settings.run_label)
     tracing = None
-    if settings.tracing and os.environ.get("OTEL_SDK_DISABLED", "").lower() != "true":
+    destination = trace_destination(settings)
+    if destination.enabled:
         sinks = []
-        otlp = otlp_transport(settings.otlp_endpoint, settings.otlp_protocol)
-        if otlp is not None:
-            sinks.append(otlp)
+        if destination.otlp_endpoint:
+            sinks.append(otlp_transport(settings.otlp_endpoint, settings.otlp_protocol))
         if settings.trace_file:
             sinks.append(TraceFileExporter(settings.trace_file))
-        if sinks:
-            tracing = Tracing(resource_attributes(settings), sinks, settings.span_queue_size,
-                              on_drop=lambda reason, count: metrics.spans_dropped.labels(reason).inc(count))
+        tracing = Tracing(resource_attributes(settings), sinks, settings.span_queue_size,
+                          on_drop=lambda reason, count: metrics.spans_dropped.labels(reason).inc(count))
+    models = ModelNames([*settings.served_model_name, *([settings.model] if settings.model else [])])
     recorder = Recorder(metrics, tracing, stall_threshold=settings.stall_threshold, run_label=settings.run_label,
-                        capture_content=settings.capture_content)
+                        capture_content=settings.capture_content, models=models)
     return recorder, tracing
 
 

@@ -31,6 +31,9 @@ from pdproxy.telemetry.measure import Measurement
 from pdproxy.telemetry.names import GAP_BUCKETS, LATENCY_BUCKETS
 
 BASE_LABELS = ("route", "model", "mode", "deployment", "run")
+# status codes with their own `code` label; any other is labelled by its class (`2xx`, `4xx`, `5xx`), so an
+# instance (or whatever answers in its place) relaying odd statuses cannot widen the label
+STATUS_CODES = frozenset({200, 400, 401, 403, 404, 405, 408, 413, 415, 422, 429, 431, 499, 500, 502, 503, 504})
 
 # (role, instance address, requests in flight, healthy) for every instance
 InstanceLoad = Callable[[], Iterable[tuple[str, str, int, bool]]]
@@ -194,7 +197,7 @@ class Metrics:
         if s is None:
             s = self._series[labels] = _Series(self, labels)
         ex = {"trace_id": trace_id} if trace_id else None
-        key = (str(m.status), m.failed_stage or "none")
+        key = (status_label(m.status), m.failed_stage or "none")
         counter = s.requests.get(key)
         if counter is None:
             counter = s.requests[key] = self.requests.labels(*labels, *key)
@@ -230,6 +233,12 @@ class Metrics:
         if "application/openmetrics-text" in accept:
             return generate_openmetrics(self.registry), OPENMETRICS_TYPE
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def status_label(status: int) -> str:
+    if status in STATUS_CODES:
+        return str(status)
+    return f"{status // 100}xx" if 100 <= status < 600 else "other"
 
 
 # merging the expositions of several worker processes (pdproxy/workers.py)

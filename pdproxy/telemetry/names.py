@@ -18,6 +18,7 @@ CHUNKS = "pd.chunks"
 FAILED_STAGE = "pd.failed_stage"
 PREFILL_INSTANCE, DECODE_INSTANCE = "pd.prefill.instance", "pd.decode.instance"
 PREFILL_ATTEMPTS, DECODE_ATTEMPTS = "pd.prefill.attempts", "pd.decode.attempts"
+REQUESTED_MODEL = "pd.request.model"  # the client's model name when it is not a known one (bounded: see models.py)
 KV_PARAMS = "pd.kv_transfer_params"  # "received" | "missing": did prefill hand over KV coordinates
 
 # pd.decode span events: each stall (a gap above the stall threshold), at the gap's start

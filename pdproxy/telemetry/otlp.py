@@ -210,13 +210,7 @@ class HttpTransport:
     """OTLP/HTTP protobuf over one keep-alive connection (the export thread is its only user)."""
 
     def __init__(self, endpoint: str | None) -> None:
-        endpoint = endpoint or _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-        if endpoint is None:
-            base = _env("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4318"
-            endpoint = base.rstrip("/") + "/v1/traces"
-        elif not endpoint.rstrip("/").endswith("/v1/traces") and not _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
-            endpoint = endpoint.rstrip("/") + "/v1/traces"
-        self.url = urlsplit(endpoint)
+        self.url = urlsplit(http_traces_url(endpoint))
         self.path = self.url.path or "/v1/traces"
         self.timeout = _timeout()
         self.gzip = (_env("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "OTEL_EXPORTER_OTLP_COMPRESSION") or "") == "gzip"
@@ -261,8 +255,7 @@ class GrpcTransport:
     def __init__(self, endpoint: str | None) -> None:
         import grpc
 
-        endpoint = endpoint or _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT") \
-            or "http://localhost:4317"
+        endpoint = grpc_endpoint(endpoint)
         parts = urlsplit(endpoint if "://" in endpoint else "http://" + endpoint)
         target = f"{parts.hostname}:{parts.port or 4317}"
         insecure = parts.scheme == "http" or (_env("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE")
@@ -292,8 +285,25 @@ class GrpcTransport:
         self.channel.close()
 
 
-def otlp_transport(endpoint: str | None, protocol: str | None) -> Transport | None:
-    """A transport when an endpoint is configured by flag or by the standard OTEL_* variables."""
+def http_traces_url(endpoint: str | None) -> str:
+    """Where OTLP/HTTP spans are posted: a flag's endpoint gets `/v1/traces` appended, as the base variable does."""
+    endpoint = endpoint or _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if endpoint is None:
+        base = _env("OTEL_EXPORTER_OTLP_ENDPOINT") or "http://localhost:4318"
+        return base.rstrip("/") + "/v1/traces"
+    if not endpoint.rstrip("/").endswith("/v1/traces") and not _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return endpoint.rstrip("/") + "/v1/traces"
+    return endpoint
+
+
+def grpc_endpoint(endpoint: str | None) -> str:
+    return (endpoint or _env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+            or "http://localhost:4317")
+
+
+def otlp_target(endpoint: str | None, protocol: str | None) -> tuple[str, str] | None:
+    """(protocol, endpoint) spans are exported to, when an endpoint is configured by flag or by the
+    standard OTEL_* variables; None when OTLP export is off."""
     env = os.environ
     if env.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
         return None
@@ -302,7 +312,16 @@ def otlp_transport(endpoint: str | None, protocol: str | None) -> Transport | No
     protocol = (protocol or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
                 or "grpc").strip()
     if protocol == "grpc":
-        return GrpcTransport(endpoint)
+        return protocol, grpc_endpoint(endpoint)
     if protocol == "http/protobuf":
-        return HttpTransport(endpoint)
+        return protocol, http_traces_url(endpoint)
     raise ValueError(f"unsupported OTLP protocol {protocol!r} (use grpc or http/protobuf)")
+
+
+def otlp_transport(endpoint: str | None, protocol: str | None) -> Transport | None:
+    """A transport when an endpoint is configured by flag or by the standard OTEL_* variables."""
+    target = otlp_target(endpoint, protocol)
+    if target is None:
+        return None
+    protocol, endpoint = target
+    return GrpcTransport(endpoint) if protocol == "grpc" else HttpTransport(endpoint)

@@ -18,6 +18,7 @@ from pdproxy.telemetry import names as n
 from pdproxy.telemetry.clock import now, to_unix_ns
 from pdproxy.telemetry.measure import Measurement, Timeline, measure, stall_gaps
 from pdproxy.telemetry.metrics import Metrics
+from pdproxy.telemetry.models import MAX_NAME_LENGTH, OTHER, ModelNames
 from pdproxy.telemetry.otlp import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData
 from pdproxy.telemetry.tracing import TraceIds, Tracing
 
@@ -30,8 +31,9 @@ _STAGE_SPANS = {QUEUE: (n.QUEUE_SPAN, KIND_INTERNAL), PREFILL: (n.PREFILL_SPAN, 
 
 class Recorder:
     def __init__(self, metrics: Metrics, tracing: Tracing | None, *, stall_threshold: float, run_label: str = "",
-                 capture_content: bool = False) -> None:
+                 capture_content: bool = False, models: ModelNames | None = None) -> None:
         self.metrics = metrics
+        self.models = models if models is not None else ModelNames()
         self.tracing = tracing
         self.stall_threshold = stall_threshold
         self.run_label = run_label
@@ -59,7 +61,8 @@ class RequestTrace:
         self.deployment = deployment
         self.ids = ids
         self._client_trace_headers = {} if ids else _trace_headers(headers)
-        self.model = "unknown"
+        self.model: str | None = None  # as the client wrote it: never a label or span name as such
+        self.model_label = OTHER  # what labels metrics and names spans (pdproxy/telemetry/models.py)
         self.request_attrs: dict[str, Any] = {}
         self.prefill_instance = self.decode_instance = None
         self.prefill_attempts = self.decode_attempts = 0
@@ -151,6 +154,10 @@ class RequestTrace:
                     usage=self.scan.usage, server_metrics=self.scan.server_metrics,
                     stall_threshold=self.recorder.stall_threshold)
         self.finished = m
+        models = self.recorder.models
+        answered = self.scan.response_model if m.ok else None
+        models.learn(answered)
+        self.model_label = models.label(self.model, answered)
         trace_id = None
         if self.ids is not None and self.ids.sampled:
             trace_id = f"{self.ids.trace_id:032x}"
@@ -158,8 +165,8 @@ class RequestTrace:
                 self._emit_spans(m)
             except Exception:  # telemetry must never break serving
                 log.exception("could not record spans for request %s", self.request_id)
-        self.recorder.metrics.record(m, self.route, self.model, "pd" if self.pd_mode else "single", self.deployment,
-                                     trace_id)
+        self.recorder.metrics.record(m, self.route, self.model_label, "pd" if self.pd_mode else "single",
+                                     self.deployment, trace_id)
         return m
 
     # -- internals ----------------------------------------------------------------------
@@ -177,7 +184,9 @@ class RequestTrace:
     def _emit_spans(self, m: Measurement) -> None:
         ids, t = self.ids, self.t
         error = self.error_message if not m.ok else None
-        spans = [SpanData(f"{self.operation} {self.model}", KIND_SERVER, ids.trace_id, ids.root, ids.parent_span_id,
+        # semconv's `{operation} {model}` for a known model; the operation alone otherwise (bounded names)
+        name = self.operation if self.model_label == OTHER else f"{self.operation} {self.model_label}"
+        spans = [SpanData(name, KIND_SERVER, ids.trace_id, ids.root, ids.parent_span_id,
                           to_unix_ns(t.received), to_unix_ns(t.end), self._root_attributes(m), error, ids.tracestate,
                           ids.parent_remote)]
         if error is not None:
@@ -209,7 +218,7 @@ class RequestTrace:
         a: dict[str, Any] = {
             "gen_ai.operation.name": self.operation,
             "gen_ai.provider.name": "vllm",
-            "gen_ai.request.model": self.model,
+            "gen_ai.request.model": self.model_label,
             n.REQUEST_ID: self.request_id,
             n.MODE: "pd" if self.pd_mode else "single",
             n.DEPLOYMENT: self.deployment,
@@ -220,6 +229,8 @@ class RequestTrace:
         }
         if self.recorder.run_label:
             a[n.RUN] = self.recorder.run_label
+        if self.model is not None and self.model != self.model_label:
+            a[n.REQUESTED_MODEL] = self.model[:MAX_NAME_LENGTH]  # for reading the trace; no collector keys on it
         optional = {
             "gen_ai.response.time_to_first_chunk": m.ttft,
             "gen_ai.response.id": self.scan.response_id,
@@ -241,7 +252,7 @@ class RequestTrace:
 
     def _stage_attributes(self, stage: str, m: Measurement) -> dict[str, Any]:
         """Every stage span names its model and deployment, so span-derived metrics split like the proxy's."""
-        attrs: dict[str, Any] = {"gen_ai.request.model": self.model, n.DEPLOYMENT: self.deployment}
+        attrs: dict[str, Any] = {"gen_ai.request.model": self.model_label, n.DEPLOYMENT: self.deployment}
         if stage == PREFILL:
             address, status = self.prefill_instance, self.prefill_status
             if not self.pd_mode:

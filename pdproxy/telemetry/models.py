@@ -1,0 +1,107 @@
+"""Which model names may label metrics and name spans: the ones the instances serve.
+
+A request's `model` is whatever its client wrote. Used verbatim as a metric label or in a span
+name, every made-up name would open ~130 new series in `/metrics` and as many in the collector's
+span metrics: anyone who can reach the proxy could exhaust its memory and Prometheus's. So a
+name labels telemetry only when it is known:
+
+* given by the operator (`--served-model-name`, and `--model`);
+* listed by an instance's `GET /v1/models` (at start, then with the health checks, at most every
+  `MIN_REFRESH_SECONDS`: answers teach new names at once, this only catches what they miss);
+* the `model` field of a successful answer from an instance.
+
+Names learned from instances are capped at `MAX_LEARNED` (a backend that echoes any requested
+name back must not reopen the hole); the operator's own names are not. Every other name is
+labelled `OTHER`. Names are only ever added: a series once exposed stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable, Mapping
+
+import aiohttp
+
+log = logging.getLogger("pdproxy.models")
+
+OTHER = "other"  # the label of every model name that is not known
+MAX_LEARNED = 100  # names learned from instances; beyond this they are labelled OTHER
+MAX_NAME_LENGTH = 256  # longer is not a model name anyone serves
+MIN_REFRESH_SECONDS = 30.0  # /v1/models is asked no more often than this, whatever the health-check interval
+
+
+class ModelNames:
+    """The set of model names that get their own label; everything else is `OTHER`."""
+
+    def __init__(self, allowed: Iterable[str] = (), max_learned: int = MAX_LEARNED) -> None:
+        self.allowed = frozenset(name for name in allowed if name)
+        self.learned: set[str] = set()
+        self.max_learned = max_learned
+        self._full_warned = False
+
+    def known(self, name: object) -> bool:
+        return isinstance(name, str) and (name in self.allowed or name in self.learned)
+
+    def learn(self, name: object) -> None:
+        """An instance serves `name`: give it its own label (while the cap allows)."""
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_LENGTH or self.known(name):
+            return
+        if len(self.learned) >= self.max_learned:
+            if not self._full_warned:
+                self._full_warned = True
+                log.warning("more than %d model names learned from the instances; %r and any further ones are "
+                            "labelled %r (name them with --served-model-name to give them their own label)",
+                            self.max_learned, name[:80], OTHER)
+            return
+        self.learned.add(name)
+
+    def label(self, requested: object, answered: object = None) -> str:
+        """The label of a request for `requested` that the instance answered as `answered` (None when it
+        did not answer successfully): the requested name when known, else the answering model when known
+        (a request without a model, or for an alias), else `OTHER`."""
+        if self.known(requested):
+            return requested  # type: ignore[return-value]
+        if answered is not None and self.known(answered):
+            return answered  # type: ignore[return-value]
+        return OTHER
+
+    def describe(self) -> dict[str, object]:
+        """For `/status`: which names get their own label."""
+        return {"given": sorted(self.allowed), "learned": sorted(self.learned), "max_learned": self.max_learned,
+                "others": OTHER}
+
+    # -- asking the instances -----------------------------------------------------------------
+
+    async def refresh(self, session: aiohttp.ClientSession, urls: Iterable[str], headers: Mapping[str, str],
+                      timeout: float) -> None:
+        """Learn what every instance lists in `GET /v1/models`; an instance that does not answer is skipped."""
+        results = await asyncio.gather(*(_served(session, url, headers, timeout) for url in urls))
+        for names in results:
+            for name in names:
+                self.learn(name)
+
+    async def watch(self, session: aiohttp.ClientSession, urls: list[str], headers: Mapping[str, str],
+                    interval: float, timeout: float) -> None:
+        """Refresh now, then every `interval` seconds but at most every MIN_REFRESH_SECONDS (once only when
+        `interval` is 0: health checks are off); run as a task."""
+        while True:
+            await self.refresh(session, urls, headers, timeout)
+            if interval <= 0:
+                return
+            await asyncio.sleep(max(interval, MIN_REFRESH_SECONDS))
+
+
+async def _served(session: aiohttp.ClientSession, url: str, headers: Mapping[str, str], timeout: float) -> list[str]:
+    try:
+        async with session.get(url + "/v1/models", headers=dict(headers),
+                               timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                return []
+            body = await resp.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        return []
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        return []
+    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

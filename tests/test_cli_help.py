@@ -1,0 +1,116 @@
+"""What a newcomer reads first: the commands' help, the environment variables it promises, packaging metadata."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from pdproxy.cli import SUBCOMMANDS
+from pdproxy.config import Settings, add_arguments, load_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def help_text(*args: str) -> str:
+    p = subprocess.run([sys.executable, "-m", "pdproxy", *args, "--help"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def test_top_level_help_says_what_the_tool_does_for_a_user() -> None:
+    text = help_text()
+    assert "owned by its own module" not in text
+    for words in ("vLLM", "prefill", "decode", "trace", "pdproxy demo"):
+        assert words in text, words
+
+
+@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+def test_every_flag_is_described(command: str) -> None:
+    parser = argparse.ArgumentParser()
+    importlib.import_module(SUBCOMMANDS[command][0]).add_arguments(parser)
+    undescribed = [a.option_strings for a in parser._actions if not a.help]
+    assert not undescribed, undescribed
+
+
+def test_demo_help_says_where_results_go() -> None:
+    text = help_text("demo")
+    assert "--output-dir DIR" in text and "pdproxy-demo-YYYYmmdd-HHMMSS" in text and "--seed" in text
+
+
+def test_serve_help_says_every_flag_has_an_environment_variable() -> None:
+    assert "PDPROXY_<FLAG>" in " ".join(help_text("serve").split())
+
+
+# one value per serve flag, different from its default; keyed by the flag's name
+SAMPLES = {
+    "host": "0.0.0.0", "port": "8123", "prefiller_hosts": "10.0.0.1", "prefiller_ports": "9100",
+    "decoder_hosts": "10.0.0.2", "decoder_ports": "9200", "prefill": "http://10.0.0.3:8100",
+    "decode": "http://10.0.0.4:8200", "model": "m", "policy": "least_inflight", "prefill_policy": "least_inflight",
+    "decode_policy": "least_inflight", "connect_timeout": "3", "read_timeout": "30", "prefill_retries": "2",
+    "decode_retries": "2", "retry_backoff": "0.5", "max_retry_wait": "5", "health_check_interval": "1",
+    "health_check_timeout": "1", "health_check_path": "/ready", "eject_after_failures": "5", "eject_seconds": "20",
+    "max_inflight": "8", "max_queue": "16", "queue_timeout": "5", "max_body_bytes": "4096", "body_timeout": "5",
+    "write_timeout": "5", "keep_alive_timeout": "5", "client_kv_params": "strip", "workers": "2",
+    "api_key": "k", "upstream_api_key": "u", "debug_endpoints": "1", "no_tracing": "1",
+    "otlp_endpoint": "http://collector:4317", "otlp_protocol": "http/protobuf", "trace_file": "/tmp/t.jsonl",
+    "span_queue_size": "16", "stall_threshold": "0.2", "run_label": "r", "resource_attr": "gpu.kind=H200",
+    "served_model_name": "a,b", "capture_content": "1", "log_level": "debug", "shadow_url": "http://10.0.0.5:8000",
+    "shadow_prefill": "http://10.0.0.6:8100", "shadow_sample_rate": "0.5", "shadow_max_inflight": "4",
+    "shadow_timeout": "5",
+}
+NEEDS = {"shadow_prefill": {"PDPROXY_SHADOW_URL": "http://10.0.0.5:8000"}}  # not valid on its own
+
+
+def serve_flags() -> list[str]:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    names = []
+    for action in parser._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if longs and longs[0] not in ("--help", "--config"):
+            names.append(longs[0][2:].replace("-", "_"))
+    return names
+
+
+def test_samples_cover_every_serve_flag() -> None:
+    assert sorted(SAMPLES) == sorted(serve_flags())
+
+
+@pytest.mark.parametrize("flag", serve_flags())
+def test_every_serve_flag_can_be_set_as_PDPROXY_FLAG_or_in_the_file(flag: str, tmp_path: Path) -> None:
+    base = {} if flag == "decode" else {"PDPROXY_DECODE": "http://d:1", **NEEDS.get(flag, {})}
+    from_env = load_settings(argparse.Namespace(), environ={**base, f"PDPROXY_{flag.upper()}": SAMPLES[flag]})
+    assert from_env != load_settings(argparse.Namespace(), environ=base)
+    config = tmp_path / "settings.yaml"  # the flag's name is a key of the YAML file too
+    config.write_text(f"{flag.replace('_', '-')}: {SAMPLES[flag]!r}\n")
+    assert load_settings(argparse.Namespace(config=str(config)), environ=base) == from_env
+
+
+def test_negated_flag_in_the_environment_turns_tracing_off() -> None:
+    s = load_settings(argparse.Namespace(), environ={"PDPROXY_NO_TRACING": "1"})
+    assert s.tracing is False and load_settings(argparse.Namespace(), environ={}).tracing is True
+    assert load_settings(argparse.Namespace(), environ={"PDPROXY_NO_TRACING": "0"}).tracing is True
+    assert load_settings(argparse.Namespace(), environ={"PDPROXY_SERVED_MODEL_NAME": "a, b"}).served_model_name == [
+        "a", "b"]
+    assert Settings().served_model_name == []
+
+
+def test_license_is_an_spdx_expression_with_a_setuptools_that_reads_it() -> None:
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["project"]["license"] == "Apache-2.0"  # the table form is deprecated (setuptools warns)
+    (setuptools,) = [r for r in meta["build-system"]["requires"] if r.startswith("setuptools")]
+    assert tuple(int(x) for x in setuptools.split(">=")[1].split(".")) >= (77,)  # SPDX strings: setuptools 77
+
+
+def test_demo_results_are_ignored_by_git() -> None:
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    p = subprocess.run(["git", "check-ignore", "-q", "pdproxy-demo-20261201-101010/report.json"], cwd=ROOT,
+                       timeout=30)
+    assert p.returncode == 0, "the demo's default run directory is not in .gitignore"
