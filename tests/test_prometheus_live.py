@@ -65,6 +65,7 @@ class Record:
     chunk_tokens: list[int] = field(default_factory=list)
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    request_id: str = ""  # sent as X-Request-Id: the proxy's pd.request_id, to match its trace
 
     @property
     def ok(self) -> bool:
@@ -93,7 +94,7 @@ class Record:
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, i: int, chat: bool, abort_after: int | None) -> Record:
-    rec = Record(chat=chat)
+    rec = Record(chat=chat, request_id=f"live-{i}-{time.monotonic_ns()}")
     prompt = " ".join(f"w{j}" for j in range(32 + (i * 7) % 64))
     body = {"model": MODEL, "max_tokens": 24 + (i % 3) * 8, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -103,7 +104,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, i: int, chat: bo
         body["prompt"] = prompt
     path = "/v1/chat/completions" if chat else "/v1/completions"
     rec.sent_ns = time.perf_counter_ns()
-    async with session.post(url + path, json=body) as resp:
+    async with session.post(url + path, json=body, headers={"X-Request-Id": rec.request_id}) as resp:
         rec.status = resp.status
         if resp.status != 200:
             await resp.read()
