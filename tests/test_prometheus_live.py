@@ -7,8 +7,9 @@ load and records its own timings: TTFT, every token gap (split per token from st
 docs/telemetry.md defines it), per-request tail ITL and TPOT. Then:
 
 * every expression of every dashboard runs as a range query with the dashboards' default variable
-  values and must return data (the collector-derived series of pdproxy-traces.json cannot exist
-  here, with no otelcol-contrib: those must evaluate without error and are listed as such);
+  values and must return data (the collector-derived series of pdproxy-traces.json do not exist
+  here, with no collector: those must evaluate without error; tests/test_collector_e2e.py runs
+  them all with the real collector);
 * the quantile panels, evaluated over the measured window with model/deployment/run set, must agree
   with the client's numpy percentiles within the histogram's bucket resolution;
 * counts, error and stall shares, exemplars and the variables' label values are checked too.
@@ -285,7 +286,8 @@ def test_every_dashboard_expression_returns_data(run):
         checked += 1
         if not has_data:
             empty.append(f"{name} / {title}: {expr}")
-    print(f"\n{checked} expressions returned data; {len(collector_only)} need otelcol-contrib (not runnable here):")
+    print(f"\n{checked} expressions returned data; {len(collector_only)} read collector-derived series, run with the "
+          "collector in tests/test_collector_e2e.py:")
     print("\n".join("  " + c for c in collector_only))
     assert not empty, "expressions without data:\n" + "\n".join(empty) + "\n\nproxy log tail:\n" + run.proxy_log[-3000:]
     assert checked >= 55
