@@ -15,7 +15,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -124,19 +123,8 @@ class Collector:
     def start(self, timeout: float = 30.0) -> None:
         self.proc = Proc([str(self.binary), f"--config={self.config_path}"], env=self.env, name=self.name)
         health = next(p for p in self.ports if p.split("/")[0] == "health_check")
-        deadline = time.monotonic() + timeout
-        while True:  # health_check answers 200 only once every pipeline has started
-            if self.proc.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited {self.proc.popen.returncode}:\n{self.proc.output()[-6000:]}")
-            try:
-                with urllib.request.urlopen(self.url(health), timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} not healthy after {timeout}s:\n{self.proc.output()[-6000:]}")
-            time.sleep(0.1)
+        # health_check answers 503 until every pipeline has started, then 200
+        self.proc.wait_http(self.url(health), timeout=timeout)
 
     def stop(self) -> None:
         if self.proc:

@@ -18,9 +18,8 @@ import pytest
 from gotools import Collector, collector_binary, load_config
 from ledgers import ScriptedGroup, counter, spans_in
 from procs import HOST, free_port, start_proxy
+from test_reliability_telemetry import BODY, SPANS_PER_REQUEST, untraced_latencies
 
-BODY = {"model": "m", "prompt": "a b c", "max_tokens": 4, "stream": False}
-SPANS_PER_REQUEST = 5  # root + queue, prefill, kv_transfer, decode
 PHASES = {"up": 4.0, "down": 5.0, "restarted": 10.0}  # seconds of load in each
 MAX_REQUESTS = 3000  # bound on the whole load loop
 
@@ -53,18 +52,6 @@ class Load:
         return sum(len(v) for v in self.latencies.values())
 
 
-def sequential_latencies(url: str, n: int) -> list[float]:
-    with httpx.Client(timeout=10) as client:
-        for _ in range(10):
-            client.post(url + "/v1/completions", json=BODY)  # warm-up
-        out = []
-        for _ in range(n):
-            started = time.monotonic()
-            assert client.post(url + "/v1/completions", json=BODY).status_code == 200
-            out.append(time.monotonic() - started)
-    return out
-
-
 def accepted_spans(collector: Collector) -> float:
     """Spans the collector's OTLP receiver accepted since it started (its own telemetry)."""
     return counter(collector.metrics(), "otelcol_receiver_accepted_spans")
@@ -81,12 +68,7 @@ def test_collector_restart_under_load(tmp_path):
     collector = Collector(config, binary=binary, env={"TEMPO_OTLP_ENDPOINT": f"{HOST}:{free_port()}"})  # no Tempo here
     proxy = None
     try:
-        baseline_proxy, baseline_url = start_proxy("--prefill", p.url, "--decode", d.url, "--health-check-interval", "0",
-                                                   "--no-tracing")
-        try:
-            baseline = sequential_latencies(baseline_url, 150)
-        finally:
-            baseline_proxy.stop()
+        baseline = untraced_latencies(p, d)
 
         collector.start()
         proxy, url = start_proxy("--prefill", p.url, "--decode", d.url, "--health-check-interval", "0",
