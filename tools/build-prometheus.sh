@@ -16,6 +16,7 @@ MODULE_VERSION=v0.314.0
 OUT="$REPO/.tools/prometheus3"
 BIN="$OUT/prometheus"
 export GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
+export GOFLAGS="${GOFLAGS:--buildvcs=false}"  # the generated module sits inside this git work tree
 
 fresh() { [ -x "$BIN" ] && [ "$BIN" -nt "${BASH_SOURCE[0]}" ]; }
 
