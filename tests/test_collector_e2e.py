@@ -109,17 +109,20 @@ class Stack:
     collector_log: str
 
 
-def start_instances(otlp_endpoint: str | None = None) -> tuple[list[Proc], dict[str, str]]:
-    """The simulated vLLM instances. `otlp_endpoint`: the collector, for instances that export
-    their own spans as vLLM does with --otlp-traces-endpoint (the simulator does not, yet)."""
-    del otlp_endpoint
-    prefill, p_url = start_sim("prefill", "--seed", "11")
+def start_instances(otlp_endpoint: str) -> tuple[list[Proc], dict[str, str]]:
+    """The simulated vLLM instances, exporting their own llm_request spans to the collector as vLLM
+    does with --otlp-traces-endpoint, named as deploy/compose.yaml names them (the collector reads
+    decode instances' spans by "decode" in service.name)."""
+    def sim(name: str, role: str, *extra: str) -> tuple[Proc, str]:
+        return start_sim(role, *extra, "--otlp-traces-endpoint", otlp_endpoint, env={"OTEL_SERVICE_NAME": f"vllm-{name}"})
+
+    prefill, p_url = sim("prefill", "prefill", "--seed", "11")
     # decode A has too little KV cache for its share: sequences get preempted and stall (real
     # stalls); decode B fails some KV pulls (failed requests, ERROR spans).
-    decode_a, a_url = start_sim("decode", "--seed", "12", "--num-gpu-blocks", "16", "--max-model-len", "256",
-                                "--time-scale", "2")
-    decode_b, b_url = start_sim("decode", "--seed", "13", "--kv-load-failure-rate", "0.1")
-    single, s_url = start_sim("single", "--seed", "14")
+    decode_a, a_url = sim("decode-a", "decode", "--seed", "12", "--num-gpu-blocks", "16", "--max-model-len", "256",
+                          "--time-scale", "2")
+    decode_b, b_url = sim("decode-b", "decode", "--seed", "13", "--kv-load-failure-rate", "0.1")
+    single, s_url = sim("baseline", "single", "--seed", "14")
     return [prefill, decode_a, decode_b, single], {"prefill": p_url, "a": a_url, "b": b_url, "shadow": s_url}
 
 
@@ -226,7 +229,7 @@ def test_every_dashboard_expression_returns_data(stack, prom):
     print(f"\n{prom}: {checked} expressions, {collector_derived} of them on collector-derived series, "
           f"{checked - len(empty)} returned data")
     assert not empty, "expressions without data:\n" + "\n".join(empty) + "\n\ncollector log tail:\n" + stack.collector_log[-3000:]
-    assert collector_derived >= 14 and checked >= 69
+    assert collector_derived >= 20 and checked >= 78
 
 
 # ---------------------------------------------------------------------------------------------
