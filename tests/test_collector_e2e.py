@@ -283,7 +283,7 @@ def ms(v: float) -> str:
     return f"{v * 1000:8.2f}"
 
 
-def test_trace_derived_metrics_agree_with_the_proxy_and_the_client(stack):
+def test_trace_derived_metrics_agree_with_the_proxy_and_the_client(stack, capsys):
     """The collector recomputes TTFT, tail ITL and stalls from the unsampled span stream into
     histograms with the proxy's buckets. Bucket for bucket they must equal the proxy's own; their
     quantiles must sit in the bucket of the exact per-request values (root span attributes in the
@@ -341,13 +341,14 @@ def test_trace_derived_metrics_agree_with_the_proxy_and_the_client(stack):
                 + " ".join(f"{s / t:8.3f}" for s, t in trace_counts) + f"   stalled/requests: client {client_stalled}/{n}, "
                 f"trace file {file_stalled}/{n}, proxy {proxy_stalled:.0f}/{proxy_total:.0f}, traces "
                 + ", ".join(f"{s:.0f}/{t:.0f}" for s, t in trace_counts))
-    print("\nagreement over the whole run, primary deployment (ms; traces/N = the collector's histograms read "
-          "from Prometheus N; allowed = the histogram bucket(s) of the exact value):")
-    print(f"{'quantity':30s} {'q':5s} {'client':>8s} {'span attr':>8s} {'proxy':>8s} "
-          + " ".join(f"{'traces/' + name[-1]:>8s}" for name in proms) + "   allowed")
-    print("\n".join(rows))
-    print("per request, the client's value against the proxy's span attribute:")
-    print("\n".join("  " + o for o in offsets))
+    with capsys.disabled():  # the table is part of CI's output, pass or fail
+        print("\nagreement over the whole run, primary deployment (ms; traces/N = the collector's histograms read "
+              "from Prometheus N; allowed = the histogram bucket(s) of the exact value):")
+        print(f"{'quantity':30s} {'q':5s} {'client':>8s} {'span attr':>8s} {'proxy':>8s} "
+              + " ".join(f"{'traces/' + name[-1]:>8s}" for name in proms) + "   allowed")
+        print("\n".join(rows))
+        print("per request, the client's value against the proxy's span attribute:")
+        print("\n".join("  " + o for o in offsets))
     assert proxy_total == n
     for stalled, total in trace_counts:
         assert (stalled, total) == (proxy_stalled, proxy_total), "trace-derived request and stall counts = the proxy's"
@@ -360,7 +361,7 @@ def test_trace_derived_metrics_agree_with_the_proxy_and_the_client(stack):
     assert dropped == 0
 
 
-def test_span_metrics_stage_quantiles_agree_with_the_trace_file(stack):
+def test_span_metrics_stage_quantiles_agree_with_the_trace_file(stack, capsys):
     """span_metrics' per-stage duration histograms against the stage spans the proxy wrote to its
     trace file (the same spans the collector received), and against the proxy's stage histogram."""
     from pdproxy.telemetry.names import LATENCY_BUCKETS
@@ -390,6 +391,7 @@ def test_span_metrics_stage_quantiles_agree_with_the_trace_file(stack):
                         f"  allowed [{lo * 1000:.1f}, {hi * 1000:.1f}] ms n={len(durations)}{'' if ok else '  <-- MISMATCH'}")
             if not ok:
                 failures.append(rows[-1])
-    print("\nstage durations: trace file vs span_metrics (Prometheus 2, 3) vs the proxy's stage histogram")
-    print("\n".join(rows))
+    with capsys.disabled():
+        print("\nstage durations: trace file vs span_metrics (Prometheus 2, 3) vs the proxy's stage histogram")
+        print("\n".join(rows))
     assert not failures, "\n".join(failures)
