@@ -7,8 +7,9 @@ load and records its own timings: TTFT, every token gap (split per token from st
 docs/telemetry.md defines it), per-request tail ITL and TPOT. Then:
 
 * every expression of every dashboard runs as a range query with the dashboards' default variable
-  values and must return data (the collector-derived series of pdproxy-traces.json cannot exist
-  here, with no otelcol-contrib: those must evaluate without error and are listed as such);
+  values and must return data (the collector-derived series of pdproxy-traces.json do not exist
+  here, with no collector: those must evaluate without error; tests/test_collector_e2e.py runs
+  them all with the real collector);
 * the quantile panels, evaluated over the measured window with model/deployment/run set, must agree
   with the client's numpy percentiles within the histogram's bucket resolution;
 * counts, error and stall shares, exemplars and the variables' label values are checked too;
@@ -68,6 +69,7 @@ class Record:
     chunk_tokens: list[int] = field(default_factory=list)
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    request_id: str = ""  # sent as X-Request-Id: the proxy's pd.request_id, to match its trace
 
     @property
     def ok(self) -> bool:
@@ -96,7 +98,7 @@ class Record:
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, i: int, chat: bool, abort_after: int | None) -> Record:
-    rec = Record(chat=chat)
+    rec = Record(chat=chat, request_id=f"live-{i}-{time.monotonic_ns()}")
     prompt = " ".join(f"w{j}" for j in range(32 + (i * 7) % 64))
     body = {"model": MODEL, "max_tokens": 24 + (i % 3) * 8, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -106,7 +108,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, i: int, chat: bo
         body["prompt"] = prompt
     path = "/v1/chat/completions" if chat else "/v1/completions"
     rec.sent_ns = time.perf_counter_ns()
-    async with session.post(url + path, json=body) as resp:
+    async with session.post(url + path, json=body, headers={"X-Request-Id": rec.request_id}) as resp:
         rec.status = resp.status
         if resp.status != 200:
             await resp.read()
@@ -295,7 +297,8 @@ def test_every_dashboard_expression_returns_data(run):
         checked += 1
         if not has_data:
             empty.append(f"{name} / {title}: {expr}")
-    print(f"\n{checked} expressions returned data; {len(collector_only)} need otelcol-contrib (not runnable here):")
+    print(f"\n{checked} expressions returned data; {len(collector_only)} read collector-derived series, run with the "
+          "collector in tests/test_collector_e2e.py:")
     print("\n".join("  " + c for c in collector_only))
     assert not empty, "expressions without data:\n" + "\n".join(empty) + "\n\nproxy log tail:\n" + run.proxy_log[-3000:]
     assert checked >= 55

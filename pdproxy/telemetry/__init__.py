@@ -81,6 +81,9 @@ def setup(settings: Settings) -> tuple[Recorder, Tracing | None]:
             sinks.append(otlp_transport(settings.otlp_endpoint, settings.otlp_protocol))
         if settings.trace_file:
             sinks.append(TraceFileExporter(settings.trace_file))
+        # both reasons exist from the start: a healthy export shows 0 dropped, not "no data"
+        for reason in ("queue_full", "export_failed"):
+            metrics.spans_dropped.labels(reason)
         tracing = Tracing(resource_attributes(settings), sinks, settings.span_queue_size,
                           on_drop=lambda reason, count: metrics.spans_dropped.labels(reason).inc(count))
     models = ModelNames([*settings.served_model_name, *([settings.model] if settings.model else [])])
