@@ -222,8 +222,11 @@ def test_decode_stalls_on_another_requests_kv_arrival(tmp_path):
     assert on["by_cause"]["kv_arrival"]["time"] > 3 * off["stall_time"] + 0.2
     o = on["overlap"]
     assert o["with_large_kv_arrival"]["p50"] > 2 * o["others"]["p50"]
-    o = off["overlap"]  # without the flag, a large KV arrival barely matters to the other streams
-    assert o["with_large_kv_arrival"]["p50"] < 1.5 * o["others"]["p50"] + 0.02
+    # without the flag, a large KV arrival barely matters to the other streams (when any stream's decode
+    # window held one: without the stall the windows are short and often miss the arrivals)
+    o = off["overlap"]
+    if o["with_large_kv_arrival"]["count"]:
+        assert o["with_large_kv_arrival"]["p50"] < 1.5 * o["others"]["p50"] + 0.02
 
 
 def test_a_dead_collector_does_not_break_serving_and_a_bad_protocol_is_refused():
