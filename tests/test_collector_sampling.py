@@ -1,0 +1,247 @@
+"""Tail sampling executed, and the drill-down from a slow request's exemplar to its stored trace.
+
+Real processes on 127.0.0.1: simulated instances with faults (prefill: slow starts and errors;
+decode A: mid-stream stalls; decode B: failed KV pulls), `pdproxy serve` exporting OTLP/gRPC to
+pdproxy's collector distribution running a test copy of collector/otelcol.yaml, whose
+traces/sampled pipeline exports to Jaeger v2 (in-memory store), vLLM-like spans from two other
+services in every trace (tests/otlp.py VllmSpans), and Prometheus (exemplar storage on) scraping
+the proxy.
+
+The test copy differs from collector/otelcol.yaml only where a test cannot wait: decision_wait
+and the slow-ttft and slow-requests thresholds are lowered, listeners move to free loopback
+ports. The policies, their types and the pipelines are the file's own.
+
+What must hold, checked against the spans that were sent (the proxy's --trace-file plus the
+vLLM-like spans) and the policies read from the configuration (tests/sampling.py):
+* every trace an error, slow-TTFT, stall or slow-request policy selects is in Jaeger, whole:
+  every span of every service, each span id once;
+* of the other traces, the baseline keeps a share within the binomial interval of its percentage;
+* a slow request's exemplar on pdproxy's TTFT histogram leads to its whole trace in Jaeger.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+from collector import Collector, collector_config
+from jaeger import Jaeger
+from otlp import VllmSpans
+from procs import HOST, Proc, start_proxy, start_sim
+from sampling import Policies, binomial_interval, read_trace_file
+
+pytestmark = pytest.mark.timeout(240)
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "sim-model"
+RUN = "sampling-test"
+REQUESTS = 480
+CONCURRENCY = 8
+LONG_EVERY = 40         # every LONG_EVERY-th request asks for many tokens: a slow request
+STALL_THRESHOLD = 0.1   # the proxy's --stall-threshold; decode A pauses 0.3 s mid-stream
+# Lowered for the test's time (the file's values: 60 s, 2.0 s, 60000 ms). Policies unchanged.
+DECISION_WAIT = "3s"
+TTFT_THRESHOLD = 0.3    # prefill slow starts add 0.5 s
+LATENCY_MS = 2000       # long requests take ~3 s, the others well under 1 s
+
+
+def sampling_config() -> dict:
+    config = collector_config(REPO / "collector" / "otelcol.yaml")
+    ts = config["processors"]["tail_sampling"]
+    ts["decision_wait"] = DECISION_WAIT
+    for policy in ts["policies"]:
+        if policy["type"] == "ottl_condition":
+            (cond,) = policy["ottl_condition"]["span"]
+            assert cond.endswith("> 2.0"), cond
+            policy["ottl_condition"]["span"] = [cond.replace("> 2.0", f"> {TTFT_THRESHOLD}")]
+        if policy["type"] == "latency":
+            policy["latency"]["threshold_ms"] = LATENCY_MS
+    return config
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, i: int) -> dict:
+    body = {"model": MODEL, "prompt": " ".join(f"w{j}" for j in range(16 + i % 32)), "stream": True,
+            "ignore_eos": True, "max_tokens": 600 if i % LONG_EVERY == LONG_EVERY - 1 else 12}
+    sent = time.perf_counter()
+    first = None
+    error = False
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data:") and first is None:
+                first = time.perf_counter()
+            if b'"error"' in line:
+                error = True
+    return {"status": resp.status, "error": error or resp.status != 200,
+            "ttft": None if first is None else first - sent, "e2e": time.perf_counter() - sent}
+
+
+async def drive(url: str, n: int) -> list[dict]:
+    queue = list(range(n))
+    out: list[dict] = []
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while queue:
+            out.append(await one_request(session, url, queue.pop(0)))
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        await asyncio.gather(*(worker(session) for _ in range(CONCURRENCY)))
+    return out
+
+
+@dataclass
+class Run:
+    sent: dict[str, list[dict]]   # trace id -> every span that was sent (proxy + vLLM-like)
+    policies: Policies
+    stored: dict[str, list[dict]]  # trace id -> spans Jaeger returns ([] when not kept)
+    client: list[dict]
+    jaeger: Jaeger
+    prom: object
+    start: float
+    end: float
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from test_prometheus_live import Prometheus
+
+    tmp = tmp_path_factory.mktemp("sampling")
+    procs: list[Proc] = []
+    stoppables = []
+    try:
+        jaeger = Jaeger()
+        stoppables.append(jaeger)
+        config = sampling_config()
+        policies = Policies.of(config["processors"]["tail_sampling"])
+        collector = Collector(config, env={"TEMPO_OTLP_ENDPOINT": jaeger.otlp_grpc})
+        stoppables.append(collector)
+
+        prefill, p_url = start_sim("prefill", "--seed", "1", "--journal-size", "5000", "--slow-start-seconds", "0.5",
+                                   "--slow-start-rate", "0.06", "--error-rate", "0.03")
+        decode_a, a_url = start_sim("decode", "--seed", "2", "--journal-size", "5000", "--stall-seconds", "0.3",
+                                    "--stall-rate", "0.08", "--stall-after-chunks", "3")
+        decode_b, b_url = start_sim("decode", "--seed", "3", "--journal-size", "5000", "--kv-load-failure-rate", "0.03")
+        procs += [prefill, decode_a, decode_b]
+        trace_file = tmp / "proxy-spans.jsonl"
+        proxy, url = start_proxy("--prefill", p_url, "--decode", a_url, "--decode", b_url, "--run-label", RUN,
+                                 "--prefill-retries", "0", "--decode-retries", "0", "--eject-after-failures", "0",
+                                 "--stall-threshold", str(STALL_THRESHOLD), "--otlp-endpoint", collector.otlp_grpc_url,
+                                 "--otlp-protocol", "grpc", "--trace-file", str(trace_file),
+                                 env={"OTEL_BSP_SCHEDULE_DELAY": "200"})
+        procs.append(proxy)
+        vllm = VllmSpans(collector.otlp_http_url, {"vllm-prefill": p_url, "vllm-decode-a": a_url, "vllm-decode-b": b_url})
+        stoppables.append(vllm)
+        prom = Prometheus(url.removeprefix("http://"))
+        stoppables.append(prom)
+
+        start = time.time()
+        client = asyncio.run(drive(url, REQUESTS))
+        end = time.time()
+        vllm.stop()
+        assert not vllm.errors, vllm.errors[:5]
+        time.sleep(0.5)  # the proxy's last export (200 ms schedule)
+
+        sent = read_trace_file(trace_file)
+        for trace_id, spans in vllm.spans.items():
+            sent.setdefault(trace_id, []).extend(spans)
+        assert len(sent) == REQUESTS, (len(sent), REQUESTS)
+
+        # Wait for the decisions: every trace a deterministic policy selects must arrive, whole.
+        must_keep = {t for t, spans in sent.items() if policies.matching(spans)}
+        deadline = time.monotonic() + 60
+        pending = set(must_keep)
+        while pending and time.monotonic() < deadline:
+            pending = {t for t in pending if len(jaeger.trace(t)) < len(sent[t])}
+            time.sleep(0.5)
+        time.sleep(2.0)  # and the baseline draws decided in the same ticks
+        stored = {t: jaeger.trace(t) for t in sent}
+        yield Run(sent, policies, stored, client, jaeger, prom, start, end)
+    finally:
+        for s in reversed(stoppables):
+            s.stop()
+        for p in procs:
+            p.stop()
+
+
+def test_policy_traces_are_kept_whole(run):
+    per_policy: dict[str, list[int]] = {}
+    incomplete = []
+    for trace_id, spans in run.sent.items():
+        matched = run.policies.matching(spans)
+        stored = run.stored[trace_id]
+        for name in matched:
+            counts = per_policy.setdefault(name, [0, 0])
+            counts[0] += 1
+            counts[1] += bool(stored)
+        if matched:
+            want = {(s["spanId"], s["service"]) for s in spans}
+            got = {(s["spanId"], s["service"]) for s in stored}
+            if want != got:
+                incomplete.append(f"{trace_id} {sorted(matched)}: missing {sorted(want - got)}, extra {sorted(got - want)}")
+    print("\ntail sampling, per policy: selected by the policy / kept in Jaeger")
+    for name in ("errors", "slow-ttft", "stalls", "slow-requests"):
+        n, kept = per_policy.get(name, [0, 0])
+        print(f"  {name:14s} {kept:4d} / {n:4d}")
+    assert not incomplete, f"{len(incomplete)} selected traces not kept whole:\n" + "\n".join(incomplete[:10])
+    # the workload produced every kind (with margins well inside the sims' fault rates)
+    for name in ("errors", "slow-ttft", "stalls", "slow-requests"):
+        assert per_policy.get(name, [0])[0] >= 3, (name, per_policy)
+    # every kept trace names three services: the proxy and two vLLM instances
+    for trace_id, stored in run.stored.items():
+        if stored and not any(s["status"].get("code") == 2 for s in run.sent[trace_id] if "status" in s):
+            services = {s["service"] for s in stored}
+            assert "pdproxy" in services and len(services) == 3, (trace_id, services)
+
+
+def test_client_failures_are_the_error_traces(run):
+    """The errors policy's population is what the client saw fail, one trace per failed request."""
+    failed = sum(r["error"] for r in run.client)
+    error_traces = sum("errors" in run.policies.matching(spans) for spans in run.sent.values())
+    assert failed == error_traces > 0
+
+
+def test_nothing_is_kept_twice(run):
+    for trace_id, stored in run.stored.items():
+        ids = [s["spanId"] for s in stored]
+        assert len(ids) == len(set(ids)), f"{trace_id}: duplicated span ids in the store"
+        assert all(s["traceId"] == trace_id for s in stored)
+
+
+def test_baseline_share_is_binomial(run):
+    others = [t for t, spans in run.sent.items() if not run.policies.matching(spans)]
+    kept_whole = [t for t in others if run.stored[t]]
+    p = run.policies.baseline_percent / 100
+    lo, hi = binomial_interval(len(others), p)
+    print(f"\nbaseline: {len(kept_whole)} of {len(others)} other traces kept ({len(kept_whole) / len(others):.3f}); "
+          f"{run.policies.baseline_percent:g} % expects {len(others) * p:.1f}, 99.9 % binomial interval [{lo}, {hi}]")
+    assert lo <= len(kept_whole) <= hi
+    for t in kept_whole:  # a baseline draw keeps the whole trace too
+        assert {s["spanId"] for s in run.stored[t]} == {s["spanId"] for s in run.sent[t]}, t
+
+
+def test_exemplar_of_a_slow_request_leads_to_its_whole_trace(run):
+    """The drill-down: Prometheus' exemplar API → trace id → Jaeger's trace, every span there."""
+    prom = run.prom
+    prom.wait_for(f'pdproxy_ttft_seconds_count{{run="{RUN}"}}')
+    data = prom.api("/api/v1/query_exemplars", query=f'pdproxy_ttft_seconds_bucket{{run="{RUN}"}}',
+                    start=f"{run.start - 1:.3f}", end=f"{time.time():.3f}")
+    slow = sorted((float(e["value"]), e["labels"]["trace_id"]) for s in data for e in s["exemplars"]
+                  if float(e["value"]) > TTFT_THRESHOLD)
+    assert slow, "no exemplar of a slow TTFT: exemplar storage or the proxy's exemplars are off"
+    value, trace_id = slow[-1]
+    stored = run.jaeger.trace(trace_id)
+    sent = run.sent[trace_id]
+    print(f"\ndrill-down: exemplar TTFT {value:.3f} s -> trace {trace_id}: {len(stored)} spans in Jaeger "
+          f"({sorted({s['service'] for s in stored})}), {len(sent)} sent")
+    assert {s["spanId"] for s in stored} == {s["spanId"] for s in sent}
+    names = {s["name"] for s in stored if s["service"] == "pdproxy"}
+    assert {"pd.queue", "pd.prefill", "pd.kv_transfer", "pd.decode"} <= names
+    root = next(s for s in stored if s["service"] == "pdproxy" and not s.get("parentSpanId"))
+    ttft = next(a["value"]["doubleValue"] for a in root["attributes"] if a["key"] == "gen_ai.response.time_to_first_chunk")
+    assert math.isclose(float(ttft), value, rel_tol=1e-6)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Build Jaeger v2 (Apache-2.0; a Collector distribution with an in-memory trace store and a query
+# API) from its Go module into <repo>/.tools/jaeger/jaeger, and print the binary's path.
+#
+# The tests use it as the trace store that tail-sampled traces land in (tests/test_trace_store.py).
+# The version is pinned by tools/jaeger/go.mod (`go get -tool ...@v1.76.0`, i.e. Jaeger v2.13.0,
+# the release deploy/compose.yaml's jaegertracing/jaeger image is). Idempotent: nothing is rebuilt
+# when the binary is newer than go.mod/go.sum; Go's module and build caches are reused, so a
+# rebuild after a cache hit takes seconds. No binary is committed (.tools/ is git-ignored).
+set -euo pipefail
+
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+module="$repo/tools/jaeger"
+out="$repo/.tools/jaeger/jaeger"
+
+if [ -x "$out" ] && [ "$out" -nt "$module/go.mod" ] && [ "$out" -nt "$module/go.sum" ]; then
+  echo "$out"
+  exit 0
+fi
+
+command -v go >/dev/null || { echo "build-jaeger: 'go' not found (Go >= 1.25 is needed)" >&2; exit 1; }
+mkdir -p "$(dirname "$out")"
+cd "$module"
+# -trimpath and no debug info: a smaller binary, and the same build-cache keys wherever the repo is.
+go build -trimpath -ldflags='-s -w' -o "$out.tmp" github.com/jaegertracing/jaeger/cmd/jaeger >&2
+mv -f "$out.tmp" "$out"
+echo "$out"
