@@ -82,17 +82,24 @@ async def one_request(session: aiohttp.ClientSession, url: str, i: int) -> dict:
             "ttft": None if first is None else first - sent, "e2e": time.perf_counter() - sent}
 
 
-async def drive(url: str, n: int) -> list[dict]:
+async def drive(url: str, n: int, concurrency: int = CONCURRENCY, seconds: float = 90.0) -> list[dict]:
+    """`n` requests from `concurrency` clients, or fewer if `seconds` run out first."""
     queue = list(range(n))
     out: list[dict] = []
+    deadline = time.monotonic() + seconds
 
     async def worker(session: aiohttp.ClientSession) -> None:
-        while queue:
+        while queue and time.monotonic() < deadline:
             out.append(await one_request(session, url, queue.pop(0)))
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-        await asyncio.gather(*(worker(session) for _ in range(CONCURRENCY)))
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
     return out
+
+
+async def drive_for(url: str, seconds: float, concurrency: int) -> list[dict]:
+    """The same mix of requests for `seconds` (at most 5000 requests)."""
+    return await drive(url, 5000, concurrency, seconds)
 
 
 @dataclass

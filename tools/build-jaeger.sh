@@ -18,7 +18,7 @@ if [ -x "$out" ] && [ "$out" -nt "$module/go.mod" ] && [ "$out" -nt "$module/go.
   exit 0
 fi
 
-command -v go >/dev/null || { echo "build-jaeger: 'go' not found (Go >= 1.25 is needed)" >&2; exit 1; }
+command -v go >/dev/null || { echo "build-jaeger: 'go' not found (Go >= 1.24.6 is needed)" >&2; exit 1; }
 mkdir -p "$(dirname "$out")"
 cd "$module"
 # -trimpath and no debug info: a smaller binary, and the same build-cache keys wherever the repo is.

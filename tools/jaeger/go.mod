@@ -1,6 +1,6 @@
 module github.com/pdproxy/pdproxy/tools/jaeger
 
-go 1.26
+go 1.24.6
 
 tool github.com/jaegertracing/jaeger/cmd/jaeger
 
