@@ -132,6 +132,14 @@ def test_compose_jaeger_profile():
     assert {d["uid"]: d["url"] for d in ds}["jaeger"] == f"http://jaeger:{ui}"
 
 
+def test_jaeger_config_loads_in_jaeger():
+    """The profile's configuration is Jaeger's own: its `validate` command accepts it."""
+    from jaeger import CONFIG, jaeger_binary
+
+    r = subprocess.run([str(jaeger_binary()), "validate", f"--config={CONFIG}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def _listen_port(command: list[str]) -> int:
     args = parse_cli(command)
     return args.port
