@@ -374,8 +374,8 @@ def test_two_tier_collector_in_kubernetes(base):
         assert data == {"otelcol.yaml": (REPO / "collector" / source).read_text()}
         assert _containers(deployment)[0]["args"] == ["--config=/conf/otelcol.yaml"]
         cfg = yaml.safe_load(data["otelcol.yaml"])
-        if "loadbalancing" in cfg["exporters"]:
-            assert "${env:SAMPLER_HEADLESS_SERVICE" in cfg["exporters"]["loadbalancing"]["resolver"]["dns"]["hostname"]
+        if "load_balancing" in cfg["exporters"]:
+            assert "${env:SAMPLER_HEADLESS_SERVICE" in cfg["exporters"]["load_balancing"]["resolver"]["dns"]["hostname"]
     for name in ("otelcol-tier1.yaml", "otelcol-tier2.yaml"):
         copy_ = K8S / "base" / "collector" / name
         assert copy_.read_bytes() == (REPO / "collector" / name).read_bytes(), f"cp collector/{name} {copy_.relative_to(REPO)}"
