@@ -25,21 +25,18 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 import pytest
-import yaml
 
-from collector import Collector, collector_config
+from gotools import Collector, load_config
 from jaeger import Jaeger
 from otlp import VllmSpans
-from procs import HOST, Proc, start_proxy, start_sim
+from procs import Proc, start_proxy, start_sim
 from sampling import Policies, binomial_interval, read_trace_file
 
 pytestmark = pytest.mark.timeout(240)
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = "sim-model"
 RUN = "sampling-test"
 REQUESTS = 480
@@ -55,7 +52,7 @@ LATENCY_MS = 1200       # long requests take ~1.5 s, the others well under 1 s
 
 
 def sampling_config() -> dict:
-    config = collector_config(REPO / "collector" / "otelcol.yaml")
+    config = load_config("otelcol.yaml")
     ts = config["processors"]["tail_sampling"]
     ts["decision_wait"] = DECISION_WAIT
     for policy in ts["policies"]:
@@ -130,6 +127,7 @@ def run(tmp_path_factory):
         policies = Policies.of(config["processors"]["tail_sampling"])
         collector = Collector(config, env={"TEMPO_OTLP_ENDPOINT": jaeger.otlp_grpc})
         stoppables.append(collector)
+        collector.start()
 
         prefill, p_url = start_sim("prefill", "--seed", "1", "--journal-size", "5000", "--slow-start-seconds", "0.5",
                                    "--slow-start-rate", "0.06", "--error-rate", "0.03")
@@ -140,11 +138,11 @@ def run(tmp_path_factory):
         trace_file = tmp / "proxy-spans.jsonl"
         proxy, url = start_proxy("--prefill", p_url, "--decode", a_url, "--decode", b_url, "--run-label", RUN,
                                  "--prefill-retries", "0", "--decode-retries", "0", "--eject-after-failures", "0",
-                                 "--stall-threshold", str(STALL_THRESHOLD), "--otlp-endpoint", collector.otlp_grpc_url,
+                                 "--stall-threshold", str(STALL_THRESHOLD), "--otlp-endpoint", collector.otlp_grpc,
                                  "--otlp-protocol", "grpc", "--trace-file", str(trace_file),
                                  env={"OTEL_BSP_SCHEDULE_DELAY": "200"})
         procs.append(proxy)
-        vllm = VllmSpans(collector.otlp_http_url, {"vllm-prefill": p_url, "vllm-decode-a": a_url, "vllm-decode-b": b_url})
+        vllm = VllmSpans(collector.otlp_http, {"vllm-prefill": p_url, "vllm-decode-a": a_url, "vllm-decode-b": b_url})
         stoppables.append(vllm)
         prom = Prometheus(url.removeprefix("http://"))
         stoppables.append(prom)

@@ -18,13 +18,15 @@ Traffic runs while sampler B is killed (SIGKILL) and started again. What must ho
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from collector import Collector, collector_config
+from gotools import Collector, load_config
 from jaeger import Jaeger
 from otlp import VllmSpans
 from procs import start_proxy, start_sim
@@ -33,13 +35,12 @@ from test_collector_sampling import drive_for
 
 pytestmark = pytest.mark.timeout(240)
 
-REPO = Path(__file__).resolve().parents[1]
 DECISION_WAIT_S = 3
 PHASE_S = 6.0   # traffic before the kill, while B is down, after its restart
 
 
 def sampler_config(tap: Path) -> dict:
-    config = collector_config(REPO / "collector" / "otelcol-tier2.yaml")
+    config = load_config("otelcol-tier2.yaml")
     config["processors"]["tail_sampling"]["decision_wait"] = f"{DECISION_WAIT_S}s"
     config["exporters"]["file/all"] = {"path": str(tap), "append": True, "flush_interval": "100ms"}
     config["service"]["pipelines"]["traces/all"] = {"receivers": ["otlp"], "exporters": ["file/all"]}
@@ -47,11 +48,22 @@ def sampler_config(tap: Path) -> dict:
 
 
 def gateway_config(samplers: list[str]) -> dict:
-    config = collector_config(REPO / "collector" / "otelcol-tier1.yaml")
-    lb = config["exporters"]["loadbalancing"]
+    config = load_config("otelcol-tier1.yaml")
+    lb = config["exporters"]["load_balancing"]
     assert lb["routing_key"] == "traceID" and "dns" in lb["resolver"]
     lb["resolver"] = {"static": {"hostnames": samplers}}
     return config
+
+
+def host_port(url: str) -> str:
+    return url.removeprefix("http://")
+
+
+def kill(collector: Collector) -> None:
+    """SIGKILL: no shutdown, no flush; whatever the sampler held is gone."""
+    os.killpg(collector.proc.popen.pid, signal.SIGKILL)
+    collector.proc.popen.wait()
+    collector.stop()
 
 
 @pytest.fixture(scope="module")
@@ -65,18 +77,21 @@ def topology(tmp_path_factory):
         samplers = {name: Collector(sampler_config(taps[name]), env={"TEMPO_OTLP_ENDPOINT": stores[name].otlp_grpc},
                                     name=f"otelcol-sampler-{name}") for name in "AB"}
         stoppables += samplers.values()
-        gateway = Collector(gateway_config([samplers[n].otlp_grpc for n in "AB"]), name="otelcol-gateway")
+        for sampler in samplers.values():
+            sampler.start()
+        gateway = Collector(gateway_config([host_port(samplers[n].otlp_grpc) for n in "AB"]), name="otelcol-gateway")
         stoppables.append(gateway)
+        gateway.start()
         prefill, p_url = start_sim("prefill", "--seed", "1", "--journal-size", "5000")
         decode, d_url = start_sim("decode", "--seed", "2", "--journal-size", "5000", "--stall-seconds", "0.2",
                                   "--stall-rate", "0.2", "--stall-after-chunks", "3")
         stoppables += [prefill, decode]
         trace_file = tmp / "proxy-spans.jsonl"
         proxy, url = start_proxy("--prefill", p_url, "--decode", d_url, "--run-label", "two-tier",
-                                 "--otlp-endpoint", gateway.otlp_grpc_url, "--otlp-protocol", "grpc",
+                                 "--otlp-endpoint", gateway.otlp_grpc, "--otlp-protocol", "grpc",
                                  "--trace-file", str(trace_file), env={"OTEL_BSP_SCHEDULE_DELAY": "200"})
         stoppables.append(proxy)
-        vllm = VllmSpans(gateway.otlp_http_url, {"vllm-prefill": p_url, "vllm-decode": d_url})
+        vllm = VllmSpans(gateway.otlp_http, {"vllm-prefill": p_url, "vllm-decode": d_url})
         stoppables.append(vllm)
 
         # Traffic for three phases; sampler B is killed after the first and restarted after the second.
@@ -87,7 +102,7 @@ def topology(tmp_path_factory):
         worker.start()
         time.sleep(PHASE_S)
         marks["kill"] = time.time()
-        samplers["B"].kill()
+        kill(samplers["B"])
         time.sleep(PHASE_S)
         marks["restart"] = time.time()
         samplers["B"].start()
