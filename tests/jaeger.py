@@ -4,6 +4,7 @@ deploy/jaeger/jaeger.yaml (in-memory storage) on free loopback ports, queried by
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -35,10 +36,24 @@ class Jaeger:
         self.name = name
         self.proc = self._start()
 
-    def _start(self) -> Proc:
+    def _start(self, timeout: float = 30.0) -> Proc:
+        """Started when its health check says every component runs: the query API answers
+        before the OTLP receiver listens."""
         proc = Proc(self.args, env=self.env, name=self.name)
-        proc.wait_http(self.url + "/api/v3/services", timeout=30)
-        return proc
+        health = f"http://{self.env['JAEGER_HEALTH_ENDPOINT']}/status"
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} exited {proc.popen.returncode}:\n{proc.output()[-4000:]}")
+            try:
+                with urllib.request.urlopen(health, timeout=1) as r:
+                    if r.status == 200:
+                        return proc
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} not healthy after {timeout}s:\n{proc.output()[-4000:]}")
+            time.sleep(0.1)
 
     def trace(self, trace_id: str) -> list[dict]:
         """Every stored span of a trace (OTLP/JSON dicts with `service` added), or [] if unknown.

@@ -112,7 +112,7 @@ class VllmSpans:
         self.endpoint = endpoint.rstrip("/") + "/v1/traces"
         self.instances = instances  # service.name -> the sim's base URL
         self.interval = interval
-        self.spans: dict[str, list[dict]] = {}  # trace id -> [{"spanId", "service", "parentSpanId"}]
+        self.spans: dict[str, list[dict]] = {}  # trace id -> the OTLP/JSON spans sent, with their `service`
         self._seen: set[tuple[str, str]] = set()
         self._stop = threading.Event()
         self.errors: list[str] = []
@@ -130,7 +130,7 @@ class VllmSpans:
         for service, url in self.instances.items():
             try:
                 with urllib.request.urlopen(url + "/sim/requests", timeout=5) as r:
-                    entries = json.loads(r.read())
+                    entries = json.loads(r.read())["requests"]
             except OSError as e:
                 self.errors.append(f"{service}: {e}")
                 continue
@@ -159,8 +159,7 @@ class VllmSpans:
                     self.errors.append(f"export {service}: {e}")
                     continue
                 for span in spans:
-                    self.spans.setdefault(span["traceId"], []).append(
-                        {"spanId": span["spanId"], "service": service, "parentSpanId": span["parentSpanId"]})
+                    self.spans.setdefault(span["traceId"], []).append({**span, "service": service})
 
     def stop(self) -> None:
         self._stop.set()
