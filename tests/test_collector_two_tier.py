@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -115,9 +116,12 @@ def topology(tmp_path_factory):
         for trace_id, spans in vllm.spans.items():
             sent.setdefault(trace_id, []).extend(spans)
         received = {name: read_trace_file(taps[name]) for name in "AB"}
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+            proxy_metrics = r.read().decode()
+        gateway_metrics = gateway.metrics()
         yield {"sent": sent, "received": received, "stores": stores, "marks": marks, "client": client,
                "policies": Policies.of(sampler_config(taps["A"])["processors"]["tail_sampling"]),
-               "proxy": proxy}
+               "proxy_metrics": proxy_metrics, "gateway_metrics": gateway_metrics}
     finally:
         for s in reversed(stoppables):
             s.stop()
@@ -149,8 +153,17 @@ def test_every_trace_is_in_one_sampler_and_a_killed_one_loses_a_counted_share(to
               f"  split {rows.get((p, 'split'), 0):3d}")
     print(f"  lost {len(lost)} of {len(sent)} traces ({len(lost) / len(sent):.3f}); partial {len(partial)}")
 
+    exporter = [line for line in topology["gateway_metrics"].splitlines()
+                if line.startswith("otelcol_exporter_") and "load_balancing" in line and "_spans" in line]
+    print(f"  spans sent (proxy and vLLM-like): {sum(map(len, sent.values()))}; gateway's load_balancing exporter:"
+          "\n    " + "\n    ".join(exporter))
+
     assert not split, f"{len(split)} traces reached both samplers: {split[:5]}"
+    # pdproxy serves on, and its own export (to the gateway, which lives) loses nothing
     assert all(r["status"] == 200 and not r["error"] for r in topology["client"]), "pdproxy must serve on"
+    dropped = [line for line in topology["proxy_metrics"].splitlines()
+               if line.startswith("pdproxy_spans_dropped_total") and float(line.split()[-1]) > 0]
+    assert not dropped, dropped
     # both samplers took a fair share of the traffic before the kill (trace-id hashing)
     before = [t for t in sent if phase(t) == "before"]
     share_b = sum(where[t] == ["B"] for t in before) / len(before)
