@@ -32,7 +32,7 @@ import pytest
 from gotools import Collector, load_config
 from jaeger import Jaeger
 from otlp import VllmSpans
-from procs import Proc, start_proxy, start_sim
+from procs import HOST, Proc, start_proxy, start_sim
 from sampling import Policies, binomial_interval, read_trace_file
 
 pytestmark = pytest.mark.timeout(240)
@@ -62,6 +62,7 @@ def sampling_config() -> dict:
             policy["ottl_condition"]["span"] = [cond.replace("> 2.0", f"> {TTFT_THRESHOLD}")]
         if policy["type"] == "latency":
             policy["latency"]["threshold_ms"] = LATENCY_MS
+    config["connectors"]["span_metrics"]["metrics_flush_interval"] = "1s"  # the file's 15 s: too slow here
     return config
 
 
@@ -108,7 +109,8 @@ class Run:
     stored: dict[str, list[dict]]  # trace id -> spans Jaeger returns ([] when not kept)
     client: list[dict]
     jaeger: Jaeger
-    prom: object
+    prom: object        # scrapes pdproxy's /metrics
+    prom_spans: object  # scrapes the collector's Prometheus exporter (span_metrics, signal_to_metrics)
     start: float
     end: float
 
@@ -146,6 +148,8 @@ def run(tmp_path_factory):
         stoppables.append(vllm)
         prom = Prometheus(url.removeprefix("http://"))
         stoppables.append(prom)
+        prom_spans = Prometheus(f"{HOST}:{collector.ports['prometheus']}")  # the span-derived metrics
+        stoppables.append(prom_spans)
 
         start = time.time()
         client = asyncio.run(drive(url, REQUESTS))
@@ -168,7 +172,7 @@ def run(tmp_path_factory):
             time.sleep(0.5)
         time.sleep(2.0)  # and the baseline draws decided in the same ticks
         stored = {t: jaeger.trace(t) for t in sent}
-        yield Run(sent, policies, stored, client, jaeger, prom, start, end)
+        yield Run(sent, policies, stored, client, jaeger, prom, prom_spans, start, end)
     finally:
         for s in reversed(stoppables):
             s.stop()
@@ -252,3 +256,19 @@ def test_exemplar_of_a_slow_request_leads_to_its_whole_trace(run):
     root = next(s for s in stored if s["service"] == "pdproxy" and not s.get("parentSpanId"))
     ttft = next(a["value"]["doubleValue"] for a in root["attributes"] if a["key"] == "gen_ai.response.time_to_first_chunk")
     assert math.isclose(float(ttft), value, rel_tol=1e-6)
+
+
+def test_span_metrics_exemplar_of_a_slow_request_leads_to_its_whole_trace(run):
+    """The same drill-down from the collector's side: span_metrics' exemplar on a slow root span."""
+    prom = run.prom_spans
+    prom.wait_for("traces_span_metrics_duration_seconds_count", timeout=30)
+    data = prom.api("/api/v1/query_exemplars", query='traces_span_metrics_duration_seconds_bucket{service_name="pdproxy"}',
+                    start=f"{run.start - 1:.3f}", end=f"{time.time():.3f}")
+    slow = sorted((float(e["value"]), e["labels"]["trace_id"]) for s in data for e in s["exemplars"]
+                  if float(e["value"]) > LATENCY_MS / 1000)
+    assert slow, f"no span_metrics exemplar above {LATENCY_MS} ms: {data}"
+    value, trace_id = slow[-1]
+    stored = run.jaeger.trace(trace_id)
+    print(f"\ndrill-down (span_metrics): exemplar {value:.3f} s -> trace {trace_id}: {len(stored)} spans in Jaeger")
+    assert "slow-requests" in run.policies.matching(run.sent[trace_id])
+    assert {s["spanId"] for s in stored} == {s["spanId"] for s in run.sent[trace_id]}
