@@ -71,7 +71,7 @@ def read_trace_file(path: Path) -> dict[str, list[dict]]:
     return traces
 
 
-def binomial_interval(n: int, p: float, alpha: float = 0.001) -> tuple[int, int]:
+def binomial_interval(n: int, p: float, alpha: float = 1e-4) -> tuple[int, int]:
     """The central interval holding a Binomial(n, p) count with probability >= 1 - alpha."""
     pmf = [math.comb(n, k) * p**k * (1 - p) ** (n - k) for k in range(n + 1)]
     lo, tail = 0, 0.0

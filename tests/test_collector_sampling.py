@@ -230,7 +230,7 @@ def test_baseline_share_is_binomial(run):
     p = run.policies.baseline_percent / 100
     lo, hi = binomial_interval(len(others), p)
     print(f"\nbaseline: {len(kept_whole)} of {len(others)} other traces kept ({len(kept_whole) / len(others):.3f}); "
-          f"{run.policies.baseline_percent:g} % expects {len(others) * p:.1f}, 99.9 % binomial interval [{lo}, {hi}]")
+          f"{run.policies.baseline_percent:g} % expects {len(others) * p:.1f}, 99.99 % binomial interval [{lo}, {hi}]")
     assert lo <= len(kept_whole) <= hi
     for t in kept_whole:  # a baseline draw keeps the whole trace too
         assert {s["spanId"] for s in run.stored[t]} == {s["spanId"] for s in run.sent[t]}, t
