@@ -24,6 +24,9 @@ def setup(settings: Settings) -> tuple[Recorder, Tracing | None]:
         if settings.trace_file:
             sinks.append(TraceFileExporter(settings.trace_file))
         if sinks:
+            # both reasons exist from the start: a healthy export shows 0 dropped, not "no data"
+            for reason in ("queue_full", "export_failed"):
+                metrics.spans_dropped.labels(reason)
             tracing = Tracing(resource_attributes(settings), sinks, settings.span_queue_size,
                               on_drop=lambda reason, count: metrics.spans_dropped.labels(reason).inc(count))
     recorder = Recorder(metrics, tracing, stall_threshold=settings.stall_threshold, run_label=settings.run_label,

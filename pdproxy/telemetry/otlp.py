@@ -262,12 +262,15 @@ class GrpcTransport:
         target = f"{parts.hostname}:{parts.port or 4317}"
         insecure = parts.scheme == "http" or (_env("OTEL_EXPORTER_OTLP_TRACES_INSECURE", "OTEL_EXPORTER_OTLP_INSECURE")
                                               or "").lower() == "true"
+        # gRPC's reconnect backoff grows to 120 s while the collector is down, so export would
+        # resume up to two minutes after it is back (spans dropped meanwhile): cap it at 2 s.
+        options = [("grpc.initial_reconnect_backoff_ms", 1000), ("grpc.max_reconnect_backoff_ms", 2000)]
         if insecure:
-            self.channel = grpc.insecure_channel(target)
+            self.channel = grpc.insecure_channel(target, options=options)
         else:
             cert = _env("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", "OTEL_EXPORTER_OTLP_CERTIFICATE")
             root = open(cert, "rb").read() if cert else None
-            self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root))
+            self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root), options=options)
         self.call = self.channel.unary_unary(self.METHOD, request_serializer=None, response_deserializer=None)
         self.metadata = list(_headers("TRACES").items())
         self.timeout = _timeout()
