@@ -162,6 +162,8 @@ class VllmSpans:
                     self.spans.setdefault(span["traceId"], []).append({**span, "service": service})
 
     def stop(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join()
         self.poll()  # the last requests' spans

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import aiohttp
@@ -32,7 +33,7 @@ import pytest
 from gotools import Collector, load_config
 from jaeger import Jaeger
 from otlp import VllmSpans
-from procs import HOST, Proc, start_proxy, start_sim
+from procs import HOST, start_proxy, start_sim
 from sampling import Policies, binomial_interval, read_trace_file
 
 pytestmark = pytest.mark.timeout(240)
@@ -120,36 +121,36 @@ def run(tmp_path_factory):
     from test_prometheus_live import Prometheus
 
     tmp = tmp_path_factory.mktemp("sampling")
-    procs: list[Proc] = []
-    stoppables = []
-    try:
+    with ExitStack() as stack:  # every process stopped, whatever fails
         jaeger = Jaeger()
-        stoppables.append(jaeger)
+        stack.callback(jaeger.stop)
         config = sampling_config()
         policies = Policies.of(config["processors"]["tail_sampling"])
         collector = Collector(config, env={"TEMPO_OTLP_ENDPOINT": jaeger.otlp_grpc})
-        stoppables.append(collector)
+        stack.callback(collector.stop)
         collector.start()
 
         prefill, p_url = start_sim("prefill", "--seed", "1", "--journal-size", "5000", "--slow-start-seconds", "0.5",
                                    "--slow-start-rate", "0.06", "--error-rate", "0.03")
+        stack.callback(prefill.stop)
         decode_a, a_url = start_sim("decode", "--seed", "2", "--journal-size", "5000", "--stall-seconds", "0.3",
                                     "--stall-rate", "0.08", "--stall-after-chunks", "3")
+        stack.callback(decode_a.stop)
         decode_b, b_url = start_sim("decode", "--seed", "3", "--journal-size", "5000", "--kv-load-failure-rate", "0.03")
-        procs += [prefill, decode_a, decode_b]
+        stack.callback(decode_b.stop)
         trace_file = tmp / "proxy-spans.jsonl"
         proxy, url = start_proxy("--prefill", p_url, "--decode", a_url, "--decode", b_url, "--run-label", RUN,
                                  "--prefill-retries", "0", "--decode-retries", "0", "--eject-after-failures", "0",
                                  "--stall-threshold", str(STALL_THRESHOLD), "--otlp-endpoint", collector.otlp_grpc,
                                  "--otlp-protocol", "grpc", "--trace-file", str(trace_file),
                                  env={"OTEL_BSP_SCHEDULE_DELAY": "200"})
-        procs.append(proxy)
+        stack.callback(proxy.stop)
         vllm = VllmSpans(collector.otlp_http, {"vllm-prefill": p_url, "vllm-decode-a": a_url, "vllm-decode-b": b_url})
-        stoppables.append(vllm)
+        stack.callback(vllm.stop)
         prom = Prometheus(url.removeprefix("http://"))
-        stoppables.append(prom)
+        stack.callback(prom.stop)
         prom_spans = Prometheus(f"{HOST}:{collector.ports['prometheus']}")  # the span-derived metrics
-        stoppables.append(prom_spans)
+        stack.callback(prom_spans.stop)
 
         start = time.time()
         client = asyncio.run(drive(url, REQUESTS))
@@ -173,11 +174,6 @@ def run(tmp_path_factory):
         time.sleep(2.0)  # and the baseline draws decided in the same ticks
         stored = {t: jaeger.trace(t) for t in sent}
         yield Run(sent, policies, stored, client, jaeger, prom, prom_spans, start, end)
-    finally:
-        for s in reversed(stoppables):
-            s.stop()
-        for p in procs:
-            p.stop()
 
 
 def test_policy_traces_are_kept_whole(run):

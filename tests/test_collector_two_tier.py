@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -70,30 +71,33 @@ def kill(collector: Collector) -> None:
 @pytest.fixture(scope="module")
 def topology(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("two-tier")
-    stoppables = []
-    try:
-        stores = {name: Jaeger(f"jaeger-{name}") for name in "AB"}
-        stoppables += stores.values()
+    with ExitStack() as stack:  # every process stopped, whatever fails
+        stores = {}
+        for name in "AB":
+            stores[name] = Jaeger(f"jaeger-{name}")
+            stack.callback(stores[name].stop)
         taps = {name: tmp / f"sampler-{name}.jsonl" for name in "AB"}
         samplers = {name: Collector(sampler_config(taps[name]), env={"TEMPO_OTLP_ENDPOINT": stores[name].otlp_grpc},
                                     name=f"otelcol-sampler-{name}") for name in "AB"}
-        stoppables += samplers.values()
+        for sampler in samplers.values():
+            stack.callback(sampler.stop)
         for sampler in samplers.values():
             sampler.start()
         gateway = Collector(gateway_config([host_port(samplers[n].otlp_grpc) for n in "AB"]), name="otelcol-gateway")
-        stoppables.append(gateway)
+        stack.callback(gateway.stop)
         gateway.start()
         prefill, p_url = start_sim("prefill", "--seed", "1", "--journal-size", "5000")
+        stack.callback(prefill.stop)
         decode, d_url = start_sim("decode", "--seed", "2", "--journal-size", "5000", "--stall-seconds", "0.2",
                                   "--stall-rate", "0.2", "--stall-after-chunks", "3")
-        stoppables += [prefill, decode]
+        stack.callback(decode.stop)
         trace_file = tmp / "proxy-spans.jsonl"
         proxy, url = start_proxy("--prefill", p_url, "--decode", d_url, "--run-label", "two-tier",
                                  "--otlp-endpoint", gateway.otlp_grpc, "--otlp-protocol", "grpc",
                                  "--trace-file", str(trace_file), env={"OTEL_BSP_SCHEDULE_DELAY": "200"})
-        stoppables.append(proxy)
+        stack.callback(proxy.stop)
         vllm = VllmSpans(gateway.otlp_http, {"vllm-prefill": p_url, "vllm-decode": d_url})
-        stoppables.append(vllm)
+        stack.callback(vllm.stop)
 
         # Traffic for three phases; sampler B is killed after the first and restarted after the second.
         marks: dict[str, float] = {}
@@ -122,9 +126,6 @@ def topology(tmp_path_factory):
         yield {"sent": sent, "received": received, "stores": stores, "marks": marks, "client": client,
                "policies": Policies.of(sampler_config(taps["A"])["processors"]["tail_sampling"]),
                "proxy_metrics": proxy_metrics, "gateway_metrics": gateway_metrics}
-    finally:
-        for s in reversed(stoppables):
-            s.stop()
 
 
 def started(spans: list[dict]) -> float:
