@@ -59,11 +59,21 @@ class Policies:
         return out
 
 
-def read_trace_file(path: Path) -> dict[str, list[dict]]:
-    """Spans by trace id from OTLP-JSON lines (hex ids), each with its `service`."""
+def read_trace_file(path: Path, torn_ok: bool = False) -> dict[str, list[dict]]:
+    """Spans by trace id from OTLP-JSON lines (hex ids), each with its `service`.
+
+    `torn_ok`: the writer may have been killed mid-line and a restarted one appended to the
+    same line; the torn fragment's spans count as never written, the message after it is read."""
     traces: dict[str, list[dict]] = {}
     for line in path.read_text().splitlines():
-        for rs in json.loads(line).get("resourceSpans", []):
+        try:
+            message = json.loads(line)
+        except json.JSONDecodeError:
+            if not torn_ok:
+                raise
+            start = line.rfind('{"resourceSpans"')
+            message = json.loads(line[start:]) if start > 0 else {}
+        for rs in message.get("resourceSpans", []):
             resource = attrs(rs.get("resource", {}))
             for ss in rs.get("scopeSpans", []):
                 for span in ss.get("spans", []):
