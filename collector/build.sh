@@ -16,6 +16,7 @@ MANIFEST="$REPO/collector/builder-config.yaml"
 OUT="$REPO/.tools/otelcol-pdproxy"
 BIN="$OUT/otelcol-pdproxy"
 export GOTOOLCHAIN="${GOTOOLCHAIN:-local}"
+export GOFLAGS="${GOFLAGS:--buildvcs=false}"  # the generated module sits inside this git work tree
 
 fresh() { [ -x "$BIN" ] && [ "$BIN" -nt "$MANIFEST" ] && [ "$BIN" -nt "${BASH_SOURCE[0]}" ]; }
 

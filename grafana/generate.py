@@ -57,7 +57,8 @@ ITL_DEFINITIONS = {
 
 
 def selector(*matchers: str, base: tuple[str, ...] = ()) -> str:
-    return "{" + ", ".join([*base, *matchers]) + "}"
+    both = [*base, *matchers]
+    return "{" + ", ".join(both) + "}" if both else ""
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ BOTH = Scope(('model=~"$model"', 'run=~"$run"'))
 TRACE = Scope(('gen_ai_request_model=~"$model"', 'pd_deployment=~"$deployment"', 'pd_run=~"$run"'))
 SPANS = Scope(('service_name="pdproxy"', 'pd_run=~"$run"'))  # span_metrics
 RUN = Scope(('pd_run=~"$run"',))  # signal_to_metrics series without request attributes
+VLLM = Scope(())  # signal_to_metrics series from vLLM's llm_request spans: only service_name (the instance)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,6 +187,42 @@ def trace_table(title: str, description: str, target: dict) -> dict:
         "fieldConfig": {"defaults": {}, "overrides": []},
         "options": {"showHeader": True, "cellHeight": "sm"},
     }
+
+
+# Alerts: the rules in deploy/prometheus/rules/ are evaluated by Prometheus (data source-managed
+# rules); Grafana's alert list panel reads them from the Prometheus data source by its *name*.
+PROM_DATASOURCE_NAME = "Prometheus"  # grafana/provisioning/datasources/datasources.yaml
+ALERT_PREFIX = "Pdproxy"  # every alert in deploy/prometheus/rules/pdproxy-alerts.yml
+FIRING_ALERTS = f'ALERTS{{alertstate="firing", alertname=~"{ALERT_PREFIX}.+"}}'
+
+
+def alert_list(title: str, description: str) -> dict:
+    """Firing and pending pdproxy alerts; runbooks in docs/runbooks.md (each alert's runbook_url)."""
+    return {
+        "type": "alertlist",
+        "title": title,
+        "description": description,
+        "options": {
+            "viewMode": "list",
+            "groupMode": "default",
+            "groupBy": [],
+            "maxItems": 20,
+            "sortOrder": 3,  # importance: firing first
+            "dashboardAlerts": False,
+            "alertName": ALERT_PREFIX,
+            "alertInstanceLabelFilter": "",
+            "datasource": PROM_DATASOURCE_NAME,
+            "stateFilter": {"firing": True, "pending": True, "noData": False, "normal": False, "error": True},
+            "showInstances": True,
+        },
+    }
+
+
+def alert_annotation() -> dict:
+    """Firing pdproxy alerts as annotations on every time series panel (ALERTS is Prometheus's own series)."""
+    return {"datasource": PROM, "enable": True, "expr": FIRING_ALERTS, "iconColor": "red", "name": "pdproxy alerts",
+            "step": "15s", "titleFormat": "{{alertname}}", "tagKeys": "severity", "useValueForTime": False,
+            "textFormat": "{{severity}} run={{run}} model={{model}} stage={{stage}} role={{role}} {{exported_instance}}"}
 
 
 @dataclass
@@ -283,7 +321,7 @@ def dashboard(uid: str, title: str, description: str, panels: list[dict], variab
         "annotations": {"list": [{
             "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True, "hide": True,
             "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts", "type": "dashboard",
-        }]},
+        }, alert_annotation()]},
         "templating": {"list": variables},
         "panels": panels,
     }
@@ -331,6 +369,9 @@ def overview() -> dict:
                "percentunit"), w=4, h=4)
     L.add(stat("Output tokens/s", "Output tokens from the instances' usage reports.",
                prom(REQ.rate("pdproxy_tokens_total", 'type="output"')), "short", decimals=1), w=4, h=4)
+
+    L.add(alert_list("Firing alerts", "pdproxy alerts firing or pending in Prometheus (deploy/prometheus/rules/); "
+                                      "each alert's runbook_url points at its entry in docs/runbooks.md."), w=24, h=5)
 
     L.row("Traffic and errors")
     L.add(timeseries("Requests/s by HTTP status",
@@ -396,10 +437,20 @@ def overview() -> dict:
     L.add(timeseries("pd.kv_transfer p50 / p90 / p99 (upper bound)",
                      "Duration of the pd.kv_transfer span: hand-off + decode queue + KV pull + one decode step. "
                      "An upper bound on the transfer, never the transfer alone.",
-                     quantiles(REQ, "pdproxy_stage_duration_seconds", "kv_transfer", 'stage="kv_transfer"')), w=12)
+                     quantiles(REQ, "pdproxy_stage_duration_seconds", "kv_transfer", 'stage="kv_transfer"')), w=8)
+    L.add(timeseries("Decode: KV wait vs compute p50 / p99 (vLLM's spans)",
+                     "What pd.kv_transfer is made of, from vLLM's own llm_request spans on the decode instances "
+                     "(vLLM with --otlp-traces-endpoint, service.name containing 'decode'; derived by the "
+                     "collector): KV wait = the decode's time_in_queue (waiting for the remote KV, NIXL pull "
+                     "included); compute = its first step once the KV is there (time_in_model_prefill). "
+                     "pd.kv_transfer minus both is the proxy's hand-off and HTTP. All instances and runs.",
+                     [prom(VLLM.quantile(0.5, "pdproxy_trace_decode_kv_wait_seconds"), "KV wait p50"),
+                      prom(VLLM.quantile(0.99, "pdproxy_trace_decode_kv_wait_seconds"), "KV wait p99", exemplar=True),
+                      prom(VLLM.quantile(0.5, "pdproxy_trace_decode_first_step_seconds"), "first step p50"),
+                      prom(VLLM.quantile(0.99, "pdproxy_trace_decode_first_step_seconds"), "first step p99")]), w=8)
     L.add(timeseries("Proxy's own hand-off gap p50 / p99",
                      "Prefill response read → decode request sent: the proxy's share of the hand-off.",
-                     quantiles(REQ, "pdproxy_handoff_gap_seconds", "hand-off", qs=(0.5, 0.99))), w=12)
+                     quantiles(REQ, "pdproxy_handoff_gap_seconds", "hand-off", qs=(0.5, 0.99))), w=8)
 
     L.row("Throughput and per-instance load")
     L.add(timeseries("Tokens/s by type", "Input and output tokens from the instances' usage reports.",
@@ -481,6 +532,9 @@ def trace_variables() -> list[dict]:
 
 def from_traces() -> dict:
     L = Layout()
+    L.add(alert_list("Firing alerts", "pdproxy alerts firing or pending in Prometheus (deploy/prometheus/rules/), "
+                                      "PdproxySpansDropped and PdproxyTraceMetricsIncomplete among them: while those "
+                                      "fire, this dashboard undercounts."), w=24, h=5)
 
     L.row("Stage durations from span_metrics (every span, before sampling)")
     L.add(timeseries("Stage p50 / p99 from spans",
@@ -512,6 +566,11 @@ def from_traces() -> dict:
                      [prom(RUN.quantile(0.5, "pdproxy_trace_kv_transfer_estimated_seconds"), "estimate p50"),
                       prom(RUN.quantile(0.99, "pdproxy_trace_kv_transfer_estimated_seconds"), "estimate p99"),
                       prom(RUN.quantile(0.99, "pdproxy_trace_handoff_gap_seconds"), "hand-off p99")]), w=8)
+    L.add(timeseries("Instances' queue time p50 / p99 (vLLM's spans)",
+                     "vLLM's time_in_queue from its llm_request spans, per instance (service.name): on a P/D "
+                     "decode it holds the wait for the remote KV.",
+                     [prom(VLLM.quantile(q, "pdproxy_trace_instance_queue_seconds", by="service_name"),
+                           f"{{{{service_name}}}} p{round(q * 100)}") for q in (0.5, 0.99)]), w=8)
     L.add(timeseries("Share of requests with a stall: traces vs proxy",
                      ITL_DEFINITIONS["stall"],
                      [prom(f'{TRACE.rate("pdproxy_trace_requests_stalled_total")} / {TRACE.rate("pdproxy_trace_requests_total")}',

@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
 from pdproxy import __version__
-from pdproxy.bench import html, report, runner, table, traces
+from pdproxy.bench import attribution, html, report, runner, table, traces, waterfall
 from pdproxy.bench.records import Run
 from pdproxy.bench.report_cli import slo_from
 from pdproxy.bench.workload import TrafficClass, Workload
@@ -58,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-output", default="16", help="long prompt max_tokens (16)")
     p.add_argument("--long-every", type=float, default=1.5, help="one long prompt every S seconds (1.5); 0 = none")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="max-num-batched-tokens of the chunked set-up")
+    p.add_argument("--kv-pull-stalls-decode", action="store_true",
+                   help="P/D decodes start no step while a KV pull is in flight, as recorded on two real H200s "
+                        "(research/real-traces): the decode's streams stall on other requests' KV arrivals")
     p.add_argument("--batch-tokens", type=int, default=16384, help="max-num-batched-tokens of the other set-ups")
     p.add_argument("--preset", default="h200-llama8b-2gpu", help="simulator preset (default h200-llama8b-2gpu)")
     p.add_argument("--time-scale", type=float, default=4.0,
@@ -110,13 +114,13 @@ class Processes:
     logs: Path
     children: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, args: list[str]) -> Child:
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
         port = free_port()
         log = self.logs / f"{name}.log"
         fh = open(log, "wb")
         cmd = [sys.executable, "-m", "pdproxy", *args, "--host", HOST, "--port", str(port)]
         popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
         fh.close()
         child = Child(name, popen, log, f"http://{HOST}:{port}")
         self.children.append(child)
@@ -178,7 +182,8 @@ def setup_plan(name: str, args: argparse.Namespace, xpyd: tuple[int, int]) -> di
     if name == "pd":
         x, y = xpyd
         sims = [(f"prefill{i}", ["sim", "--role", "prefill", *common, *batch]) for i in range(x)]
-        sims += [(f"decode{i}", ["sim", "--role", "decode", *common, *batch]) for i in range(y)]
+        stall = ["--kv-pull-stalls-decode"] if args.kv_pull_stalls_decode else []
+        sims += [(f"decode{i}", ["sim", "--role", "decode", *common, *batch, *stall]) for i in range(y)]
         cond.update({"pd.mode": "pd", "gpu.count": x + y, "pd.prefill.count": x, "pd.decode.count": y,
                      "pd.kv_connector": "simulated NIXL pull", "vllm.enable_chunked_prefill": "false",
                      "vllm.max_num_batched_tokens": args.batch_tokens})
@@ -192,12 +197,16 @@ def setup_plan(name: str, args: argparse.Namespace, xpyd: tuple[int, int]) -> di
     return {"sims": sims, "conditions": cond}
 
 
-def run_setup(name: str, plan: dict[str, Any], wl: Workload, out: Path, console: Console) -> tuple[Run, Path]:
+def run_setup(name: str, plan: dict[str, Any], wl: Workload, out: Path,
+              console: Console) -> tuple[Run, Path, list[Path]]:
+    """One set-up's run, the proxy's trace file and the instances' (vLLM-shaped llm_request spans)."""
     procs = Processes(out / "logs")
     trace_file = out / f"traces-{name}.jsonl"
     records = out / f"records-{name}.jsonl"
+    sim_traces = [out / f"vllm-{name}-{n}.jsonl" for n, _ in plan["sims"]]
     try:
-        sims = [procs.start(f"{name}-{n}", a) for n, a in plan["sims"]]
+        sims = [procs.start(f"{name}-{n}", [*a, "--otlp-traces-file", str(f)], {"OTEL_SERVICE_NAME": f"vllm-{n}"})
+                for (n, a), f in zip(plan["sims"], sim_traces)]
         procs.wait_ready()
         serve = ["serve", "--trace-file", str(trace_file), "--run-label", name]
         for k, v in plan["conditions"].items():
@@ -221,7 +230,28 @@ def run_setup(name: str, plan: dict[str, Any], wl: Workload, out: Path, console:
             res = asyncio.run(runner.run_async(wl, target, records, header, progress=update))
     finally:
         procs.stop_all()  # the proxy flushes its trace file on SIGTERM
-    return Run(header=res.header, requests=res.records, summary=res.summary, source=str(records)), trace_file
+    return (Run(header=res.header, requests=res.records, summary=res.summary, source=str(records)), trace_file,
+            sim_traces)
+
+
+def _waterfall(rep: dict[str, Any], runs: list[Run], idx: traces.TraceIndex | None, console: Console) -> str | None:
+    """Print the waterfall of the candidate run's request with the longest gap the proxy saw; returns its id."""
+    if idx is None:
+        return None
+    label = (rep.get("verdict") or {}).get("candidate") or rep["runs"][-1]["label"]
+    infos = [i for i in idx.by_request.values()
+             if i.attrs.get("pd.run") == label and isinstance(i.attrs.get("pd.itl.max"), (int, float))]
+    if not infos:
+        return None
+    info = max(infos, key=lambda i: i.attrs["pd.itl.max"])
+    timeline = attribution.Timeline([*idx.by_request.values(), *idx.shadow.values()])
+    console.print(Text(f"\nWaterfall of {label}'s request with the longest gap at the proxy (pdproxy trace):",
+                       style="bold"))
+    record = next((r for run_ in runs if run_.label == label for r in run_.requests
+                   if r["request_id"] == info.request_id), None)
+    for line in waterfall.render(info, idx.spans_of.get(info.trace_id), timeline, record=record):
+        console.print(Text(line))
+    return info.request_id
 
 
 def run(args: argparse.Namespace) -> int:
@@ -250,25 +280,32 @@ def run(args: argparse.Namespace) -> int:
                   + f"; {args.duration:g}s per set-up, first {args.warmup:g}s warm-up; run directory {out}")
         runs: list[Run] = []
         trace_files: list[Path] = []
+        instance_files: list[Path] = []
         for name in setups:
-            run_, tf = run_setup(name, setup_plan(name, args, xpyd), wl, out, err)
+            run_, tf, sim_tf = run_setup(name, setup_plan(name, args, xpyd), wl, out, err)
             runs.append(run_)
             trace_files.append(tf)
-        existing = [str(t) for t in trace_files if t.exists()]
-        idx = traces.read_traces(existing) if existing else None
+            instance_files += sim_tf
+        existing = [str(t) for t in trace_files + instance_files if t.exists()]
+        idx = traces.read_traces(existing, keep_spans=True) if existing else None
         rep = report.build(runs, idx, slo=slo_from(args), candidate="pd" if "pd" in setups else None)
         (out / "report.json").write_text(json.dumps(rep, indent=1))
         (out / "report.html").write_text(html.render(rep))
         table.render(rep, out_console, drilldown=True, drilldown_rows=2)
+        slowest = _waterfall(rep, runs, idx, out_console)
         wall = time.monotonic() - t0
         out_console.print(f"\nRun directory: {out}")
         for r, tf in zip(runs, trace_files):
             out_console.print(f"  {r.label:8s} records {Path(r.source).name}, traces {tf.name}"
                               + ("" if tf.exists() else " (missing: the proxy wrote no trace file)"))
-        out_console.print(f"  report   report.html (plots), report.json; process logs in logs/\n"
+        all_traces = " ".join(f"--traces {t.name}" for t in trace_files + instance_files if t.exists())
+        out_console.print(f"  instances' llm_request spans: {', '.join(t.name for t in instance_files)}\n"
+                          f"  report   report.html (plots), report.json; process logs in logs/\n"
                           f"Re-run the report: pdproxy report {' '.join(Path(r.source).name for r in runs)} "
-                          f"--traces {' --traces '.join(t.name for t in trace_files)} --html report.html"
-                          f"  (in {out})\nWall time: {wall:.1f}s")
+                          f"{all_traces} --html report.html  (in {out})"
+                          + (f"\nOne request's waterfall: pdproxy trace {slowest} {all_traces} --records "
+                             f"{' --records '.join(Path(r.source).name for r in runs)}" if slowest else "")
+                          + f"\nWall time: {wall:.1f}s")
         return 0
     except DemoError as e:
         err.print(f"[red]pdproxy demo: {e}[/]")

@@ -13,6 +13,7 @@ import copy
 import functools
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -64,9 +65,9 @@ def validate(config: Path, binary: Path | None = None, env: dict[str, str] | Non
 def on_loopback(config: dict) -> tuple[dict, dict[str, int]]:
     """A copy of `config` whose listeners bind free ports on 127.0.0.1, and those ports.
 
-    Ports are named `otlp/grpc`, `otlp/http` (per receiver id), `prometheus` (per exporter id),
-    `health_check` and `telemetry` (the collector's own metrics, which would otherwise all take
-    :8888)."""
+    Ports are named `otlp/grpc`, `otlp/http` (receiver id / protocol), `prometheus` (exporter id),
+    `health_check` (extension id; `jaeger_query/http` for an extension's `http:`/`grpc:` servers)
+    and `telemetry` (the collector's own metrics, which would otherwise all take :8888)."""
     cfg = copy.deepcopy(config)
     ports: dict[str, int] = {}
 
@@ -82,8 +83,13 @@ def on_loopback(config: dict) -> tuple[dict, dict[str, int]]:
         if eid.split("/")[0] == "prometheus":
             exporter["endpoint"] = listen(eid)
     for xid, extension in (cfg.get("extensions") or {}).items():
-        if xid.split("/")[0] == "health_check":
+        if not extension:
+            continue
+        if "endpoint" in extension:
             extension["endpoint"] = listen(xid)
+        for proto in ("http", "grpc"):
+            if isinstance(extension.get(proto), dict):
+                extension[proto]["endpoint"] = listen(f"{xid}/{proto}")
     telemetry = cfg.setdefault("service", {}).setdefault("telemetry", {})
     telemetry["metrics"] = {"level": "basic", "readers": [{"pull": {"exporter": {"prometheus": {
         "host": HOST, "port": free_port()}}}}]}
@@ -122,21 +128,27 @@ class Collector:
         return self.url("otlp/http")
 
     def start(self, timeout: float = 30.0) -> None:
+        """Start, and return once it is ready: health_check says so, or without one (other
+        distributions), every receiver listens."""
         self.proc = Proc([str(self.binary), f"--config={self.config_path}"], env=self.env, name=self.name)
-        health = next(p for p in self.ports if p.split("/")[0] == "health_check")
+        if "health_check" in self.ports:
+            # health_check answers 503 until every pipeline has started, then 200
+            self.proc.wait_http(self.url("health_check"), timeout=timeout)
+            return
+        ids = self.config.get("receivers") or {}
+        receivers = [port for name, port in self.ports.items() if any(name.startswith(rid + "/") for rid in ids)]
         deadline = time.monotonic() + timeout
-        while True:  # health_check answers 200 only once every pipeline has started
-            if self.proc.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited {self.proc.popen.returncode}:\n{self.proc.output()[-6000:]}")
-            try:
-                with urllib.request.urlopen(self.url(health), timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} not healthy after {timeout}s:\n{self.proc.output()[-6000:]}")
-            time.sleep(0.1)
+        for port in receivers:
+            while True:
+                if self.proc.popen.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited {self.proc.popen.returncode}:\n{self.proc.output()[-6000:]}")
+                try:
+                    socket.create_connection((HOST, port), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{self.name}: nothing listens on {port}:\n{self.proc.output()[-6000:]}")
+                    time.sleep(0.1)
 
     def stop(self) -> None:
         if self.proc:

@@ -66,10 +66,12 @@ def pdproxy(*args: str, env: dict[str, str] | None = None, name: str = "pdproxy"
     return Proc([sys.executable, "-m", "pdproxy", *args], env=env, name=name)
 
 
-def start_sim(role: str, *extra: str, port: int | None = None, model: str = "sim-model") -> tuple[Proc, str]:
+def start_sim(role: str, *extra: str, port: int | None = None, model: str = "sim-model",
+              env: dict[str, str] | None = None) -> tuple[Proc, str]:
     """A simulated vLLM instance; returns the process and its base URL."""
     port = port or free_port()
-    proc = pdproxy("sim", "--role", role, "--host", HOST, "--port", str(port), "--model", model, *extra, name=f"sim-{role}")
+    proc = pdproxy("sim", "--role", role, "--host", HOST, "--port", str(port), "--model", model, *extra, env=env,
+                   name=f"sim-{role}")
     url = f"http://{HOST}:{port}"
     proc.wait_http(url + "/health")
     return proc, url

@@ -18,10 +18,9 @@ import pytest
 from gotools import Collector, collector_binary, load_config
 from ledgers import ScriptedGroup, counter, spans_in
 from procs import HOST, free_port, start_proxy
+from test_reliability_telemetry import BODY, SPANS_PER_REQUEST, untraced_latencies
 
-BODY = {"model": "m", "prompt": "a b c", "max_tokens": 4, "stream": False}
-SPANS_PER_REQUEST = 5  # root + queue, prefill, kv_transfer, decode
-PHASES = {"up": 4.0, "down": 5.0, "restarted": 10.0}  # seconds of load in each
+PHASES = {"up": 4.0, "stopped": 5.0, "restarted": 10.0}  # seconds of load in each
 MAX_REQUESTS = 3000  # bound on the whole load loop
 
 pytestmark = pytest.mark.timeout(240)
@@ -53,24 +52,12 @@ class Load:
         return sum(len(v) for v in self.latencies.values())
 
 
-def sequential_latencies(url: str, n: int) -> list[float]:
-    with httpx.Client(timeout=10) as client:
-        for _ in range(10):
-            client.post(url + "/v1/completions", json=BODY)  # warm-up
-        out = []
-        for _ in range(n):
-            started = time.monotonic()
-            assert client.post(url + "/v1/completions", json=BODY).status_code == 200
-            out.append(time.monotonic() - started)
-    return out
-
-
 def accepted_spans(collector: Collector) -> float:
     """Spans the collector's OTLP receiver accepted since it started (its own telemetry)."""
     return counter(collector.metrics(), "otelcol_receiver_accepted_spans")
 
 
-def test_collector_restart_under_load(tmp_path):
+def test_collector_restart_under_load(tmp_path, capsys):
     binary = collector_binary()
     p, d = ScriptedGroup("prefill", 1), ScriptedGroup("decode", 1)
     # The users' configuration on loopback ports, plus a file exporter on the unsampled pipeline
@@ -81,12 +68,7 @@ def test_collector_restart_under_load(tmp_path):
     collector = Collector(config, binary=binary, env={"TEMPO_OTLP_ENDPOINT": f"{HOST}:{free_port()}"})  # no Tempo here
     proxy = None
     try:
-        baseline_proxy, baseline_url = start_proxy("--prefill", p.url, "--decode", d.url, "--health-check-interval", "0",
-                                                   "--no-tracing")
-        try:
-            baseline = sequential_latencies(baseline_url, 150)
-        finally:
-            baseline_proxy.stop()
+        baseline = untraced_latencies(p, d)
 
         collector.start()
         proxy, url = start_proxy("--prefill", p.url, "--decode", d.url, "--health-check-interval", "0",
@@ -95,9 +77,9 @@ def test_collector_restart_under_load(tmp_path):
         load = Load(url)
         load.thread.start()
         time.sleep(PHASES["up"])
-        load.phase = "down"
+        load.phase = "stopped"
         collector.stop()  # SIGTERM, as a rolling restart or an orchestrator does
-        time.sleep(PHASES["down"])
+        time.sleep(PHASES["stopped"])
         collector.config["exporters"]["file/received"]["path"] = str(tmp_path / "run-2.jsonl")
         collector.write_config()
         load.phase = "restarted"
@@ -126,23 +108,22 @@ def test_collector_restart_under_load(tmp_path):
         second = len(spans_in(tmp_path / "run-2.jsonl"))
         resumed = f"{resumed_after:.1f} s" if resumed_after is not None else "never"
 
-
         lat = {k: sorted(v) for k, v in load.latencies.items()}
         base = statistics.median(baseline)
-        print(f"\nmedian latency: no tracing {base * 1000:.2f} ms; collector up {statistics.median(lat['up']) * 1000:.2f} ms, "
-              f"stopped {statistics.median(lat['down']) * 1000:.2f} ms, restarted {statistics.median(lat['restarted']) * 1000:.2f} ms"
-              f"; slowest request: up {lat['up'][-1] * 1000:.1f} ms, stopped {lat['down'][-1] * 1000:.1f} ms, "
-              f"restarted {lat['restarted'][-1] * 1000:.1f} ms")
-        print(f"requests: up {len(lat['up'])}, stopped {len(lat['down'])}, restarted {len(lat['restarted'])}; "
-              f"spans made {made}: received by the first run {first}, by the second run {second}, counted as dropped "
-              f"{dropped:.0f}; export resumed {resumed} after the restart")
+        with capsys.disabled():  # the outage figures are part of CI's output
+            medians = ", ".join(f"{phase} {statistics.median(v) * 1000:.2f} ms" for phase, v in lat.items())
+            slowest = ", ".join(f"{phase} {v[-1] * 1000:.1f} ms" for phase, v in lat.items())
+            counts = ", ".join(f"{phase} {len(v)}" for phase, v in lat.items())
+            print(f"\nmedian latency: no tracing {base * 1000:.2f} ms; collector {medians}; slowest request: {slowest}")
+            print(f"requests: {counts}; spans made {made}: received by the first run {first}, by the second run "
+                  f"{second}, counted as dropped {dropped:.0f}; export resumed {resumed} after the restart")
         assert load.failures == 0
         for phase, values in lat.items():
             assert len(values) >= 20, phase
             assert statistics.median(values) < base * 2 + 0.010, phase  # tracing costs little, the outage nothing
             assert values[-1] < 1.0, phase  # no request ever waits for the exporter
         assert first + second + dropped == made, "every span arrived or is counted as dropped"
-        assert dropped >= len(lat["down"]) * SPANS_PER_REQUEST * 0.5, "the outage's spans are counted as dropped"
+        assert dropped >= len(lat["stopped"]) * SPANS_PER_REQUEST * 0.5, "the outage's spans are counted as dropped"
         # on its own, within the proxy's gRPC reconnect backoff (capped at 2 s, plus jitter) after the
         # collector is healthy again (about a second after start)
         assert resumed_after is not None and resumed_after < 5.0, "export resumes on its own"

@@ -144,6 +144,9 @@ def test_dashboard_model(name):
                 cells.add((x, y))
         if p["type"] == "row":
             continue
+        if p["type"] == "alertlist":  # reads Prometheus's rules, no queries: see test_alert_list_and_annotations
+            assert p.get("description") and "targets" not in p, p["title"]
+            continue
         assert p["datasource"]["uid"] in {"prometheus", "tempo"}, p["title"]
         assert p.get("description"), f"{p['title']} has no description"
         assert p["targets"], p["title"]
@@ -171,6 +174,8 @@ def test_overview_has_the_required_panels():
     panel("Tail ITL across requests", "pdproxy_request_itl_p99_seconds_bucket")
     panel("stall", "pdproxy_requests_with_stall_total")
     panel("kv_transfer", 'stage="kv_transfer"')
+    panel("KV wait vs compute", "pdproxy_trace_decode_kv_wait_seconds_bucket",
+          "pdproxy_trace_decode_first_step_seconds_bucket")
     panel("Tokens/s", "pdproxy_tokens_total")
     panel("per instance", "pdproxy_instance_inflight")
     panel("by deployment", "by (le, deployment)")
@@ -202,13 +207,17 @@ def test_latency_quantile_panels_carry_one_exemplar_query():
 def test_overview_uses_only_contract_metrics_and_labels():
     base, metrics = contract_metrics()
     assert base == ("route", "model", "mode", "deployment", "run")
+    collector_series, collector_labels = collector_prometheus_names()
     for p, t in prom_targets(load_dashboards()["pdproxy-overview.json"]):
         expr = t["expr"]
         used = {series_base(m) for m in metric_names(expr)}
         assert used, expr
         allowed = {"le"}
         for m in used:
-            assert m in metrics, f"{p['title']}: {m} is not in docs/telemetry.md"
+            if m not in metrics and m + "_bucket" in collector_series:  # derived by the collector from spans
+                allowed |= collector_labels
+                continue
+            assert m in metrics, f"{p['title']}: {m} is not in docs/telemetry.md nor produced by the collector"
             allowed |= set(base) | metrics[m][1]
         labels = set(re.findall(r"([a-z_]+)\s*(?:=~|!~|!=|=)\s*\"", expr))
         for group in re.findall(r"\b(?:by|ignoring|on)\s*\(([^)]*)\)", expr):
@@ -251,10 +260,34 @@ def test_every_promql_expression_parses_with_promtool(tmp_path):
                 if inner.startswith("pdproxy") or "{" in inner:
                     n += 1
                     rules.append({"record": f"pdproxy_dashboard:q{n}", "expr": substitute(inner, values, "1m")})
+        for a in d["annotations"]["list"]:
+            if a["datasource"].get("type") == "prometheus":
+                n += 1
+                rules.append({"record": f"pdproxy_dashboard:q{n}", "expr": a["expr"]})
     path = tmp_path / "rules.yaml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
     r = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True)
     assert r.returncode == 0 and f"SUCCESS: {n} rules found" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("name", sorted(load_dashboards()))
+def test_alert_list_and_annotations(name):
+    """Firing alerts show on both dashboards: an alert list panel reading the Prometheus data source's
+    rules (by the name provisioning gives it) and an annotation query on Prometheus's ALERTS series."""
+    d = load_dashboards()[name]
+    ds = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "datasources.yaml").read_text())["datasources"]
+    prom_name = next(s["name"] for s in ds if s["uid"] == "prometheus")
+    alert_rules = yaml.safe_load((REPO / "deploy" / "prometheus" / "rules" / "pdproxy-alerts.yml").read_text())
+    alerts = [r["alert"] for g in alert_rules["groups"] for r in g["rules"]]
+    (panel,) = [p for p in panels(d) if p["type"] == "alertlist"]
+    options = panel["options"]
+    assert options["datasource"] == prom_name
+    assert alerts and all(a.lower().startswith(options["alertName"].lower()) for a in alerts)
+    assert options["stateFilter"]["firing"] and not options["stateFilter"]["normal"]
+    assert panel["gridPos"]["y"] <= 4, "the alert list belongs at the top"
+    (annotation,) = [a for a in d["annotations"]["list"] if a["datasource"].get("type") == "prometheus"]
+    assert annotation["enable"] and annotation["expr"].startswith('ALERTS{alertstate="firing"')
+    assert re.search(r'alertname=~"(\w+)\.\+"', annotation["expr"]).group(1) == options["alertName"]
 
 
 # ---------------------------------------------------------------------------------------------

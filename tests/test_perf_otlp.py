@@ -36,3 +36,20 @@ def test_encoding_matches_the_sdk():
     resource, scope = frame_prefix(RESOURCE, "pdproxy", "9.9")
     decoded = ExportTraceServiceRequest.FromString(export_request(resource, scope, [encode_span(s) for s in ours]))
     assert MessageToDict(decoded) == MessageToDict(encode_spans(theirs))
+
+
+def test_span_events_match_the_sdk():
+    from opentelemetry.sdk.trace import Event
+
+    events = [(12, "pd.stall", {"pd.stall.duration": 0.15, "pd.stall.tokens": 2}), (14, "pd.stall", {})]
+    ours = SpanData("pd.decode", KIND_CLIENT, TRACE, CHILD, ROOT, 11, 15, {"vllm.request_phase": "decode"},
+                    events=events)
+    ctx = SpanContext(TRACE, CHILD, False, TraceFlags(1))
+    theirs = ReadableSpan(name="pd.decode", context=ctx, parent=SpanContext(TRACE, ROOT, False, TraceFlags(1)),
+                          resource=Resource(RESOURCE), attributes={"vllm.request_phase": "decode"},
+                          events=[Event(name, dict(attrs), timestamp=t) for t, name, attrs in events],
+                          kind=SpanKind.CLIENT, status=Status(StatusCode.UNSET), start_time=11, end_time=15,
+                          instrumentation_scope=InstrumentationScope("pdproxy", "9.9"))
+    resource, scope = frame_prefix(RESOURCE, "pdproxy", "9.9")
+    decoded = ExportTraceServiceRequest.FromString(export_request(resource, scope, [encode_span(ours)]))
+    assert MessageToDict(decoded) == MessageToDict(encode_spans([theirs]))

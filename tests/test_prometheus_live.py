@@ -7,11 +7,14 @@ load and records its own timings: TTFT, every token gap (split per token from st
 docs/telemetry.md defines it), per-request tail ITL and TPOT. Then:
 
 * every expression of every dashboard runs as a range query with the dashboards' default variable
-  values and must return data (the collector-derived series of pdproxy-traces.json cannot exist
-  here, with no otelcol-contrib: those must evaluate without error and are listed as such);
+  values and must return data (the collector-derived series of pdproxy-traces.json do not exist
+  here, with no collector: those must evaluate without error; tests/test_collector_e2e.py runs
+  them all with the real collector);
 * the quantile panels, evaluated over the measured window with model/deployment/run set, must agree
   with the client's numpy percentiles within the histogram's bucket resolution;
-* counts, error and stall shares, exemplars and the variables' label values are checked too.
+* counts, error and stall shares, exemplars and the variables' label values are checked too;
+* the shipped recording rules and alerts (deploy/prometheus/rules/) load healthy, the recordings
+  equal their expressions on this data, and the alerts this load should trip are pending.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from procs import HOST, Proc, free_port, start_proxy, start_sim
 from test_grafana_dashboards import load_dashboards, prom_targets, substitute, variable_values
 
 REPO = Path(__file__).resolve().parents[1]
+RULES = REPO / "deploy" / "prometheus" / "rules"
 RUN = "live-test"
 MODEL = "sim-model"
 STALL_THRESHOLD = 0.1
@@ -65,6 +69,7 @@ class Record:
     chunk_tokens: list[int] = field(default_factory=list)
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    request_id: str = ""  # sent as X-Request-Id: the proxy's pd.request_id, to match its trace
 
     @property
     def ok(self) -> bool:
@@ -93,7 +98,7 @@ class Record:
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, i: int, chat: bool, abort_after: int | None) -> Record:
-    rec = Record(chat=chat)
+    rec = Record(chat=chat, request_id=f"live-{i}-{time.monotonic_ns()}")
     prompt = " ".join(f"w{j}" for j in range(32 + (i * 7) % 64))
     body = {"model": MODEL, "max_tokens": 24 + (i % 3) * 8, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -103,7 +108,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, i: int, chat: bo
         body["prompt"] = prompt
     path = "/v1/chat/completions" if chat else "/v1/completions"
     rec.sent_ns = time.perf_counter_ns()
-    async with session.post(url + path, json=body) as resp:
+    async with session.post(url + path, json=body, headers={"X-Request-Id": rec.request_id}) as resp:
         rec.status = resp.status
         if resp.status != 200:
             await resp.read()
@@ -172,6 +177,7 @@ class Prometheus:
             pytest.skip("prometheus not installed (Debian package prometheus; .ci/run installs it)")
         self.dir = Path(tempfile.mkdtemp(prefix="pdproxy-prom-"))
         config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+                  "rule_files": [str(RULES / "*.yml")],  # the shipped recording rules and alerts, as they are
                   "scrape_configs": [{"job_name": "pdproxy", "static_configs": [{"targets": [target]}]}]}
         (self.dir / "prometheus.yml").write_text(yaml.safe_dump(config))
         port = free_port()
@@ -184,6 +190,13 @@ class Prometheus:
     def api(self, path: str, **params) -> dict:
         data = urllib.parse.urlencode(params).encode()
         with urllib.request.urlopen(urllib.request.Request(self.url + path, data=data), timeout=10) as r:
+            body = json.loads(r.read())
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def get(self, path: str) -> dict:
+        """The endpoints that only answer GET (/api/v1/rules, /api/v1/alerts)."""
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
             body = json.loads(r.read())
         assert body["status"] == "success", body
         return body["data"]
@@ -284,7 +297,8 @@ def test_every_dashboard_expression_returns_data(run):
         checked += 1
         if not has_data:
             empty.append(f"{name} / {title}: {expr}")
-    print(f"\n{checked} expressions returned data; {len(collector_only)} need otelcol-contrib (not runnable here):")
+    print(f"\n{checked} expressions returned data; {len(collector_only)} read collector-derived series, run with the "
+          "collector in tests/test_collector_e2e.py:")
     print("\n".join("  " + c for c in collector_only))
     assert not empty, "expressions without data:\n" + "\n".join(empty) + "\n\nproxy log tail:\n" + run.proxy_log[-3000:]
     assert checked >= 55
@@ -492,3 +506,110 @@ def test_exemplars_link_observations_to_trace_ids(run):
     tail = run.prom.api("/api/v1/query_exemplars", query=f'pdproxy_request_itl_max_seconds_bucket{{run="{RUN}"}}',
                         start=f"{run.start:.3f}", end=f"{run.end:.3f}")
     assert any(float(e["value"]) > STALL_THRESHOLD for s in tail for e in s["exemplars"]), "stalled requests carry exemplars"
+
+
+# ---------------------------------------------------------------------------------------------
+# The shipped rules (deploy/prometheus/rules/) under this load
+
+
+def rule_state(prom: Prometheus, timeout: float = 45.0) -> list[dict]:
+    """The rule groups once every rule has been evaluated (the SLO group runs every 30 s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        groups = prom.get("/api/v1/rules")["groups"]
+        if all(r.get("lastEvaluation", "").startswith("0001") is False and r["health"] != "unknown"
+               for g in groups for r in g["rules"]) or time.monotonic() > deadline:
+            return groups
+        time.sleep(1)
+
+
+def test_rules_load_and_evaluate_healthy(run):
+    files = [yaml.safe_load(p.read_text())["groups"] for p in sorted(RULES.glob("*.yml"))]
+    expected = {g["name"]: len(g["rules"]) for groups in files for g in groups}
+    groups = rule_state(run.prom)
+    assert {g["name"]: len(g["rules"]) for g in groups} == expected
+    unhealthy = [(r["name"], r["health"], r.get("lastError")) for g in groups for r in g["rules"] if r["health"] != "ok"]
+    assert not unhealthy, unhealthy
+    kinds = [r["type"] for g in groups for r in g["rules"]]
+    print(f"\n{len(groups)} rule groups loaded: {kinds.count('recording')} recording rules, {kinds.count('alerting')} alerts, all healthy")
+    assert kinds.count("alerting") >= 12
+
+
+RECORDED = {
+    "run_model_deployment:pdproxy_ttft_seconds:p99_5m": "histogram_quantile(0.99, sum by (run, model, deployment, le) (rate(pdproxy_ttft_seconds_bucket[5m])))",
+    "run_model_deployment:pdproxy_request_itl_max_seconds:p99_5m":
+        "histogram_quantile(0.99, sum by (run, model, deployment, le) (rate(pdproxy_request_itl_max_seconds_bucket[5m])))",
+    'run_model_deployment_stage:pdproxy_stage_duration_seconds:p99_5m{stage="kv_transfer"}':
+        'histogram_quantile(0.99, sum by (run, model, deployment, stage, le) (rate(pdproxy_stage_duration_seconds_bucket{stage="kv_transfer"}[5m])))',
+    "run_model_deployment:pdproxy_requests_with_stall:ratio_rate5m":
+        "(sum by (run, model, deployment) (rate(pdproxy_requests_with_stall_total[5m]))"
+        " or 0 * sum by (run, model, deployment) (rate(pdproxy_request_itl_max_seconds_count[5m])))"
+        " / sum by (run, model, deployment) (rate(pdproxy_request_itl_max_seconds_count[5m]))",
+    "run_model_deployment:pdproxy_ttft_slo_miss:ratio_rate5m":
+        'sum by (run, model, deployment) (rate(pdproxy_ttft_seconds_count[5m]) - ignoring(le) rate(pdproxy_ttft_seconds_bucket{le="2.0"}[5m]))'
+        " / sum by (run, model, deployment) (rate(pdproxy_ttft_seconds_count[5m]))",
+}
+
+
+def test_recording_rules_equal_their_expressions_under_load(run):
+    rule_state(run.prom)
+    sel = f'run="{RUN}", model="{MODEL}"'
+    rows = []
+    for recorded, direct in RECORDED.items():
+        name, _, matchers = recorded.partition("{")
+        extra = ", " + matchers.rstrip("}") if matchers else ""
+        # an evaluation after the load (the SLO group runs every 30 s)
+        deadline = time.monotonic() + 40
+        while True:
+            got = run.prom.instant(f"timestamp({name}{{{sel}{extra}}})", time.time())
+            if (got and min(float(s["value"][1]) for s in got) > run.end) or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        # the shadow is a single instance here: no kv_transfer stage
+        assert {s["metric"]["deployment"] for s in got} == {"primary"} | ({"shadow"} if "kv_transfer" not in recorded else set()), got
+        for s in got:
+            at = float(s["value"][1])  # when the rule wrote it: evaluate the expression at that instant
+            deployment = s["metric"]["deployment"]
+            one = f'{name}{{{sel}{extra}, deployment="{deployment}"}}'
+            value = float(run.prom.instant(one, at)[0]["value"][1])
+            expect = [x for x in run.prom.instant(direct, at) if x["metric"].get("deployment") == deployment
+                      and x["metric"].get("run") == RUN and x["metric"].get("model") == MODEL]
+            assert len(expect) == 1, (direct, expect)
+            rows.append(f"{name:62s} {deployment:8s} recorded {value:.4f}  expression {float(expect[0]['value'][1]):.4f}")
+            assert math.isfinite(value), rows[-1]
+            assert value == pytest.approx(float(expect[0]["value"][1]), rel=1e-6, abs=1e-9), rows[-1]
+    print("\n" + "\n".join(rows))
+    # the series the alerts read exist for this run too
+    for name in ("run_model_deployment:pdproxy_requests:rate5m", "run_model_deployment:pdproxy_requests_failed:ratio_rate5m",
+                 "run_model_deployment_stage:pdproxy_request_errors_upstream:ratio_rate5m"):
+        assert run.prom.instant(f'{name}{{run="{RUN}"}}', time.time()), name
+    signals = {s["metric"]["signal"] for s in run.prom.instant(f'run_model_signal:pdproxy_shadow_vs_primary:5m{{run="{RUN}"}}', time.time())}
+    assert signals == {"ttft_p90_ratio", "tail_itl_max_p90_ratio", "failed_ratio_diff"}
+
+
+def test_alerts_follow_the_live_series(run):
+    """Spans go to a dead port here: the telemetry-blind alert must be active. The rest must agree with
+    the series they read: an alert is active exactly when its condition holds on this data."""
+    rule_state(run.prom)
+    active = {}
+    for a in run.prom.get("/api/v1/alerts")["alerts"]:
+        active.setdefault(a["labels"]["alertname"], []).append(a)
+    print(f"\nactive alerts: { {k: [a['state'] for a in v] for k, v in active.items()} }")
+    dropped = active.get("PdproxySpansDropped", [])
+    assert "export_failed" in {a["labels"]["reason"] for a in dropped}
+    assert all(a["state"] in {"pending", "firing"} for a in dropped)
+
+    # the instance alerts read the backend address from exported_instance (honor_labels: false)
+    health = run.prom.instant("pdproxy_instance_healthy", time.time())
+    assert health and all(s["metric"]["exported_instance"].startswith(HOST) and s["metric"]["instance"] != s["metric"]["exported_instance"]
+                          for s in health), health
+    ejected = [s for s in health if float(s["value"][1]) == 0]
+    assert bool(ejected) == ("PdproxyInstanceEjected" in active)
+
+    # error ratio by stage: active for exactly the stages over the bound
+    ratios = run.prom.instant(f'run_model_deployment_stage:pdproxy_request_errors_upstream:ratio_rate5m{{deployment="primary", run="{RUN}"}}'
+                              f' > 0.02 and on (run, model, deployment) run_model_deployment:pdproxy_requests:rate5m > 0.1', time.time())
+    assert {s["metric"]["stage"] for s in ratios} == {a["labels"]["stage"] for a in active.get("PdproxyStageErrorRatioHigh", [])}
+    for quiet in ("PdproxyNoHealthyInstance", "PdproxyAdmissionQueueBacklog", "PdproxyOverloadRefusals",
+                  "PdproxyTTFTSLOBurnSlow", "PdproxyTraceMetricsIncomplete"):
+        assert quiet not in active, (quiet, active[quiet])

@@ -97,15 +97,19 @@ def serve_load(url):
     return latencies
 
 
+def untraced_latencies(p: ScriptedGroup, d: ScriptedGroup) -> list[float]:
+    """The same load through a proxy that creates no spans: the yardstick for serving latency."""
+    proxy, url = start_proxy("--prefill", p.url, "--decode", d.url, "--health-check-interval", "0", "--no-tracing")
+    try:
+        return serve_load(url)
+    finally:
+        proxy.stop()
+
+
 @pytest.mark.parametrize("collector", [black_hole, refusing, slow, down], ids=["silent", "refusing", "slow", "down"])
 def test_collector_outage_leaves_serving_latency_alone_and_counts_every_span(backends, collector):
     p, d = backends
-    baseline_proxy, baseline_url = start_proxy("--prefill", p.url, "--decode", d.url, "--health-check-interval", "0",
-                                               "--no-tracing")
-    try:
-        baseline = serve_load(baseline_url)
-    finally:
-        baseline_proxy.stop()
+    baseline = untraced_latencies(p, d)
     endpoint, close, received = collector()
     proxy, url = start_proxy("--prefill", p.url, "--decode", d.url, "--health-check-interval", "0",
                              "--otlp-endpoint", endpoint, "--otlp-protocol", "http/protobuf", "--span-queue-size", "64",

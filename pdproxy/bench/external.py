@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pdproxy.bench.records import RecordError, Run
+from pdproxy.bench.records import RecordError, Run, open_text
 
 _UNIT = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "sec": 1.0}
 
@@ -31,14 +31,14 @@ def detect(path: str | Path) -> str:
     if p.is_dir():
         return "aiperf" if (p / "profile_export.jsonl").is_file() else "unknown"
     try:
-        with open(p) as fh:
+        with open_text(p) as fh:
             for line in fh:
                 if line.strip():
                     obj = json.loads(line)
                     break
             else:
                 return "unknown"
-    except (OSError, ValueError):
+    except (OSError, EOFError, ValueError):
         return "unknown"
     if isinstance(obj, dict) and obj.get("type") in ("run", "request", "summary"):
         return "pdproxy"

@@ -12,7 +12,7 @@ import html
 import json
 from typing import Any
 
-from pdproxy.bench.table import condition_rows, metric_rows, ms, pairing_text, results_title
+from pdproxy.bench.table import condition_rows, metric_rows, ms, pairing_text, results_title, split_text, stalls_text
 
 CSS = """
 body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1a1a1a;max-width:1400px}
@@ -158,7 +158,9 @@ def _drill(report: dict[str, Any]) -> str:
                 rows.append([e["label"], title, r["request_id"], r["trace_id"] or "—", str(r["class"]),
                              ms(r["ttft"]), ms(r["itl_max"]),
                              *[ms(st.get(s)) if s in st else "—" for s in ("queue", "prefill", "kv_transfer",
-                                                                           "decode")]])
+                                                                           "decode")],
+                             split_text(r.get("split") or {}) or "—",
+                             stalls_text(r.get("stalls") or [], r.get("stall_count", 0)) or "—"])
     failed = []
     for e in report["runs"]:
         for r in e["failed"]:
@@ -166,7 +168,7 @@ def _drill(report: dict[str, Any]) -> str:
                            str(r.get("error")), str(r.get("failed_stage") or ""), str(r.get("error_detail") or "")])
     out = "<h2>Slowest requests (drill-down by trace id)</h2>" + _table(
         ["run", "by", "request id", "trace id", "class", "TTFT ms", "max gap ms", "queue", "prefill", "kv_transfer",
-         "decode"], rows, num_from=5)
+         "decode", "split by vLLM's spans (ms)", "stalls: cause (with)"], rows, num_from=5)
     if failed:
         out += "<h2>Failed requests</h2>" + _table(
             ["run", "request id", "trace id", "status", "reason", "failed stage", "detail"], failed, num_from=99)

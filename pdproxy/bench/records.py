@@ -15,6 +15,7 @@ Reading is tolerant of a missing summary (a run cut short still has its request 
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,15 +113,22 @@ class RecordWriter:
         self._fh.close()
 
 
+def open_text(path: str | Path) -> TextIO:
+    """A text file, decompressed on the fly when it is gzipped (e.g. records kept as .jsonl.gz)."""
+    with open(path, "rb") as raw:
+        gzipped = raw.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rt") if gzipped else open(path)
+
+
 def read_run(path: str | Path) -> Run:
-    """Read one record file written by `pdproxy bench`."""
+    """Read one record file written by `pdproxy bench` (gzipped or not)."""
     p = Path(path)
     if not p.is_file():
         raise RecordError(f"{p}: no such file")
     header: dict[str, Any] | None = None
     summary = None
     reqs: list[dict[str, Any]] = []
-    with open(p) as fh:
+    with open_text(p) as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue

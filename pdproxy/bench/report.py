@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pdproxy import __version__
-from pdproxy.bench import stats, traces
+from pdproxy.bench import attribution, engine_spans, stats, traces
 from pdproxy.bench.records import Run
 from pdproxy.bench.verdict import Slo, decide
 
@@ -86,8 +86,18 @@ def _merge_conditions(run: Run, infos: list[traces.TraceInfo]) -> tuple[dict[str
     return merged, sources, notes
 
 
+def _engine_split(infos: list[traces.TraceInfo]) -> dict[str, Any] | None:
+    """Percentiles of each part of the stages, over the requests whose vLLM spans allow that part."""
+    splits = [engine_spans.split(i) for i in infos]
+    if not any(splits):
+        return None
+    parts = {f"{st}.{pt}": stats.describe(s.get(f"{st}.{pt}") for s in splits) for st, pt in engine_spans.PARTS}
+    return {"parts": parts, "requests": sum(1 for s in splits if s),
+            "id_mismatches": sum(engine_spans.id_mismatches(i) for i in infos)}
+
+
 def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_threshold: float,
-              slowest: int) -> dict[str, Any]:
+              slowest: int, timeline: attribution.Timeline | None = None) -> dict[str, Any]:
     st = stats.run_stats(run.requests, unit=unit, stall_threshold=stall_threshold)
     u = st["itl"]["unit"]
     measured = [r for r in run.requests if not r.get("warmup")]
@@ -127,6 +137,7 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
     def brief(r: dict[str, Any]) -> dict[str, Any]:
         t = stats.request_tail(r, u)
         info = joined.get(r["request_id"])
+        stalls = attribution.request_stalls(info, r, stall_threshold, timeline) if timeline and r.get("ok") else []
         return {
             "request_id": r["request_id"],
             "trace_id": info.trace_id if info else r.get("trace_id"),
@@ -141,6 +152,9 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
             "itl_max": t[1] if t else None,
             "e2e": r.get("e2e"),
             "stages": dict(info.stages) if info else None,
+            "split": engine_spans.split(info) if info else {},
+            "stalls": stalls[:5],
+            "stall_count": len(stalls),
             "failed_stage": info.attrs.get("pd.failed_stage") if info else None,
             "instances": {k: info.attrs.get(f"pd.{k}.instance") for k in ("prefill", "decode")} if info else None,
         }
@@ -179,6 +193,9 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
         "proxy_ttft": proxy_ttft,
         "stages": stages,
         "kv_transfer": kv,
+        "engine_split": _engine_split(ok_infos),
+        "stall_attribution": attribution.run_attribution(ok, joined, timeline, threshold=stall_threshold, unit=u)
+        if timeline is not None and joined else None,
         "slowest": {"ttft": [brief(r) for r in by_ttft], "tail_itl": [brief(r) for r in by_tail]},
         "failed": [brief(r) for r in failed[:slowest * 2]],
         "plots": {"ttft": _cdf([r["ttft"] for r in ok]), "itl": _cdf(pooled), "tail_itl": _cdf(maxes),
@@ -271,12 +288,15 @@ def build(runs: list[Run], idx: traces.TraceIndex | None = None, *, unit: str = 
             seen[r.label] = n + 1
             if n:
                 r.header["label"] = f"{r.label}#{n + 1}"
-    entries = [run_entry(r, idx, unit=unit, stall_threshold=stall_threshold, slowest=slowest) for r in runs]
+    timeline = attribution.Timeline([*idx.by_request.values(), *idx.shadow.values()]) if idx is not None else None
+    entries = [run_entry(r, idx, unit=unit, stall_threshold=stall_threshold, slowest=slowest, timeline=timeline)
+               for r in runs]
     units = {e["stats"]["itl"]["unit"] for e in entries}
     unit_note = None
     if len(units) > 1:  # one ITL definition across the comparison
         unit_note = "ITL split per token is not available for every run: all runs use per-chunk gaps"
-        entries = [run_entry(r, idx, unit="chunk", stall_threshold=stall_threshold, slowest=slowest) for r in runs]
+        entries = [run_entry(r, idx, unit="chunk", stall_threshold=stall_threshold, slowest=slowest,
+                             timeline=timeline) for r in runs]
         units = {e["stats"]["itl"]["unit"] for e in entries}
         if len(units) > 1:  # proxy summaries keep the unit they were measured in
             unit_note = ("ITL units differ between runs (" + ", ".join(f"{e['label']}: {e['stats']['itl']['unit']}"
@@ -290,6 +310,8 @@ def build(runs: list[Run], idx: traces.TraceIndex | None = None, *, unit: str = 
         "tail_itl": "per request: p99 and max of its own gaps; then p50/p90/p99 across requests",
         "stall_threshold_s": stall_threshold,
         "kv_transfer": KV_DEFINITION,
+        "engine_split": engine_spans.SPLIT_DEFINITION,
+        "stall_attribution": attribution.DEFINITION.format(tokens=attribution.LARGE_KV_TOKENS),
         "failures": "non-200, exception, error inside the stream, or no token-bearing message; counted in "
                     "error rate, excluded from latency distributions",
         "warmup": "warm-up requests are recorded but excluded from every statistic",
@@ -302,7 +324,8 @@ def build(runs: list[Run], idx: traces.TraceIndex | None = None, *, unit: str = 
         "traces": None if idx is None else {
             "files": idx.sources, "spans": idx.spans, "traces": idx.traces,
             "request_traces": len(idx.by_request), "shadow_traces": len(idx.shadow),
-            "duplicates": idx.duplicates,
+            "duplicates": idx.duplicates, "engine_spans": idx.engine_spans,
+            "engine_spans_outside_proxy": idx.engine_unjoined,
         },
         "runs": entries,
         "comparison": compare(entries),

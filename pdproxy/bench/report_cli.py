@@ -8,7 +8,9 @@ Examples:
 
 Record files: `pdproxy bench` output, or aiperf's `profile_export.jsonl` (or its artifact
 directory). `LABEL=PATH` renames a run. Traces: the proxy's `--trace-file` or a Collector's
-file-exporter output (OTLP-JSON lines), joined to records by request id. With --by-deployment
+file-exporter output (OTLP-JSON lines, gzipped or not), joined to records by request id. When they
+hold vLLM's own `llm_request` spans (vLLM with --otlp-traces-endpoint), each stage is split by them
+and each stall is put down to what ran on the same instance then (docs/bench.md). With --by-deployment
 there are no record files: the runs are the primary and the shadow of `pdproxy serve --shadow-url`,
 built from the traces' root spans and paired by request id (measured at the proxy).
 """

@@ -8,6 +8,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from pdproxy.bench.engine_spans import PARTS
 from pdproxy.bench.report import CONDITION_LABELS
 
 
@@ -104,6 +105,14 @@ def metric_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
     row("proxy hand-off gap", lambda e: trio((e.get("kv_transfer") or {}).get("handoff_gap")) if e.get(
         "kv_transfer") else "n/a")
     row("stages p50: queue/prefill/kv/decode", _stage_split)
+    if any(e.get("engine_split") for e in runs):
+        for st, pt in PARTS:
+            key = f"{st}.{pt}"
+            row(f"  vLLM split: {key}", lambda e, key=key: trio(
+                ((e.get("engine_split") or {}).get("parts") or {}).get(key)) if e.get("engine_split") else "n/a")
+    if any(e.get("stall_attribution") for e in runs):
+        row("stall time by cause", _stall_shares)
+        row("max gap p50, large KV in window: yes / no (n)", _overlap)
     row("proxy TTFT (trace)", lambda e: trio(e.get("proxy_ttft")) if e.get("proxy_ttft") else "n/a")
     row("throughput, output tokens/s", lambda e: _num(e["stats"]["throughput"]["output_tokens_per_s"]))
     row("throughput, requests/s", lambda e: _num(e["stats"]["throughput"]["requests_per_s"], "{:.2f}"))
@@ -159,6 +168,46 @@ def _stage_split(e: dict[str, Any]) -> str:
                       for s in ("queue", "prefill", "kv_transfer", "decode"))
 
 
+def _stall_shares(e: dict[str, Any]) -> str:
+    a = e.get("stall_attribution")
+    if not a:
+        return "n/a (no traces)"
+    if not a["stalls"]:
+        return "no stalls"
+    parts = [f"{c} {v['share']:.0%}" for c, v in a["by_cause"].items() if v["stalls"]]
+    return f"{a['stalls']} stalls, {a['stall_time'] * 1e3:.0f} ms: " + ", ".join(parts)
+
+
+def _overlap(e: dict[str, Any]) -> str:
+    o = (e.get("stall_attribution") or {}).get("overlap")
+    if not o:
+        return "n/a (no P/D)"
+    w, x = o["with_large_kv_arrival"], o["others"]
+    return f"{ms(w['p50'])} ({w['count']}) / {ms(x['p50'])} ({x['count']})"
+
+
+def split_text(split: dict[str, float]) -> str:
+    """A request's stages split by vLLM's spans (ms, parts in PARTS order): `prefill 15/0/17 | kv 57/7/4 | ...`."""
+    out = []
+    for stage, short in (("prefill", "prefill"), ("kv_transfer", "kv"), ("decode", "decode")):
+        vals = [split[f"{st}.{pt}"] for st, pt in PARTS if st == stage and f"{st}.{pt}" in split]
+        if vals:
+            out.append(short + " " + "/".join(f"{v * 1e3:.0f}" for v in vals))
+    return " | ".join(out)
+
+
+def stalls_text(stalls: list[dict[str, Any]], total: int) -> str:
+    """A request's stalls with their cause and the requests that coincided."""
+    if not stalls:
+        return ""
+    out = []
+    for s in stalls[:2]:
+        who = ",".join(w["request_id"][-12:] for w in s["with"][:2])
+        out.append(f"{s['duration'] * 1e3:.0f}ms {s['cause']}" + (f" ({who})" if who else ""))
+    more = f" +{total - 2}" if total > 2 else ""
+    return "; ".join(out) + more
+
+
 def verdict_text(report: dict[str, Any]) -> Group | None:
     v = report.get("verdict")
     if not v:
@@ -182,7 +231,8 @@ def verdict_text(report: dict[str, Any]) -> Group | None:
 def drilldown_table(report: dict[str, Any], per_run: int = 3) -> Table:
     t = Table(title="Slowest requests (drill-down: look the trace id up in your trace backend)",
               title_justify="left")
-    for col in ("run", "by", "request id", "trace id", "class", "TTFT", "max ITL", "queue/prefill/kv/decode"):
+    for col in ("run", "by", "request id", "trace id", "class", "TTFT", "max ITL", "queue/prefill/kv/decode",
+                "split (vLLM) / stalls: cause (with)"):
         t.add_column(col)
     for e in report["runs"]:
         for by in ("ttft", "tail_itl"):
@@ -190,8 +240,11 @@ def drilldown_table(report: dict[str, Any], per_run: int = 3) -> Table:
                 st = r.get("stages") or {}
                 split = " / ".join(ms(st.get(s)) if s in st else "—" for s in ("queue", "prefill", "kv_transfer",
                                                                               "decode")) if st else "no trace"
+                where = "\n".join(x for x in (split_text(r.get("split") or {}),
+                                               stalls_text(r.get("stalls") or [], r.get("stall_count", 0))) if x)
                 t.add_row(*map(Text, (e["label"], "TTFT" if by == "ttft" else "tail", r["request_id"],
-                                      r["trace_id"] or "—", str(r["class"]), ms(r["ttft"]), ms(r["itl_max"]), split)))
+                                      r["trace_id"] or "—", str(r["class"]), ms(r["ttft"]), ms(r["itl_max"]), split,
+                                      where or "—")))
         for r in e["failed"][:per_run]:
             t.add_row(*map(Text, (e["label"], "failed", r["request_id"], r["trace_id"] or "—", str(r["class"]),
                                   str(r.get("error")), str(r.get("failed_stage") or ""),
@@ -206,12 +259,20 @@ def render(report: dict[str, Any], console: Console | None = None, drilldown: bo
     for e in report["runs"]:
         for n in e.get("condition_notes") or []:
             console.print(f"[yellow]note[/] {e['label']}: {n}")
+        wrong = (e.get("engine_split") or {}).get("id_mismatches")
+        if wrong:
+            console.print(f"[yellow]note[/] {e['label']}: {wrong} vLLM span(s) under this run's requests carry another "
+                          "request's gen_ai.request.id (expected cmpl-<X-Request-Id>-0): their split may be wrong")
     console.print(metrics_table(report))
     d = report["definitions"]
     console.print(Text(
         f"Percentiles: {d['percentiles']}. ITL unit: {d['itl_unit']}"
         + (f" ({d['itl_unit_note']})" if d.get("itl_unit_note") else "")
         + f". Tail ITL: {d['tail_itl']}. KV transfer: {d['kv_transfer']} Failures: {d['failures']}."
+        + (f" Split by vLLM's spans: {d['engine_split']}" if any(e.get("engine_split") for e in report["runs"])
+           else "")
+        + (f" Stall attribution: {d['stall_attribution']}" if any(e.get("stall_attribution") for e in report["runs"])
+           else "")
         + (f" Measured at {d['measured_at']}; TTFT: {d['ttft']}; E2E: {d['e2e']}. Pooled ITL: {d['itl_pooled']}."
            if d.get("measured_at") else ""),
         style="dim"))

@@ -1,23 +1,28 @@
 """Read pdproxy traces (OTLP-JSON) and join them to bench records by request id.
 
-Input: the proxy's `--trace-file` or a Collector's file exporter output — one
+Input: the proxy's `--trace-file` or a Collector's file exporter output (gzipped or not) — one
 `{"resourceSpans": [...]}` object per line (a file holding one pretty-printed object, or a JSON
 list of them, is read too). Spans of one trace may be spread over several lines.
 
 A request's trace is found through its root span's `pd.request_id` attribute (the client's
 `X-Request-Id`, docs/telemetry.md); the stage spans are that root's children named
-`pd.queue`, `pd.prefill`, `pd.kv_transfer`, `pd.decode`. Shadow copies
+`pd.queue`, `pd.prefill`, `pd.kv_transfer`, `pd.decode`. An instance's own span under a stage
+span (vLLM's `llm_request`, bench/engine_spans.py) is kept with that stage. Shadow copies
 (`pd.deployment=shadow`) are kept apart and never joined to the primary's records; a run built
 from the shadow's traces (`bench/deployments.py`) joins to them instead.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
+
+from pdproxy.bench.engine_spans import ENGINE_SPAN, EngineSpan, SpanEvent, engine_span, span_events
+from pdproxy.bench.otlpjson import attrs_of
 
 STAGES = ("queue", "prefill", "kv_transfer", "decode")
 # Resource attributes that describe a process, not the run's fixed conditions.
@@ -48,6 +53,9 @@ class TraceInfo:
     status: str = "UNSET"
     status_message: str = ""
     start: float = 0.0  # root start, unix seconds (the proxy's clock shifted to wall time)
+    stage_times: dict[str, tuple[float, float]] = field(default_factory=dict)  # stage → (start, end), unix s
+    stage_events: dict[str, list[SpanEvent]] = field(default_factory=dict)
+    engine: dict[str, EngineSpan] = field(default_factory=dict)  # stage → the instance's span under it
 
     @property
     def deployment(self) -> str:
@@ -61,36 +69,25 @@ class TraceIndex:
     spans: int = 0
     traces: int = 0
     duplicates: int = 0
+    engine_spans: int = 0  # instances' request spans (vLLM's llm_request) seen
+    engine_unjoined: int = 0  # of those, not under a pdproxy stage span (sent to the instance directly)
+    spans_of: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = field(default_factory=dict)  # keep_spans
     sources: list[str] = field(default_factory=list)
 
 
-def attr_value(v: dict[str, Any]) -> Any:
-    """Decode one OTLP-JSON AnyValue (int64 arrives as a string in the JSON mapping)."""
-    if not isinstance(v, dict) or not v:
-        return None
-    if "stringValue" in v:
-        return v["stringValue"]
-    if "boolValue" in v:
-        return bool(v["boolValue"])
-    if "intValue" in v:
-        return int(v["intValue"])
-    if "doubleValue" in v:
-        return float(v["doubleValue"])
-    if "arrayValue" in v:
-        return [attr_value(x) for x in (v["arrayValue"] or {}).get("values", [])]
-    if "kvlistValue" in v:
-        return attrs_of((v["kvlistValue"] or {}).get("values", []))
-    if "bytesValue" in v:
-        return v["bytesValue"]
-    return None
-
-
-def attrs_of(items: list[dict[str, Any]] | None) -> dict[str, Any]:
-    return {a["key"]: attr_value(a.get("value") or {}) for a in items or [] if isinstance(a, dict) and "key" in a}
+def _read_text(path: Path) -> str:
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    if gzipped:
+        try:
+            return gzip.decompress(path.read_bytes()).decode()
+        except (OSError, EOFError) as e:
+            raise TraceError(f"{path}: a broken gzip file ({e})") from None
+    return path.read_text()
 
 
 def _documents(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    text = path.read_text()
+    text = _read_text(path)
     stripped = text.lstrip()
     if not stripped:
         return
@@ -122,29 +119,47 @@ def _documents(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         yield i, obj
 
 
-def read_traces(paths: list[str]) -> TraceIndex:
+def read_traces(paths: list[str], keep_spans: bool = False) -> TraceIndex:
     """Index every pdproxy request trace in the given files by request id."""
-    spans_by_trace: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
     idx = TraceIndex()
-    for p in paths:
-        path = Path(p)
-        if not path.is_file():
-            raise TraceError(f"{p}: no such trace file")
-        idx.sources.append(str(path))
-        for n, obj in _documents(path):
-            rs_list = obj.get("resourceSpans")
-            if rs_list is None:
-                raise TraceError(f"{p}:{n}: no 'resourceSpans' (not OTLP-JSON trace data)")
-            for rs in rs_list or []:
-                resource = attrs_of((rs.get("resource") or {}).get("attributes"))
-                for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or []:
-                    for sp in ss.get("spans") or []:
-                        tid = str(sp.get("traceId", "")).lower()
-                        if not tid:
-                            raise TraceError(f"{p}:{n}: a span without traceId")
-                        spans_by_trace[tid].append((sp, resource))
-                        idx.spans += 1
-    idx.traces = len(spans_by_trace)
+
+    def documents() -> Iterator[tuple[str, dict[str, Any]]]:
+        for p in paths:
+            path = Path(p)
+            if not path.is_file():
+                raise TraceError(f"{p}: no such trace file")
+            idx.sources.append(str(path))
+            for n, obj in _documents(path):
+                yield f"{p}:{n}", obj
+
+    return index_documents(documents(), idx, keep_spans)
+
+
+def index_documents(docs: Iterable[tuple[str, dict[str, Any]]], idx: TraceIndex | None = None,
+                    keep_spans: bool = False) -> TraceIndex:
+    """Index OTLP-JSON `{"resourceSpans": [...]}` documents, each named by where it came from (for errors).
+
+    `keep_spans` keeps every span of every trace (idx.spans_of), for drawing one trace whole.
+    """
+    idx = idx if idx is not None else TraceIndex()
+    spans_by_trace: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
+    for where, obj in docs:
+        rs_list = obj.get("resourceSpans")
+        if rs_list is None:
+            raise TraceError(f"{where}: no 'resourceSpans' (not OTLP-JSON trace data)")
+        for rs in rs_list or []:
+            resource = attrs_of((rs.get("resource") or {}).get("attributes"))
+            for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or []:
+                for sp in ss.get("spans") or []:
+                    tid = str(sp.get("traceId", "")).lower()
+                    if not tid:
+                        raise TraceError(f"{where}: a span without traceId")
+                    spans_by_trace[tid].append((sp, resource))
+                    idx.spans += 1
+                    idx.engine_spans += sp.get("name") == ENGINE_SPAN
+    idx.traces += len(spans_by_trace)
+    if keep_spans:
+        idx.spans_of = dict(spans_by_trace)
     for tid, spans in spans_by_trace.items():
         for info in _assemble(tid, spans, idx):
             target = idx.shadow if info.deployment == "shadow" else idx.by_request
@@ -168,9 +183,12 @@ def _status(sp: dict[str, Any]) -> str:
 def _assemble(tid: str, spans: list[tuple[dict[str, Any], dict[str, Any]]], idx: TraceIndex) -> list[TraceInfo]:
     out = []
     children: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for sp, _ in spans:
+    resources: dict[str, dict[str, Any]] = {}
+    for sp, resource in spans:
         if sp.get("parentSpanId"):
             children[str(sp["parentSpanId"])].append(sp)
+        resources[str(sp.get("spanId"))] = resource
+    joined_engine = 0
     for sp, resource in spans:
         attrs = attrs_of(sp.get("attributes"))
         if "pd.request_id" not in attrs or str(sp.get("name", "")).startswith("pd."):
@@ -188,7 +206,15 @@ def _assemble(tid: str, spans: list[tuple[dict[str, Any], dict[str, Any]]], idx:
                 info.stages[stage] = _dur(ch)
                 info.stage_attrs[stage] = attrs_of(ch.get("attributes"))
                 info.stage_status[stage] = _status(ch)
+                info.stage_times[stage] = (int(ch.get("startTimeUnixNano") or 0) / 1e9,
+                                           int(ch.get("endTimeUnixNano") or 0) / 1e9)
+                info.stage_events[stage] = span_events(ch)
+                for grand in children.get(str(ch.get("spanId")), []):
+                    if grand.get("name") == ENGINE_SPAN:
+                        info.engine[stage] = engine_span(grand, resources.get(str(grand.get("spanId"))) or {})
+                        joined_engine += 1
         out.append(info)
+    idx.engine_unjoined += sum(1 for sp, _ in spans if sp.get("name") == ENGINE_SPAN) - joined_engine
     return out
 
 

@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-latency-ms", type=float, default=None, help="fixed latency per KV transfer (preset: 4.75)")
     g.add_argument("--kv-bytes-per-token", type=int, default=None,
                    help="KV bytes per prompt token (preset: 131072, Llama-3.1-8B bf16)")
+    stall = g.add_mutually_exclusive_group()
+    stall.add_argument("--kv-pull-stalls-decode", dest="kv_pull_stalls_decode", action="store_true", default=None,
+                       help="decode: start no engine step while a KV pull is in flight, so the other streams "
+                            "stall for the transfer, as recorded on two real H200s (default: off)")
+    stall.add_argument("--no-kv-pull-stalls-decode", dest="kv_pull_stalls_decode", action="store_false",
+                       help="decode: keep stepping during KV pulls (the default)")
     g.add_argument("--skip-kv-pull", action="store_true",
                    help="decode: trust kv_transfer_params without contacting the prefill (no transfer time)")
 
@@ -89,6 +95,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--eos-after-tokens", type=int, default=0,
                    help="finish with 'stop' after this many tokens unless ignore_eos (min_tokens respected); "
                         "0 = never (the default: output runs to max_tokens)")
+
+    g = parser.add_argument_group("tracing (vLLM's llm_request span per request)")
+    g.add_argument("--otlp-traces-endpoint", default=None,
+                   help="vLLM's flag: export one llm_request span per finished request to this OTLP endpoint "
+                        "(gRPC, or OTLP/HTTP with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf); "
+                        "service.name from OTEL_SERVICE_NAME")
+    g.add_argument("--otlp-traces-file", default=None, metavar="PATH",
+                   help="sim only: append those spans to PATH as OTLP-JSON lines instead (like a Collector's "
+                        "file exporter)")
 
     g = parser.add_argument_group("faults (random, per request; POST /sim/faults queues one-shot faults)")
     g.add_argument("--error-rate", type=float, default=0.0, help="probability of answering with --error-status")
@@ -121,7 +136,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         max_num_seqs=args.max_num_seqs, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
         max_model_len=args.max_model_len, kv_bandwidth_gbps=args.kv_bandwidth_gbps, kv_latency_ms=args.kv_latency_ms,
         kv_bytes_per_token=args.kv_bytes_per_token, frontend_overhead_ms=args.frontend_overhead_ms,
-        kv_pull_overhead_ms=args.kv_pull_overhead_ms,
+        kv_pull_overhead_ms=args.kv_pull_overhead_ms, kv_pull_stalls_decode=args.kv_pull_stalls_decode,
     )
     faults = FaultRates(
         error_rate=args.error_rate, error_status=args.error_status, slow_start_seconds=args.slow_start_seconds,
@@ -136,7 +151,8 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         enable_per_request_metrics=args.enable_per_request_metrics,
         enable_request_id_headers=args.enable_request_id_headers, stream_interval=args.stream_interval,
         eos_after_tokens=args.eos_after_tokens, seed=args.seed, refuse_connections=args.refuse_connections,
-        journal_size=args.journal_size, faults=faults,
+        journal_size=args.journal_size, faults=faults, otlp_traces_endpoint=args.otlp_traces_endpoint,
+        otlp_traces_file=args.otlp_traces_file,
     )
 
 
@@ -165,6 +181,10 @@ async def serve(settings: SimSettings) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
+        if settings.otlp_traces_endpoint and not settings.otlp_traces_file:
+            from pdproxy.sim.tracing import check_protocol
+
+            check_protocol()
     except ValueError as exc:
         print(f"pdproxy sim: {exc}", file=sys.stderr)
         return 2

@@ -196,7 +196,13 @@ class Engine:
 
     async def _loop(self) -> None:
         ideal_end: float | None = None
+        stall_on_pull = self.settings.preset.kv_pull_stalls_decode
         while True:
+            if stall_on_pull and self.loading:  # the KV being copied in holds the GPU: no step now
+                ideal_end = None
+                self._wakeup.clear()
+                await self._wakeup.wait()  # a finished pull wakes the loop
+                continue
             now = self.clock.now()
             batch, prefill_tokens = self._schedule(now)
             if not batch:

@@ -60,6 +60,12 @@ class Preset:
     max_num_batched_tokens: int
     max_num_seqs: int
     enable_chunked_prefill: bool = True
+    # decode: no engine step starts while a remote KV pull is in flight, so the decode's other streams
+    # stall for the transfer. Seen in the recorded vLLM 0.23 traces on two H200s (research/real-traces):
+    # streams whose decode window holds a 4.5k-token KV arrival have a max gap of 62 ms (about that
+    # transfer) against 21 ms for the others, the gap inside that request's KV wait; not on one GPU.
+    # Off in every preset (opt-in with --kv-pull-stalls-decode): one recording is not a calibration.
+    kv_pull_stalls_decode: bool = False
     instant: bool = False  # no engine loop at all: every answer is produced immediately
     notes: tuple[str, ...] = field(default=())
 

@@ -83,6 +83,11 @@ class SimServer:
         self.journal = Journal(s.journal_size)
         self.frontend_delay = s.scaled(s.preset.frontend_overhead_ms)
         self._engine_task: asyncio.Task[None] | None = None
+        self.tracer = None
+        if s.otlp_traces_endpoint or s.otlp_traces_file:
+            from pdproxy.sim.tracing import RequestTracer
+
+            self.tracer = RequestTracer(s.otlp_traces_endpoint, s.otlp_traces_file)
 
     # ---- application -----------------------------------------------------------------------------
     def build_app(self) -> web.Application:
@@ -118,6 +123,8 @@ class SimServer:
             except asyncio.CancelledError:
                 pass
         await self.engine.close()
+        if self.tracer is not None:
+            self.tracer.close()
         if self.puller:
             await self.puller.close()
 
@@ -160,6 +167,7 @@ class SimServer:
         if remote is not None and self.puller is None:  # --skip-kv-pull: trust the params
             seq.kv_loaded = True
             seq.num_computed = req.prompt_tokens - 1
+        submitted = self.clock.now()
         self.engine.submit(seq)
         try:
             if req.stream:
@@ -168,6 +176,10 @@ class SimServer:
         finally:
             if not seq.finished:
                 self.engine.abort(seq)  # client went away (handler cancelled) or the write failed
+            elif self.tracer is not None and seq.finish_reason in ("length", "stop"):
+                self.tracer.finished(request.headers, seq, req.internal_id.rsplit("-", 1)[0], submitted,
+                                     {"top_p": body.get("top_p", 1), "max_tokens": req.max_tokens,
+                                      "temperature": body.get("temperature"), "n": body.get("n", 1)})
 
     def _kv_role(self, req: GenerationRequest, faults: RequestFaults) -> tuple[RemoteKV | None, bool]:
         """(where to pull the prompt's KV from, whether to hold this request's KV for a decode)."""

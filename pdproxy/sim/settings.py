@@ -36,6 +36,8 @@ class SimSettings:
     seed: int | None = None
     refuse_connections: bool = False
     journal_size: int = 1000
+    otlp_traces_endpoint: str | None = None  # vLLM's flag: export llm_request spans there
+    otlp_traces_file: str | None = None  # or append them to this OTLP-JSON lines file
     faults: FaultRates = field(default_factory=FaultRates)
 
     def __post_init__(self) -> None:

@@ -96,6 +96,25 @@ def token_gaps(chunk_times: list[int], chunk_tokens: list[int]) -> tuple[list[fl
     return gaps, "token" if per_token else "chunk"
 
 
+def stall_gaps(chunk_times: list[int], chunk_tokens: list[int], threshold: float,
+               limit: int) -> list[tuple[int, float, int]]:
+    """The longest `limit` stalls as (gap start ns, gap s, tokens after it), in time order.
+
+    A stall is a gap whose per-unit value (per token when every event said its token count, as
+    for `token_gaps`) is above the threshold; its length is the whole gap between the two events.
+    """
+    per_token = bool(chunk_tokens) and len(chunk_tokens) == len(chunk_times) and all(k > 0 for k in chunk_tokens)
+    found = []
+    for i in range(1, len(chunk_times)):
+        gap = (chunk_times[i] - chunk_times[i - 1]) / 1e9
+        k = chunk_tokens[i] if per_token else 1
+        if gap / k > threshold:
+            found.append((chunk_times[i - 1], gap, k))
+    if len(found) > limit:
+        found = sorted(sorted(found, key=lambda s: -s[1])[:limit])
+    return found
+
+
 def measure(
     t: Timeline,
     *,

@@ -20,6 +20,12 @@ PREFILL_INSTANCE, DECODE_INSTANCE = "pd.prefill.instance", "pd.decode.instance"
 PREFILL_ATTEMPTS, DECODE_ATTEMPTS = "pd.prefill.attempts", "pd.decode.attempts"
 KV_PARAMS = "pd.kv_transfer_params"  # "received" | "missing": did prefill hand over KV coordinates
 
+# pd.decode span events: each stall (a gap above the stall threshold), at the gap's start
+STALL_EVENT = "pd.stall"
+STALL_DURATION = "pd.stall.duration"  # seconds
+STALL_TOKENS = "pd.stall.tokens"  # tokens the late event carried
+MAX_STALL_EVENTS = 16  # per request: the longest ones
+
 # kv_transfer span attributes
 HANDOFF_GAP = "pd.handoff.gap"
 DECODE_HEADERS_WAIT = "pd.decode.headers_wait"

@@ -45,6 +45,7 @@ class SpanData:
     error: str | None = None  # status ERROR with this message
     trace_state: str | None = None
     parent_remote: bool = False
+    events: list[tuple[int, str, dict[str, Any]]] | None = None  # (unix ns, name, attributes)
 
 
 # -- protobuf wire format --------------------------------------------------------------------
@@ -147,6 +148,10 @@ def encode_span(s: SpanData) -> bytes:
             out += (prefix, _pack_double(v))
         else:
             out.append(attribute(b"\x4a", k, v, k in REPEATING))
+    for time_ns, name, attrs in s.events or ():
+        body = b"\x09" + struct.pack("<Q", time_ns) + _field(b"\x12", name.encode())
+        body += b"".join(_field(b"\x1a", key_value(k, v)) for k, v in attrs.items())
+        out.append(_field(b"\x5a", body))  # Span.events (field 11)
     if s.error is not None:
         out.append(_field(b"\x7a", _field(b"\x12", s.error.encode()) + b"\x18" + _SMALL[STATUS_ERROR]))
     else:

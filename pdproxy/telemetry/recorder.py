@@ -16,7 +16,7 @@ from pdproxy.errors import DECODE, KV_TRANSFER, PREFILL, QUEUE
 from pdproxy.stream import ResponseScan
 from pdproxy.telemetry import names as n
 from pdproxy.telemetry.clock import now, to_unix_ns
-from pdproxy.telemetry.measure import Measurement, Timeline, measure
+from pdproxy.telemetry.measure import Measurement, Timeline, measure, stall_gaps
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.otlp import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData
 from pdproxy.telemetry.tracing import TraceIds, Tracing
@@ -190,11 +190,20 @@ class RequestTrace:
             span_id = {PREFILL: ids.prefill, DECODE: ids.decode if self.pd_mode else None}.get(stage)
             span = SpanData(name, kind, ids.trace_id, span_id or random.getrandbits(64), ids.root, to_unix_ns(start),
                             to_unix_ns(end), self._stage_attributes(stage, m), trace_state=ids.tracestate)
+            if stage == DECODE and m.stalls:
+                span.events = self._stall_events()
             if stage == m.failed_stage:
                 span.error = self.error_message
                 span.attributes["error.type"] = m.error_type
             spans.append(span)
         self.recorder.tracing.emit(spans)
+
+    def _stall_events(self) -> list[tuple[int, str, dict[str, Any]]]:
+        """Each stall's time and length on pd.decode, so a report can ask what else ran then."""
+        gaps = stall_gaps(self.scan.chunk_times, self.scan.chunk_tokens, self.recorder.stall_threshold,
+                          n.MAX_STALL_EVENTS)
+        return [(to_unix_ns(start), n.STALL_EVENT, {n.STALL_DURATION: gap, n.STALL_TOKENS: k})
+                for start, gap, k in gaps]
 
     def _root_attributes(self, m: Measurement) -> dict[str, Any]:
         a: dict[str, Any] = {
