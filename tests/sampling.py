@@ -35,7 +35,7 @@ class Policies:
         assert set(by_name) == {"errors", "slow-ttft", "stalls", "slow-requests", "baseline"}, set(by_name)
         assert by_name["errors"]["status_code"]["status_codes"] == ["ERROR"]
         (condition,) = by_name["slow-ttft"]["ottl_condition"]["span"]
-        ttft = re.fullmatch(r'attributes\["gen_ai\.response\.time_to_first_chunk"\] > ([\d.]+)', condition)
+        ttft = re.fullmatch(r'(?:span\.)?attributes\["gen_ai\.response\.time_to_first_chunk"\] > ([\d.]+)', condition)
         assert ttft, condition
         stalls = by_name["stalls"]["numeric_attribute"]
         assert stalls["key"] == "pd.stalls" and "max_value" not in stalls
