@@ -176,7 +176,7 @@ def run(tmp_path_factory):
         yield Run(sent, policies, stored, client, jaeger, prom, prom_spans, start, end)
 
 
-def test_policy_traces_are_kept_whole(run):
+def test_policy_traces_are_kept_whole(run, capsys):
     per_policy: dict[str, list[int]] = {}
     incomplete = []
     for trace_id, spans in run.sent.items():
@@ -191,10 +191,11 @@ def test_policy_traces_are_kept_whole(run):
             got = {(s["spanId"], s["service"]) for s in stored}
             if want != got:
                 incomplete.append(f"{trace_id} {sorted(matched)}: missing {sorted(want - got)}, extra {sorted(got - want)}")
-    print("\ntail sampling, per policy: selected by the policy / kept in Jaeger")
-    for name in ("errors", "slow-ttft", "stalls", "slow-requests"):
-        n, kept = per_policy.get(name, [0, 0])
-        print(f"  {name:14s} {kept:4d} / {n:4d}")
+    with capsys.disabled():  # part of CI's output, pass or fail
+        print("\ntail sampling, per policy: selected by the policy / kept in Jaeger")
+        for name in ("errors", "slow-ttft", "stalls", "slow-requests"):
+            n, kept = per_policy.get(name, [0, 0])
+            print(f"  {name:14s} {kept:4d} / {n:4d}")
     assert not incomplete, f"{len(incomplete)} selected traces not kept whole:\n" + "\n".join(incomplete[:10])
     # the workload produced every kind (with margins well inside the sims' fault rates)
     for name in ("errors", "slow-ttft", "stalls", "slow-requests"):
@@ -220,19 +221,20 @@ def test_nothing_is_kept_twice(run):
         assert all(s["traceId"] == trace_id for s in stored)
 
 
-def test_baseline_share_is_binomial(run):
+def test_baseline_share_is_binomial(run, capsys):
     others = [t for t, spans in run.sent.items() if not run.policies.matching(spans)]
     kept_whole = [t for t in others if run.stored[t]]
     p = run.policies.baseline_percent / 100
     lo, hi = binomial_interval(len(others), p)
-    print(f"\nbaseline: {len(kept_whole)} of {len(others)} other traces kept ({len(kept_whole) / len(others):.3f}); "
-          f"{run.policies.baseline_percent:g} % expects {len(others) * p:.1f}, 99.99 % binomial interval [{lo}, {hi}]")
+    with capsys.disabled():
+        print(f"\nbaseline: {len(kept_whole)} of {len(others)} other traces kept ({len(kept_whole) / len(others):.3f}); "
+              f"{run.policies.baseline_percent:g} % expects {len(others) * p:.1f}, 99.99 % binomial interval [{lo}, {hi}]")
     assert lo <= len(kept_whole) <= hi
     for t in kept_whole:  # a baseline draw keeps the whole trace too
         assert {s["spanId"] for s in run.stored[t]} == {s["spanId"] for s in run.sent[t]}, t
 
 
-def test_exemplar_of_a_slow_request_leads_to_its_whole_trace(run):
+def test_exemplar_of_a_slow_request_leads_to_its_whole_trace(run, capsys):
     """The drill-down: Prometheus' exemplar API → trace id → Jaeger's trace, every span there."""
     prom = run.prom
     prom.wait_for(f'pdproxy_ttft_seconds_count{{run="{RUN}"}}')
@@ -244,8 +246,9 @@ def test_exemplar_of_a_slow_request_leads_to_its_whole_trace(run):
     value, trace_id = slow[-1]
     stored = run.jaeger.trace(trace_id)
     sent = run.sent[trace_id]
-    print(f"\ndrill-down: exemplar TTFT {value:.3f} s -> trace {trace_id}: {len(stored)} spans in Jaeger "
-          f"({sorted({s['service'] for s in stored})}), {len(sent)} sent")
+    with capsys.disabled():
+        print(f"\ndrill-down: exemplar TTFT {value:.3f} s -> trace {trace_id}: {len(stored)} spans in Jaeger "
+              f"({sorted({s['service'] for s in stored})}), {len(sent)} sent")
     assert {s["spanId"] for s in stored} == {s["spanId"] for s in sent}
     names = {s["name"] for s in stored if s["service"] == "pdproxy"}
     assert {"pd.queue", "pd.prefill", "pd.kv_transfer", "pd.decode"} <= names
@@ -254,7 +257,7 @@ def test_exemplar_of_a_slow_request_leads_to_its_whole_trace(run):
     assert math.isclose(float(ttft), value, rel_tol=1e-6)
 
 
-def test_span_metrics_exemplar_of_a_slow_request_leads_to_its_whole_trace(run):
+def test_span_metrics_exemplar_of_a_slow_request_leads_to_its_whole_trace(run, capsys):
     """The same drill-down from the collector's side: span_metrics' exemplar on a slow root span."""
     prom = run.prom_spans
     prom.wait_for("traces_span_metrics_duration_seconds_count", timeout=30)
@@ -265,6 +268,7 @@ def test_span_metrics_exemplar_of_a_slow_request_leads_to_its_whole_trace(run):
     assert slow, f"no span_metrics exemplar above {LATENCY_MS} ms: {data}"
     value, trace_id = slow[-1]
     stored = run.jaeger.trace(trace_id)
-    print(f"\ndrill-down (span_metrics): exemplar {value:.3f} s -> trace {trace_id}: {len(stored)} spans in Jaeger")
+    with capsys.disabled():
+        print(f"\ndrill-down (span_metrics): exemplar {value:.3f} s -> trace {trace_id}: {len(stored)} spans in Jaeger")
     assert "slow-requests" in run.policies.matching(run.sent[trace_id])
     assert {s["spanId"] for s in stored} == {s["spanId"] for s in run.sent[trace_id]}
