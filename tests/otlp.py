@@ -94,3 +94,76 @@ class GrpcReceiver:
 
     def stop(self) -> None:
         self.server.stop(0)
+
+
+class VllmSpans:
+    """Stands in for vLLM's own tracing (`vllm serve --otlp-traces-endpoint`): for every inference
+    request a simulated instance received with a `traceparent`, export one span of that instance's
+    service as a child of the proxy's leg span, in the proxy's trace, to `endpoint` (OTLP/HTTP JSON).
+
+    A background thread polls the instances' request journals (`GET /sim/requests`); `spans`
+    lists what was sent, by trace id. The span covers arrival at the instance (+1 ms): the
+    journal records no completion time, and the point is a second service's span in the trace.
+    """
+
+    def __init__(self, endpoint: str, instances: dict[str, str], interval: float = 0.2) -> None:
+        import threading
+
+        self.endpoint = endpoint.rstrip("/") + "/v1/traces"
+        self.instances = instances  # service.name -> the sim's base URL
+        self.interval = interval
+        self.spans: dict[str, list[dict]] = {}  # trace id -> the OTLP/JSON spans sent, with their `service`
+        self._seen: set[tuple[str, str]] = set()
+        self._stop = threading.Event()
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="vllm-spans", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.poll()
+
+    def poll(self) -> None:
+        import os
+        import urllib.request
+
+        for service, url in self.instances.items():
+            try:
+                with urllib.request.urlopen(url + "/sim/requests", timeout=5) as r:
+                    entries = json.loads(r.read())["requests"]
+            except OSError as e:
+                self.errors.append(f"{service}: {e}")
+                continue
+            spans = []
+            for entry in entries:
+                parent = entry["headers"].get("traceparent")
+                if not parent or (service, parent) in self._seen:
+                    continue
+                self._seen.add((service, parent))
+                _, trace_id, parent_span, _ = parent.split("-")
+                start = int(entry["received_at"] * 1e9)
+                span = {"traceId": trace_id, "spanId": os.urandom(8).hex(), "parentSpanId": parent_span,
+                        "name": "llm_request", "kind": 2, "startTimeUnixNano": str(start),
+                        "endTimeUnixNano": str(start + 1_000_000),
+                        "attributes": [{"key": "gen_ai.request.id",
+                                        "value": {"stringValue": entry["headers"].get("x-request-id", "")}}]}
+                spans.append(span)
+            if spans:
+                body = {"resourceSpans": [{"resource": {"attributes": [{"key": "service.name", "value": {"stringValue": service}}]},
+                                           "scopeSpans": [{"scope": {"name": "vllm.sim"}, "spans": spans}]}]}
+                req = urllib.request.Request(self.endpoint, data=json.dumps(body).encode(),
+                                             headers={"Content-Type": "application/json"})
+                try:
+                    urllib.request.urlopen(req, timeout=5).read()
+                except OSError as e:
+                    self.errors.append(f"export {service}: {e}")
+                    continue
+                for span in spans:
+                    self.spans.setdefault(span["traceId"], []).append({**span, "service": service})
+
+    def stop(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join()
+        self.poll()  # the last requests' spans

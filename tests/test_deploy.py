@@ -105,6 +105,41 @@ def test_compose_references_resolve():
                 assert "healthcheck" in services[dep], f"{name} waits for {dep} to be healthy; it has no healthcheck"
 
 
+def test_compose_jaeger_profile():
+    """Jaeger v2, the Apache-2.0 trace store: the tests' release and configuration, reachable by the
+    collector (TRACE_STORE=jaeger) and by Grafana's `jaeger` datasource."""
+    services = compose()["services"]
+    jaeger = services["jaeger"]
+    assert jaeger["profiles"] == ["jaeger"]
+    # the image is the release of the Go module tools/build-jaeger.sh builds (v1.x.y = 2.(x-63).y)
+    module = re.search(r"github\.com/jaegertracing/jaeger v1\.(\d+)\.(\d+)\b", (REPO / "tools/jaeger/go.mod").read_text())
+    assert module, "tools/jaeger/go.mod does not require github.com/jaegertracing/jaeger"
+    assert jaeger["image"] == f"jaegertracing/jaeger:2.{int(module.group(1)) - 63}.{module.group(2)}"
+    assert "./jaeger/jaeger.yaml:/etc/jaeger/jaeger.yaml:ro" in jaeger["volumes"]
+    assert jaeger["command"] == ["--config=/etc/jaeger/jaeger.yaml"]
+    cfg = yaml.safe_load((DEPLOY / "jaeger" / "jaeger.yaml").read_text())
+
+    def default_port(endpoint: str) -> str:
+        bind = re.fullmatch(r"\$\{env:\w+:-([\d.]+):(\d+)\}", endpoint)
+        assert bind and bind.group(1) == "0.0.0.0", endpoint
+        return bind.group(2)
+
+    otlp = default_port(cfg["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"])
+    assert services["otelcol"]["environment"]["TEMPO_OTLP_ENDPOINT"].endswith(f":{otlp}")
+    ui = default_port(cfg["extensions"]["jaeger_query"]["http"]["endpoint"])
+    assert jaeger["ports"] == [f"{ui}:{ui}"]
+    ds = yaml.safe_load((REPO / "grafana/provisioning/datasources/datasources.yaml").read_text())["datasources"]
+    assert {d["uid"]: d["url"] for d in ds}["jaeger"] == f"http://jaeger:{ui}"
+
+
+def test_jaeger_config_loads_in_jaeger():
+    """The profile's configuration is Jaeger's own: its `validate` command accepts it."""
+    from jaeger import CONFIG, jaeger_binary
+
+    r = subprocess.run([str(jaeger_binary()), "validate", f"--config={CONFIG}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def _listen_port(command: list[str]) -> int:
     args = parse_cli(command)
     return args.port
@@ -145,7 +180,9 @@ def test_compose_telemetry_wiring():
     # the collector's Tempo exporter reaches the Tempo service's OTLP receiver
     tempo_cfg = yaml.safe_load((DEPLOY / "tempo" / "tempo.yaml").read_text())
     tempo_grpc = tempo_cfg["distributor"]["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].rsplit(":", 1)[1]
-    assert col["environment"]["TEMPO_OTLP_ENDPOINT"] == f"tempo:{tempo_grpc}"
+    # compose interpolation: ${TRACE_STORE:-tempo} is Tempo unless the jaeger profile's user sets it
+    trace_store = re.fullmatch(r"\$\{TRACE_STORE:-(\w+)\}:(\d+)", col["environment"]["TEMPO_OTLP_ENDPOINT"])
+    assert trace_store and trace_store.groups() == ("tempo", tempo_grpc)
     assert set(tempo_cfg) <= {"server", "distributor", "storage", "metrics_generator", "overrides", "query_frontend",
                               "querier", "memberlist", "stream_over_http_enabled", "usage_report"}
     tempo_http = tempo_cfg["server"]["http_listen_port"]

@@ -420,7 +420,9 @@ def test_datasource_provisioning():
     by_uid = {ds["uid"]: ds for ds in cfg["datasources"]}
     assert by_uid["prometheus"]["type"] == "prometheus" and by_uid["tempo"]["type"] == "tempo"
     dest = by_uid["prometheus"]["jsonData"]["exemplarTraceIdDestinations"]
-    assert dest == [{"name": "trace_id", "datasourceUid": "tempo", "urlDisplayLabel": "Trace: $${__value.raw}"}]
+    assert dest == [{"name": "trace_id", "datasourceUid": "tempo", "urlDisplayLabel": "Trace: $${__value.raw}"},
+                    {"name": "trace_id", "datasourceUid": "jaeger", "urlDisplayLabel": "Jaeger: $${__value.raw}"}]
+    assert by_uid["jaeger"]["type"] == "jaeger"
     body = "\n".join(l for l in raw.splitlines() if not l.lstrip().startswith("#"))
     assert "$${__value.raw}" in body and "${__value.raw}" not in body.replace("$${__value.raw}", "")
     assert by_uid["tempo"]["jsonData"]["serviceMap"]["datasourceUid"] == "prometheus"
