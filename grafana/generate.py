@@ -462,12 +462,13 @@ def overview() -> dict:
                      [prom("sum(pdproxy_inflight_requests)", "in flight"),
                       prom("sum(pdproxy_queue_depth)", "waiting")], "short"), w=8)
     L.add(timeseries("In flight per instance",
-                     "Requests in flight on each prefill and decode instance (per-instance load).",
-                     [prom("sum by (role, instance) (pdproxy_instance_inflight)", "{{role}} {{instance}}")],
+                     "Requests in flight on each prefill and decode instance (per-instance load). The "
+                     "instance's address is `exported_instance`: Prometheus keeps `instance` for the proxy.",
+                     [prom("sum by (role, exported_instance) (pdproxy_instance_inflight)", "{{role}} {{exported_instance}}")],
                      "short"), w=12)
     L.add(timeseries("Instance health",
                      "1 = healthy, 0 = ejected after consecutive failures until a health check passes.",
-                     [prom("min by (role, instance) (pdproxy_instance_healthy)", "{{role}} {{instance}}")],
+                     [prom("min by (role, exported_instance) (pdproxy_instance_healthy)", "{{role}} {{exported_instance}}")],
                      "short", max_=1), w=6)
     L.add(timeseries("Spans dropped/s (telemetry health)",
                      "Spans lost on the way to the collector: export queue full, or export failed. "
