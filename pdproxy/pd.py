@@ -11,7 +11,8 @@ Every request ends in exactly one `trace.fail(...)` (when it failed) and always 
 Retries happen only where the client cannot see them: the prefill leg, and the decode leg before
 its status line came back. A client that goes away cancels this handler (aiohttp's
 `handler_cancellation`), and with it whichever upstream request is open: closing that connection
-is how vLLM learns to abort the request and free its KV blocks.
+is how vLLM learns to abort the request and free its KV blocks. Both legs go through
+`pdproxy/upstream.py`'s pooled keep-alive client.
 """
 
 from __future__ import annotations
@@ -40,23 +41,26 @@ from pdproxy.protocol import Route, check_trace_headers, decode_body, prefill_bo
 from pdproxy.stream import ClientGone, SlowReaders, WholeEventWriter, relay
 from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.telemetry.clock import now
+from pdproxy.upstream import ConnectFailed, ConnectTimeout, Response, UpstreamClient, UpstreamError
 
 log = logging.getLogger("pdproxy.pd")
 T = TypeVar("T")
 
 MAX_BACKOFF = 2.0  # seconds; the backoff between two attempts never exceeds this
 CLIENT_CLOSED = 499  # as the recorder's client_gone(): nginx's "client closed the request"
-_CONNECT_TIMEOUT = getattr(aiohttp, "ConnectionTimeoutError", ())  # aiohttp >= 3.10
 _DP_RANK = re.compile(r"\d{1,6}")
 
 
 class Proxy:
-    """What every request needs: settings, pools, one pooled HTTP session, admission and the recorder."""
+    """What every request needs: settings, pools, the legs' pooled client, admission and the recorder.
 
-    def __init__(self, settings: Settings, session: aiohttp.ClientSession, prefill: Pool | None, decode: Pool,
-                 admission: Admission, recorder: Recorder, shadow=None) -> None:
+    `session` (aiohttp) serves the rest: /v1/models and health checks."""
+
+    def __init__(self, settings: Settings, session: aiohttp.ClientSession, upstream: UpstreamClient,
+                 prefill: Pool | None, decode: Pool, admission: Admission, recorder: Recorder, shadow=None) -> None:
         self.settings = settings
         self.session = session
+        self.upstream = upstream
         self.prefill = prefill if prefill and len(prefill) else None
         self.decode = decode
         self.admission = admission
@@ -108,7 +112,7 @@ class Proxy:
             trace.finish()
 
     async def forward(self, body: dict[str, Any], route: Route, trace: RequestTrace, headers: dict[str, str],
-                      deliver: Callable[[aiohttp.ClientResponse], Awaitable[T]]) -> T:
+                      deliver: Callable[[Response], Awaitable[T]]) -> T:
         """Admit, choose instances, prefill, open the decode and hand its answer to `deliver`.
 
         The same path serves client requests and their shadow copies; only `deliver` differs.
@@ -125,7 +129,7 @@ class Proxy:
                 return await deliver(upstream)
             finally:
                 # an answer not read to its end is closed, not pooled: that aborts it on the instance
-                upstream.release() if upstream.content.at_eof() else upstream.close()
+                upstream.release() if upstream.at_eof else upstream.close()
                 decode_instance.inflight -= 1
 
     # -- the prefill leg -------------------------------------------------------------------
@@ -139,14 +143,16 @@ class Proxy:
         async def attempt(inst: Instance, tries: int) -> tuple[dict[str, Any] | None, int] | _Failure:
             trace.prefill_instance, trace.prefill_attempts = inst.address, tries  # also right when all fail
             inst.inflight += 1
+            resp = None
             try:
-                async with self.session.post(inst.url + route.path, data=payload, headers=headers,
-                                             timeout=self.timeout) as resp:
-                    raw = await resp.read()
-            except (aiohttp.ClientError, OSError) as exc:  # TimeoutError is an OSError
+                resp = await self.upstream.post(inst.url, route.path, payload, headers)
+                raw = await resp.read()
+            except UpstreamError as exc:
                 return _transport_failure(PREFILL, inst, exc)
             finally:
                 inst.inflight -= 1
+                if resp is not None:
+                    resp.release()  # pooled when read to its end, else closed (a cancel aborts the prefill)
             if resp.status >= 300:
                 return _status_failure(PREFILL, inst, resp.status, resp.headers, raw)
             try:
@@ -163,7 +169,7 @@ class Proxy:
 
     async def _open_decode(self, body: dict[str, Any], kv_params: dict[str, Any] | None, route: Route,
                            trace: RequestTrace, instance: Instance,
-                           headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, Instance]:
+                           headers: dict[str, str]) -> tuple[Response, Instance]:
         """Send the decode leg and wait for a 2xx status line. Nothing has reached the client yet, so
         failures may still be retried on another instance.
 
@@ -176,7 +182,7 @@ class Proxy:
         headers = {**headers, **trace.leg_headers(DECODE)}
         kv = kv_params
 
-        async def attempt(inst: Instance, tries: int) -> aiohttp.ClientResponse | _Failure:
+        async def attempt(inst: Instance, tries: int) -> Response | _Failure:
             nonlocal kv
             if kv is None and kv_params is not None:
                 trace.kv_params = "recomputed"
@@ -186,9 +192,8 @@ class Proxy:
             trace.decode_sent(inst.address)
             try:
                 try:
-                    upstream = await self.session.post(inst.url + route.path, data=payload, headers=headers,
-                                                       timeout=self.timeout)
-                except (aiohttp.ClientError, OSError) as exc:
+                    upstream = await self.upstream.post(inst.url, route.path, payload, headers)
+                except UpstreamError as exc:
                     failure = _transport_failure(DECODE, inst, exc)
                 else:
                     trace.decode_headers(upstream.status)
@@ -197,10 +202,10 @@ class Proxy:
                         return upstream
                     try:
                         raw = await upstream.read()
-                    except (aiohttp.ClientError, OSError):
+                    except UpstreamError:
                         raw = b""
                     finally:
-                        upstream.close()
+                        upstream.release()
                     failure = _status_failure(DECODE, inst, upstream.status, upstream.headers, raw)
             finally:
                 if not handed_over:
@@ -247,17 +252,17 @@ class Proxy:
         delay = self.settings.retry_backoff * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
         return min(delay, MAX_BACKOFF)
 
-    async def _respond(self, request: web.Request, upstream: aiohttp.ClientResponse, trace: RequestTrace,
+    async def _respond(self, request: web.Request, upstream: Response, trace: RequestTrace,
                        reply_headers: dict[str, str]) -> web.StreamResponse:
         """Give the client the decode instance's answer: relayed as it streams, or whole."""
-        content_type = upstream.headers.get("Content-Type", "application/json")
+        content_type = upstream.headers.get("content-type", "application/json")
         if not content_type.startswith("text/event-stream"):
             try:
                 raw = await upstream.read()
             except TimeoutError:
                 raise ProxyError(504, "decode instance timed out sending its response", error_type="timeout",
                                  stage=DECODE) from None
-            except aiohttp.ClientError as exc:
+            except UpstreamError as exc:
                 raise ProxyError(502, f"decode instance broke its response ({type(exc).__name__})",
                                  error_type="stream_broken", stage=DECODE) from None
             malformed = trace.scan.malformed
@@ -359,25 +364,25 @@ class _Failure:
 
 def _transport_failure(role: str, instance: Instance, exc: BaseException) -> _Failure:
     where = f"{role} instance {instance.address}"
-    if isinstance(exc, _CONNECT_TIMEOUT):
+    if isinstance(exc, ConnectTimeout):
         return _Failure(ProxyError(504, f"{where} did not accept a connection in time", error_type="connect_timeout",
                                    stage=role), reached=False)
     if isinstance(exc, TimeoutError):
         return _Failure(ProxyError(504, f"{where} timed out", error_type="timeout", stage=role))
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, ConnectFailed):
         return _Failure(ProxyError(503, f"{where} is unreachable ({type(exc).__name__})", error_type="connect_error",
                                    stage=role), reached=False)
     return _Failure(ProxyError(502, f"{where} dropped the connection before answering ({type(exc).__name__})",
                                error_type="upstream_disconnect", stage=role))
 
 
-def _status_failure(role: str, instance: Instance, status: int, headers: Any, raw: bytes) -> _Failure:
+def _status_failure(role: str, instance: Instance, status: int, headers: dict[str, str], raw: bytes) -> _Failure:
     """An error status from an instance. 429, and 503 with Retry-After, mean "busy": retried elsewhere
     without counting against the instance. Other 4xx are the request's fault: relayed at once. 5xx
     are the instance's fault: retried, counted, and a 502 naming the instance if they persist."""
-    retry_after = headers.get("Retry-After")
+    retry_after = headers.get("retry-after")  # the upstream client lower-cases header names
     advised = retry_after_seconds(retry_after)
-    content_type = headers.get("Content-Type", "application/json")
+    content_type = headers.get("content-type", "application/json")
     if status == 429 or (status == 503 and advised is not None):
         return _Failure(UpstreamResponse(status, raw, content_type, stage=role, retry_after=retry_after),
                         outlier=False, hold=advised)

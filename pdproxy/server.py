@@ -21,6 +21,7 @@ from pdproxy.pool import DECODE, PREFILL, HealthChecker, Pool
 from pdproxy.protocol import CHAT, COMPLETIONS
 from pdproxy.telemetry import setup as setup_telemetry
 from pdproxy.telemetry.metrics import merge_expositions
+from pdproxy.upstream import UpstreamClient
 
 log = logging.getLogger("pdproxy")
 
@@ -51,6 +52,7 @@ async def _lifecycle(app: web.Application, settings: Settings):
     recorder, tracing = setup_telemetry(settings)
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",))
+    upstream = UpstreamClient(settings.connect_timeout, settings.read_timeout)  # the two legs (pdproxy/upstream.py)
     eject = settings.eject_after_failures
     eject_s = settings.eject_seconds
     prefill = (Pool(PREFILL, settings.prefill_urls, settings.prefill_policy, eject, eject_s)
@@ -66,8 +68,8 @@ async def _lifecycle(app: web.Application, settings: Settings):
     if settings.shadow_url:
         from pdproxy.shadow import Shadow
 
-        shadow = Shadow(settings, session, recorder)
-    proxy = app[PROXY_KEY] = Proxy(settings, session, prefill, decode, admission, recorder, shadow)
+        shadow = Shadow(settings, session, upstream, recorder)
+    proxy = app[PROXY_KEY] = Proxy(settings, session, upstream, prefill, decode, admission, recorder, shadow)
     proxy.slow_readers.start()
     checker = None
     if settings.health_check_interval > 0:
@@ -81,6 +83,7 @@ async def _lifecycle(app: web.Application, settings: Settings):
         await checker.stop()
     if shadow is not None:
         await shadow.close()
+    await upstream.close()
     await session.close()
     if tracing is not None:
         tracing.shutdown()
