@@ -37,7 +37,8 @@ from pdproxy.admission import Admission
 from pdproxy.config import Settings
 from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, retry_after_seconds
 from pdproxy.pool import Instance, Pool
-from pdproxy.protocol import Route, check_trace_headers, decode_body, prefill_body, request_id, validate
+from pdproxy.protocol import (Route, check_trace_headers, decode_payload, forwardable, prefill_body, request_id,
+                              validate)
 from pdproxy.stream import ClientGone, SlowReaders, WholeEventWriter, relay
 from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.telemetry.clock import now
@@ -87,13 +88,13 @@ class Proxy:
             check_trace_headers(request.headers)
             self.authenticate(request)
             self.admission.check()  # saturated: refuse before spending anything on the body
-            body = await self._read_body(request, route)
+            body, raw = await self._read_body(request, route)
             trace.set_request(body)
             headers = self._leg_headers(request, trace)
             if self.shadow is not None:
                 self.shadow.mirror(body, route, trace, headers)
             return await self.forward(body, route, trace, headers,
-                                      lambda upstream: self._respond(request, upstream, trace, reply_headers))
+                                      lambda upstream: self._respond(request, upstream, trace, reply_headers), raw)
         except (ProxyError, UpstreamResponse) as err:
             trace.fail(err.status, err.error_type, err.message)
             response = err.response(reply_headers)
@@ -112,10 +113,11 @@ class Proxy:
             trace.finish()
 
     async def forward(self, body: dict[str, Any], route: Route, trace: RequestTrace, headers: dict[str, str],
-                      deliver: Callable[[Response], Awaitable[T]]) -> T:
+                      deliver: Callable[[Response], Awaitable[T]], raw: bytes | None = None) -> T:
         """Admit, choose instances, prefill, open the decode and hand its answer to `deliver`.
 
-        The same path serves client requests and their shadow copies; only `deliver` differs.
+        The same path serves client requests and their shadow copies; only `deliver` differs. `raw`:
+        the client's bytes of `body` when the decode may get them as they are (`protocol.forwardable`).
         """
         async with self.admission.slot():
             prefill_instance = self.prefill.choose() if self.prefill else None
@@ -124,7 +126,8 @@ class Proxy:
             kv_params = None
             if prefill_instance is not None:
                 kv_params = await self._prefill(body, route, trace, prefill_instance, headers)
-            upstream, decode_instance = await self._open_decode(body, kv_params, route, trace, decode_instance, headers)
+            upstream, decode_instance = await self._open_decode(body, raw, kv_params, route, trace, decode_instance,
+                                                                headers)
             try:
                 return await deliver(upstream)
             finally:
@@ -167,7 +170,7 @@ class Proxy:
 
     # -- the decode leg --------------------------------------------------------------------
 
-    async def _open_decode(self, body: dict[str, Any], kv_params: dict[str, Any] | None, route: Route,
+    async def _open_decode(self, body: dict[str, Any], raw: bytes | None, kv_params: dict[str, Any] | None, route: Route,
                            trace: RequestTrace, instance: Instance,
                            headers: dict[str, str]) -> tuple[Response, Instance]:
         """Send the decode leg and wait for a 2xx status line. Nothing has reached the client yet, so
@@ -186,7 +189,7 @@ class Proxy:
             nonlocal kv
             if kv is None and kv_params is not None:
                 trace.kv_params = "recomputed"
-            payload = json.dumps(decode_body(body, kv)).encode()
+            payload = decode_payload(body, raw, kv)
             inst.inflight += 1
             handed_over = False  # a 2xx answer and the in-flight count go to the caller
             trace.decode_sent(inst.address)
@@ -201,12 +204,12 @@ class Proxy:
                         handed_over = True
                         return upstream
                     try:
-                        raw = await upstream.read()
+                        answer = await upstream.read()
                     except UpstreamError:
-                        raw = b""
+                        answer = b""
                     finally:
                         upstream.release()
-                    failure = _status_failure(DECODE, inst, upstream.status, upstream.headers, raw)
+                    failure = _status_failure(DECODE, inst, upstream.status, upstream.headers, answer)
             finally:
                 if not handed_over:
                     inst.inflight -= 1  # also when the client's disconnect cancels us here
@@ -308,17 +311,17 @@ class Proxy:
             raise ProxyError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                              error_type="unauthorized")
 
-    async def _read_body(self, request: web.Request, route: Route) -> dict[str, Any]:
-        """The body as a checked JSON object, read within --body-timeout and --max-body-bytes."""
+    async def _read_body(self, request: web.Request, route: Route) -> tuple[dict[str, Any], bytes | None]:
+        """The body as a checked JSON object, read within --body-timeout and --max-body-bytes; and its
+        bytes when the decode leg may get them as they are."""
         limit = self.settings.max_body_bytes
-        too_large = ProxyError(413, f"request body is larger than {limit} bytes", error_type="body_too_large")
         if request.content_length is not None and request.content_length > limit:
-            raise too_large  # said so up front: not one byte of it is read
+            raise _too_large(limit)  # said so up front: not one byte of it is read
         try:
             async with asyncio.timeout(self.settings.body_timeout):
                 raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise too_large from None
+            raise _too_large(limit) from None
         except TimeoutError:
             raise ProxyError(408, f"request body not received within {self.settings.body_timeout:g}s",
                              error_type="body_timeout") from None
@@ -333,7 +336,7 @@ class Proxy:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:
             raise bad_request(f"request body is not valid JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
-        return validate(body, route, self.settings.client_kv_params)
+        return validate(body, route, self.settings.client_kv_params), forwardable(raw)
 
     def _leg_headers(self, request: web.Request, trace: RequestTrace) -> dict[str, str]:
         """Headers both legs share. Authorization: the configured upstream key if any, else the
@@ -349,6 +352,10 @@ class Proxy:
                 raise bad_request("X-data-parallel-rank must be a non-negative integer", param="X-data-parallel-rank")
             headers["X-data-parallel-rank"] = rank.strip()
         return headers
+
+
+def _too_large(limit: int) -> ProxyError:
+    return ProxyError(413, f"request body is larger than {limit} bytes", error_type="body_too_large")
 
 
 @dataclass

@@ -7,6 +7,7 @@ leg is the client's original body plus the prefill's `kv_transfer_params`, verba
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from dataclasses import dataclass
@@ -112,6 +113,27 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None)
     if kv_transfer_params is None:
         return body
     return {**body, "kv_transfer_params": kv_transfer_params}
+
+
+def decode_payload(body: dict[str, Any], raw: bytes | None, kv_transfer_params: dict[str, Any] | None) -> bytes:
+    """The decode leg's bytes. From the client's own bytes when they may go as they are (`raw`, see
+    `forwardable`): unchanged, or with the prefill's `kv_transfer_params` spliced in before the closing
+    brace. The body is then never serialised again; otherwise `decode_body`'s dict is."""
+    if raw is None:
+        return json.dumps(decode_body(body, kv_transfer_params)).encode()
+    if kv_transfer_params is None:
+        return raw
+    end = raw.rindex(b"}")  # a JSON object's last non-blank byte; never `{}` (prompt or messages is required)
+    return b"".join((raw[:end], b',"kv_transfer_params":', json.dumps(kv_transfer_params).encode(), raw[end:]))
+
+
+def forwardable(raw: bytes) -> bytes | None:
+    """`raw` (a validated JSON object) when it can be the decode body as it is: UTF-8 (other encodings
+    `json.loads` accepts start with a BOM or a NUL byte, not `{`) and without a `kv_transfer_params` of
+    the client's, which is never forwarded (even its name inside a string sends the dict instead)."""
+    if raw.lstrip()[:1] != b"{" or b"kv_transfer_params" in raw:
+        return None
+    return raw
 
 
 def _typed(body: dict[str, Any], key: str, kind: type) -> None:
