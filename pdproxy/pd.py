@@ -24,7 +24,6 @@ import json
 import logging
 import random
 import re
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -37,8 +36,8 @@ from pdproxy.admission import Admission
 from pdproxy.config import Settings
 from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, retry_after_seconds
 from pdproxy.pool import Instance, Pool
-from pdproxy.protocol import (Route, check_trace_headers, decode_payload, forwardable, prefill_body, request_id,
-                              validate)
+from pdproxy.protocol import (Route, check_trace_headers, decode_payload, forwardable, new_uuid4, prefill_body,
+                              request_id, validate)
 from pdproxy.stream import ClientGone, SlowReaders, WholeEventWriter, relay
 from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.telemetry.clock import now
@@ -78,7 +77,7 @@ class Proxy:
         try:
             rid, id_error = request_id(request.headers), None
         except ProxyError as err:
-            rid, id_error = str(uuid.uuid4()), err
+            rid, id_error = new_uuid4(), err
         trace = self.recorder.begin(route=route.name, operation=route.operation, chat=route.chat,
                                     headers=request.headers, request_id=rid, pd_mode=self.prefill is not None)
         reply_headers = {"X-Request-Id": rid}
@@ -318,8 +317,11 @@ class Proxy:
         if request.content_length is not None and request.content_length > limit:
             raise _too_large(limit)  # said so up front: not one byte of it is read
         try:
-            async with asyncio.timeout(self.settings.body_timeout):
+            if request.content.is_eof():  # the whole body came with the headers: no deadline to arm
                 raw = await request.read()
+            else:
+                async with asyncio.timeout(self.settings.body_timeout):
+                    raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise _too_large(limit) from None
         except TimeoutError:

@@ -8,8 +8,8 @@ leg is the client's original body plus the prefill's `kv_transfer_params`, verba
 from __future__ import annotations
 
 import json
+import random
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,10 +45,22 @@ def request_id(headers: Any) -> str:
     """The client's `X-Request-Id` when it is usable, else a fresh uuid4 (vLLM's toy proxy's choice)."""
     given = headers.get("X-Request-Id")
     if given is None:
-        return str(uuid.uuid4())
+        return new_uuid4()
     if not _REQUEST_ID.fullmatch(given):
         raise bad_request("X-Request-Id must be 1-256 printable ASCII characters without spaces", param="X-Request-Id")
     return given
+
+
+def new_uuid4() -> str:
+    """A random (version 4) UUID string, as `str(uuid.uuid4())` but without its object and system call:
+    an id, not a secret (the same generator as the trace ids; reseeded in each forked worker)."""
+    n = random.getrandbits(128) & _UUID4_CLEAR | _UUID4_SET
+    h = f"{n:032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+_UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))  # version nibble, variant bits
+_UUID4_SET = (0x4000 << 64) | (0x8000 << 48)  # version 4, RFC 4122 variant
 
 
 def check_trace_headers(headers: Any) -> None:
