@@ -13,7 +13,7 @@ Semantics the proxy relies on (README, "Failure behaviour"):
 * The read timeout bounds each silence of the instance while an answer is awaited or read (aiohttp's
   `sock_read`); it does not run while the proxy itself stops reading because its client is slow.
 * Closing a `Response` that was not read to its end closes its connection: that is how vLLM learns
-  to abort the request. Cancelling `request()` does the same.
+  to abort the request. Cancelling `post()` does the same.
 * Connections are reused only after a complete answer that allows keep-alive; at most `max_idle`
   idle ones are kept per instance, each for at most `keepalive` seconds (aiohttp's default, 15 s).
 """
@@ -180,18 +180,12 @@ class _Connection(asyncio.Protocol):
         self._disarm()
         self.pool.put(self)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Close the connection (`abort`: at once, dropping unsent bytes)."""
         if not self.closed:
             self.closed = True
             self._disarm()
-            self.transport.close()
-        self.pool.forget(self)
-
-    def abort(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._disarm()
-            self.transport.abort()
+            self.transport.abort() if abort else self.transport.close()
         self.pool.forget(self)
 
     def pause(self) -> None:
@@ -228,7 +222,7 @@ class _Connection(asyncio.Protocol):
         self._fail(ReadTimeout(f"no bytes for {self.pool.read_timeout:g}s"))
 
     def _fail(self, error: UpstreamError) -> None:
-        self.abort()
+        self.close(abort=True)
         if self.head is not None and not self.head.done():
             self.head.set_exception(error)
         if self.response is not None:
@@ -241,7 +235,7 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.response is None:
-            self.abort()  # bytes nobody asked for on an idle connection: it cannot be trusted any more
+            self.close(abort=True)  # bytes nobody asked for on an idle connection: it cannot be trusted any more
             return
         self.last_read = self.loop.time()
         try:
@@ -343,7 +337,7 @@ class _InstancePool:
 
     def close(self) -> None:
         for conn in list(self.open):
-            conn.abort()
+            conn.close(abort=True)
         self.idle.clear()
 
 
@@ -380,7 +374,7 @@ class UpstreamClient:
         try:
             await conn.head
         except BaseException:
-            conn.abort()
+            conn.close(abort=True)
             raise
         return response
 
