@@ -256,6 +256,10 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks ----------------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.response._done:  # a second answer to one request: the connection cannot be trusted
+            raise MalformedResponse("bytes after the end of the answer")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         key = name.decode("latin-1").lower()
         self.response.headers[key] = value.decode("latin-1")

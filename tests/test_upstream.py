@@ -108,6 +108,21 @@ def test_connection_close_and_close_delimited_bodies_are_not_reused():
     run(main())
 
 
+def test_bytes_after_the_answer_retire_the_connection():
+    async def main():
+        twice = answer(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+                       b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nextra")
+        async with RawServer(twice, answer(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nnext")) as server:
+            client = UpstreamClient(1.0, 5.0)
+            r = await client.post(server.url, "/", b"{}", HEADERS)
+            assert await r.read() == b"ok"  # the answer itself is whole
+            r.release()
+            r = await client.post(server.url, "/", b"{}", HEADERS)
+            assert await r.read() == b"next" and server.connections == 2  # never reused: the extra is not "next"'s
+            await client.close()
+    run(main())
+
+
 def test_refused_and_connect_timeout_say_the_request_never_arrived():
     async def main():
         server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
