@@ -169,8 +169,8 @@ class Proxy:
 
     # -- the decode leg --------------------------------------------------------------------
 
-    async def _open_decode(self, body: dict[str, Any], raw: bytes | None, kv_params: dict[str, Any] | None, route: Route,
-                           trace: RequestTrace, instance: Instance,
+    async def _open_decode(self, body: dict[str, Any], raw: bytes | None, kv_params: dict[str, Any] | None,
+                           route: Route, trace: RequestTrace, instance: Instance,
                            headers: dict[str, str]) -> tuple[Response, Instance]:
         """Send the decode leg and wait for a 2xx status line. Nothing has reached the client yet, so
         failures may still be retried on another instance.
