@@ -8,6 +8,11 @@ one target at a time:
   pdproxy-off   --no-tracing (metrics stay on)
   vllm-router   PyPI vllm-router in P/D mode (round_robin), installed when missing
   toy-proxy     vLLM's toy_proxy_server.py, fetched from vLLM's sdist at run time (never committed)
+  pdproxy-before, pdproxy-off-before
+                the same two from another source tree (--baseline-path, e.g. a worktree of main), measured
+                in the same run so that before/after ratios share one machine state
+  pdproxy-2w    tracing on, --workers 2, on both CPUs (it shares CPU 0 with the load generator and the
+                upstreams: only on a machine with cores to spare does this row show scaling)
 
 Phases per target (`benchmarks/zero_upstream.py` upstreams, `benchmarks/loadgen.py` client):
   1. saturation, long streams: closed loop, zero-delay decode -> streamed chunks/s, CPU s per 1,000 chunks
@@ -51,7 +56,10 @@ sys.path.insert(0, str(HERE))
 import peers  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
 HOST = "127.0.0.1"
-TARGETS = ("direct", "pdproxy", "pdproxy-off", "vllm-router", "toy-proxy")
+TARGETS = ("direct", "pdproxy", "pdproxy-off", "vllm-router", "toy-proxy", "pdproxy-before", "pdproxy-off-before",
+           "pdproxy-2w")
+DEFAULT_TARGETS = TARGETS[:5]
+TRACED = ("pdproxy", "pdproxy-before", "pdproxy-2w")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -286,9 +294,10 @@ class Bench:
         helpers: list[Proc] = []
         log = self.logs / f"{name}.log"
         if name.startswith("pdproxy"):
+            workers = 2 if name == "pdproxy-2w" else self.args.workers
             args = [sys.executable, "-m", "pdproxy", "serve", "--host", HOST, "--port", str(port), "--prefill",
-                    prefill, "--decode", decode, "--log-level", "warning", "--workers", str(self.args.workers)]
-            if name == "pdproxy":
+                    prefill, "--decode", decode, "--log-level", "warning", "--workers", str(workers)]
+            if name in TRACED:
                 tap_port = free_port()
                 if self.args.otlp_receiver == "oteltap":
                     receiver = [shutil.which("oteltap") or "oteltap", "--port", str(tap_port)]
@@ -302,7 +311,10 @@ class Bench:
             else:
                 args.append("--no-tracing")
             src = self.args.pdproxy_path or str(REPO)  # `python -m` looks in the working directory first
-            proc = Proc(name, args, self.proxy_cpus, log, env={"PYTHONPATH": src}, cwd=src)
+            if name.endswith("-before"):
+                src = self.args.baseline_path
+            cpus = "0,1" if name == "pdproxy-2w" and self.proxy_cpus else self.proxy_cpus
+            proc = Proc(name, args, cpus, log, env={"PYTHONPATH": src}, cwd=src)
             proc.wait_http(url + "/health")
         elif name == "vllm-router":
             exe = peers.vllm_router()
@@ -366,7 +378,7 @@ class Bench:
         finally:
             if proxy is not None:
                 proxy.stop()  # SIGTERM: pdproxy flushes its span queue on the way out
-            if name == "pdproxy" and self.args.otlp_receiver == "sink":
+            if name in TRACED and self.args.otlp_receiver == "sink":
                 try:
                     with urllib.request.urlopen(self.receiver_url + "/count", timeout=5) as r:
                         result["spans_received"] = json.loads(r.read())
@@ -514,11 +526,16 @@ def ratios(results: dict[str, dict], args: argparse.Namespace) -> str:
             if cps(peer):
                 v = cps("pdproxy") / cps(peer)
                 check(f"chunks/s pdproxy / {peer}", v, v >= need, f">= {need:g}")
-        for peer in ("vllm-router", "toy-proxy"):
+        for peer, need in (("vllm-router", 0.6), ("toy-proxy", None)):
             r = results.get(peer)
             if r:
                 v = pd["sat_requests"].rps / r["sat_requests"].rps
-                check(f"req/s pdproxy / {peer}", v, None, "(info)")
+                check(f"req/s pdproxy / {peer}", v, None if need is None else v >= need,
+                      "(info)" if need is None else f">= {need:g}")
+        sr = pd["sat_requests"]
+        if sr.requests:
+            v = sr.proxy_cpu / sr.requests * 1000
+            check("CPU ms per request (8-token streams)", v, v <= 0.25, "<= 0.25")
         for peer in ("vllm-router", "pdproxy-off"):
             if results.get(peer) and results[peer]["sat_chunks"].proxy_cpu:
                 v = per_cpu("pdproxy") / per_cpu(peer)
@@ -539,6 +556,9 @@ def ratios(results: dict[str, dict], args: argparse.Namespace) -> str:
                     check(f"added TTFT p50 c=1 {label} ms (vllm-router {peer:.3f})", added, added <= peer, "<= router")
                 else:
                     check(f"added TTFT p50 c=1 {label} ms", added, None, "<= router")
+        if direct and 256 in args.concurrency:
+            added = (pct(pd["lat_256"].ttft_us, 50) - pct(direct["lat_256"].ttft_us, 50)) / 1000
+            check("added TTFT p50 c=256 ms", added, added <= 5.0, "<= 5")
         if direct and 64 in args.concurrency:
             added = (pct(pd["lat_64"].gaps_us, 99) - pct(direct["lat_64"].gaps_us, 99)) / 1000
             check("added ITL p99 c=64 ms", added, added < 1.0, "< 1")
@@ -548,7 +568,38 @@ def ratios(results: dict[str, dict], args: argparse.Namespace) -> str:
             check("MB per 1,000 concurrent streams", per, per < 100, "< 100")
             check(f"{args.hold_streams} streams held, errors", h.errors,
                   h.errors == 0 and h.max_open_streams >= args.hold_streams, "0")
+    two = results.get("pdproxy-2w")
+    if pd and two:
+        check("req/s pdproxy-2w / pdproxy", two["sat_requests"].rps / pd["sat_requests"].rps, None, "(info)")
+        check("chunks/s pdproxy-2w / pdproxy", cps("pdproxy-2w") / cps("pdproxy"), None, "(info)")
+    lines += before_after(results)
     return "\n".join(lines)
+
+
+def before_after(results: dict[str, dict]) -> list[str]:
+    """pdproxy against the --baseline-path tree, both measured in this run (after / before)."""
+    lines = []
+    direct = results.get("direct")
+    for after, before in (("pdproxy", "pdproxy-before"), ("pdproxy-off", "pdproxy-off-before")):
+        a, b = results.get(after), results.get(before)
+        if not (a and b):
+            continue
+        if not lines:
+            lines += ["", "Before / after (--baseline-path tree vs this tree, same run):",
+                      f"  {'':24s} {'req/s':>8s} {'chunks/s':>9s} {'CPU ms/req':>11s} {'CPU s/1k ch':>12s} "
+                      f"{'+TTFT warm':>11s} {'+TTFT c=256':>12s}"]
+        for name, r in ((before, b), (after, a)):
+            sc, sr = r["sat_chunks"], r["sat_requests"]
+            cells = [f"{sr.rps:8.0f}", f"{sc.cps:9.0f}",
+                     f"{sr.proxy_cpu / sr.requests * 1000:11.3f}" if sr.requests else f"{'-':>11s}",
+                     f"{sc.proxy_cpu / sc.events * 1000:12.4f}" if sc.events else f"{'-':>12s}"]
+            for key, width in (("ttft_warm", 11), ("lat_256", 12)):
+                if direct and key in r and r[key].ttft_us and direct[key].ttft_us:
+                    cells.append(f"{(pct(r[key].ttft_us, 50) - pct(direct[key].ttft_us, 50)) / 1000:+{width}.3f}")
+                else:
+                    cells.append(f"{'-':>{width}s}")
+            lines.append(f"  {name:24s} " + " ".join(cells))
+    return lines
 
 
 def _machine() -> str:
@@ -567,7 +618,8 @@ def _machine() -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
+    p.add_argument("--targets", nargs="+", choices=TARGETS,
+                   help=f"default: {' '.join(DEFAULT_TARGETS)}, and the two -before targets with --baseline-path")
     p.add_argument("--quick", action="store_true", help="short phases, concurrency 1 and 64, small hold (a smoke run)")
     p.add_argument("--duration", type=float, default=5.0, help="seconds measured per saturation phase")
     p.add_argument("--latency-duration", type=float, default=4.0, help="seconds measured per latency phase")
@@ -592,6 +644,8 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=1, help="pdproxy --workers")
     p.add_argument("--pdproxy-path", help="run pdproxy from this source tree instead (e.g. a git worktree of an "
                                           "older commit, for before/after figures)")
+    p.add_argument("--baseline-path", help="also measure pdproxy from this source tree (targets pdproxy-before, "
+                                           "pdproxy-off-before), for before/after ratios from one run")
     p.add_argument("--otlp-receiver", choices=("sink", "oteltap"), default="sink",
                    help="where pdproxy exports spans with tracing on (benchmarks/otlp_sink.py, or oteltap, whose "
                         "JSON printing costs the shared CPU more than the proxy's tracing)")
@@ -615,6 +669,10 @@ def main() -> int:
         args.duration, args.latency_duration, args.warmup, args.rounds, args.quiet_timeout = 1.5, 1.5, 0.5, 1, 0
         args.concurrency = [1, 64]
         args.hold_ramp, args.hold_tokens, args.hold_itl_ms = 0.5, 4, 200.0
+    if args.targets is None:
+        args.targets = list(DEFAULT_TARGETS) + (["pdproxy-before", "pdproxy-off-before"] if args.baseline_path else [])
+    if any(t.endswith("-before") for t in args.targets) and not args.baseline_path:
+        p.error("the -before targets need --baseline-path")
     if args.hold_streams is None:
         args.hold_streams = 500 if args.quick else 5000
     import resource

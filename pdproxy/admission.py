@@ -8,8 +8,6 @@ request body is even read, so a flood costs the proxy a header parse per request
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 from pdproxy.errors import QUEUE, ProxyError
 
@@ -28,17 +26,19 @@ class Admission:
         if self._slots is not None and self._slots.locked() and self.waiting >= self.max_queue:
             raise self._full()
 
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
+    def slot(self) -> Admission:
+        """`async with admission.slot():` holds one of the in-flight slots (waiting in the queue for it)."""
+        return self  # a plain async context manager: no generator object per request
+
+    async def __aenter__(self) -> None:
         if self._slots is not None:
             await self._acquire(self._slots)
         self.inflight += 1
-        try:
-            yield
-        finally:
-            self.inflight -= 1
-            if self._slots is not None:
-                self._slots.release()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.inflight -= 1
+        if self._slots is not None:
+            self._slots.release()
 
     async def _acquire(self, slots: asyncio.Semaphore) -> None:
         if not slots.locked():

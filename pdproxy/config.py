@@ -147,7 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument("--client-kv-params", choices=("reject", "strip"),
                        help="a client's own kv_transfer_params: 'reject' with 400 or 'strip' silently; never forwarded "
                             "(default reject)")
-    route.add_argument("--workers", type=int, help="server processes sharing the port (default 1)")
+    route.add_argument("--workers", type=workers_count,
+                       help="server processes sharing the port; 'auto': one per CPU this process may run on (default 1: "
+                            "admission limits, ejections and /status are per worker)")
 
     sec = parser.add_argument_group("authentication")
     sec.add_argument("--api-key", help="require 'Authorization: Bearer KEY' from clients")
@@ -310,6 +312,8 @@ def _coerce(name: str, raw: Any) -> Any:
     try:
         if name == "resource_attrs":
             return _parse_attrs(raw)
+        if name == "workers":
+            return workers_count(raw)
         if name == "shadow_prefill_urls":
             return [u for g in _groups(raw) for u in _parse_url_group(g)]
         if name == "served_model_name":
@@ -328,6 +332,14 @@ def _coerce(name: str, raw: Any) -> Any:
         return raw if raw is None else str(raw)
     except (TypeError, ValueError):
         raise ConfigError(f"setting {name.replace('_', '-')}: {raw!r} is not a valid {kind}") from None
+
+
+def workers_count(raw: Any) -> int:
+    """`--workers`: a number, or 'auto' for one per CPU in this process's affinity mask (what a
+    container's cpuset or `taskset` allows, not the host's count)."""
+    if str(raw).strip().lower() == "auto":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return int(raw)
 
 
 def _parse_attrs(raw: Any) -> dict[str, str]:

@@ -11,7 +11,8 @@ Every request ends in exactly one `trace.fail(...)` (when it failed) and always 
 Retries happen only where the client cannot see them: the prefill leg, and the decode leg before
 its status line came back. A client that goes away cancels this handler (aiohttp's
 `handler_cancellation`), and with it whichever upstream request is open: closing that connection
-is how vLLM learns to abort the request and free its KV blocks.
+is how vLLM learns to abort the request and free its KV blocks. Both legs go through
+`pdproxy/upstream.py`'s pooled keep-alive client.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import json
 import logging
 import random
 import re
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -36,27 +36,31 @@ from pdproxy.admission import Admission
 from pdproxy.config import Settings
 from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, retry_after_seconds
 from pdproxy.pool import Instance, Pool
-from pdproxy.protocol import Route, check_trace_headers, decode_body, prefill_body, request_id, validate
+from pdproxy.protocol import (Route, check_trace_headers, decode_payload, forwardable, new_uuid4, prefill_body,
+                              request_id, validate)
 from pdproxy.stream import ClientGone, SlowReaders, WholeEventWriter, relay
 from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.telemetry.clock import now
+from pdproxy.upstream import ConnectFailed, ConnectTimeout, Response, UpstreamClient, UpstreamError
 
 log = logging.getLogger("pdproxy.pd")
 T = TypeVar("T")
 
 MAX_BACKOFF = 2.0  # seconds; the backoff between two attempts never exceeds this
 CLIENT_CLOSED = 499  # as the recorder's client_gone(): nginx's "client closed the request"
-_CONNECT_TIMEOUT = getattr(aiohttp, "ConnectionTimeoutError", ())  # aiohttp >= 3.10
 _DP_RANK = re.compile(r"\d{1,6}")
 
 
 class Proxy:
-    """What every request needs: settings, pools, one pooled HTTP session, admission and the recorder."""
+    """What every request needs: settings, pools, the legs' pooled client, admission and the recorder.
 
-    def __init__(self, settings: Settings, session: aiohttp.ClientSession, prefill: Pool | None, decode: Pool,
-                 admission: Admission, recorder: Recorder, shadow=None) -> None:
+    `session` (aiohttp) serves the rest: /v1/models and health checks."""
+
+    def __init__(self, settings: Settings, session: aiohttp.ClientSession, upstream: UpstreamClient,
+                 prefill: Pool | None, decode: Pool, admission: Admission, recorder: Recorder, shadow=None) -> None:
         self.settings = settings
         self.session = session
+        self.upstream = upstream
         self.prefill = prefill if prefill and len(prefill) else None
         self.decode = decode
         self.admission = admission
@@ -73,7 +77,7 @@ class Proxy:
         try:
             rid, id_error = request_id(request.headers), None
         except ProxyError as err:
-            rid, id_error = str(uuid.uuid4()), err
+            rid, id_error = new_uuid4(), err
         trace = self.recorder.begin(route=route.name, operation=route.operation, chat=route.chat,
                                     headers=request.headers, request_id=rid, pd_mode=self.prefill is not None)
         reply_headers = {"X-Request-Id": rid}
@@ -83,13 +87,13 @@ class Proxy:
             check_trace_headers(request.headers)
             self.authenticate(request)
             self.admission.check()  # saturated: refuse before spending anything on the body
-            body = await self._read_body(request, route)
+            body, raw = await self._read_body(request, route)
             trace.set_request(body)
             headers = self._leg_headers(request, trace)
             if self.shadow is not None:
                 self.shadow.mirror(body, route, trace, headers)
             return await self.forward(body, route, trace, headers,
-                                      lambda upstream: self._respond(request, upstream, trace, reply_headers))
+                                      lambda upstream: self._respond(request, upstream, trace, reply_headers), raw)
         except (ProxyError, UpstreamResponse) as err:
             trace.fail(err.status, err.error_type, err.message)
             response = err.response(reply_headers)
@@ -108,10 +112,11 @@ class Proxy:
             trace.finish()
 
     async def forward(self, body: dict[str, Any], route: Route, trace: RequestTrace, headers: dict[str, str],
-                      deliver: Callable[[aiohttp.ClientResponse], Awaitable[T]]) -> T:
+                      deliver: Callable[[Response], Awaitable[T]], raw: bytes | None = None) -> T:
         """Admit, choose instances, prefill, open the decode and hand its answer to `deliver`.
 
-        The same path serves client requests and their shadow copies; only `deliver` differs.
+        The same path serves client requests and their shadow copies; only `deliver` differs. `raw`:
+        the client's bytes of `body` when the decode may get them as they are (`protocol.forwardable`).
         """
         async with self.admission.slot():
             prefill_instance = self.prefill.choose() if self.prefill else None
@@ -120,12 +125,13 @@ class Proxy:
             kv_params = None
             if prefill_instance is not None:
                 kv_params = await self._prefill(body, route, trace, prefill_instance, headers)
-            upstream, decode_instance = await self._open_decode(body, kv_params, route, trace, decode_instance, headers)
+            upstream, decode_instance = await self._open_decode(body, raw, kv_params, route, trace, decode_instance,
+                                                                headers)
             try:
                 return await deliver(upstream)
             finally:
                 # an answer not read to its end is closed, not pooled: that aborts it on the instance
-                upstream.release() if upstream.content.at_eof() else upstream.close()
+                upstream.release() if upstream.at_eof else upstream.close()
                 decode_instance.inflight -= 1
 
     # -- the prefill leg -------------------------------------------------------------------
@@ -139,14 +145,16 @@ class Proxy:
         async def attempt(inst: Instance, tries: int) -> tuple[dict[str, Any] | None, int] | _Failure:
             trace.prefill_instance, trace.prefill_attempts = inst.address, tries  # also right when all fail
             inst.inflight += 1
+            resp = None
             try:
-                async with self.session.post(inst.url + route.path, data=payload, headers=headers,
-                                             timeout=self.timeout) as resp:
-                    raw = await resp.read()
-            except (aiohttp.ClientError, OSError) as exc:  # TimeoutError is an OSError
+                resp = await self.upstream.post(inst.url, route.path, payload, headers)
+                raw = await resp.read()
+            except UpstreamError as exc:
                 return _transport_failure(PREFILL, inst, exc)
             finally:
                 inst.inflight -= 1
+                if resp is not None:
+                    resp.release()  # pooled when read to its end, else closed (a cancel aborts the prefill)
             if resp.status >= 300:
                 return _status_failure(PREFILL, inst, resp.status, resp.headers, raw)
             try:
@@ -161,9 +169,9 @@ class Proxy:
 
     # -- the decode leg --------------------------------------------------------------------
 
-    async def _open_decode(self, body: dict[str, Any], kv_params: dict[str, Any] | None, route: Route,
-                           trace: RequestTrace, instance: Instance,
-                           headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, Instance]:
+    async def _open_decode(self, body: dict[str, Any], raw: bytes | None, kv_params: dict[str, Any] | None,
+                           route: Route, trace: RequestTrace, instance: Instance,
+                           headers: dict[str, str]) -> tuple[Response, Instance]:
         """Send the decode leg and wait for a 2xx status line. Nothing has reached the client yet, so
         failures may still be retried on another instance.
 
@@ -176,19 +184,18 @@ class Proxy:
         headers = {**headers, **trace.leg_headers(DECODE)}
         kv = kv_params
 
-        async def attempt(inst: Instance, tries: int) -> aiohttp.ClientResponse | _Failure:
+        async def attempt(inst: Instance, tries: int) -> Response | _Failure:
             nonlocal kv
             if kv is None and kv_params is not None:
                 trace.kv_params = "recomputed"
-            payload = json.dumps(decode_body(body, kv)).encode()
+            payload = decode_payload(body, raw, kv)
             inst.inflight += 1
             handed_over = False  # a 2xx answer and the in-flight count go to the caller
             trace.decode_sent(inst.address)
             try:
                 try:
-                    upstream = await self.session.post(inst.url + route.path, data=payload, headers=headers,
-                                                       timeout=self.timeout)
-                except (aiohttp.ClientError, OSError) as exc:
+                    upstream = await self.upstream.post(inst.url, route.path, payload, headers)
+                except UpstreamError as exc:
                     failure = _transport_failure(DECODE, inst, exc)
                 else:
                     trace.decode_headers(upstream.status)
@@ -196,12 +203,12 @@ class Proxy:
                         handed_over = True
                         return upstream
                     try:
-                        raw = await upstream.read()
-                    except (aiohttp.ClientError, OSError):
-                        raw = b""
+                        answer = await upstream.read()
+                    except UpstreamError:
+                        answer = b""
                     finally:
-                        upstream.close()
-                    failure = _status_failure(DECODE, inst, upstream.status, upstream.headers, raw)
+                        upstream.release()
+                    failure = _status_failure(DECODE, inst, upstream.status, upstream.headers, answer)
             finally:
                 if not handed_over:
                     inst.inflight -= 1  # also when the client's disconnect cancels us here
@@ -247,17 +254,17 @@ class Proxy:
         delay = self.settings.retry_backoff * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
         return min(delay, MAX_BACKOFF)
 
-    async def _respond(self, request: web.Request, upstream: aiohttp.ClientResponse, trace: RequestTrace,
+    async def _respond(self, request: web.Request, upstream: Response, trace: RequestTrace,
                        reply_headers: dict[str, str]) -> web.StreamResponse:
         """Give the client the decode instance's answer: relayed as it streams, or whole."""
-        content_type = upstream.headers.get("Content-Type", "application/json")
+        content_type = upstream.headers.get("content-type", "application/json")
         if not content_type.startswith("text/event-stream"):
             try:
                 raw = await upstream.read()
             except TimeoutError:
                 raise ProxyError(504, "decode instance timed out sending its response", error_type="timeout",
                                  stage=DECODE) from None
-            except aiohttp.ClientError as exc:
+            except UpstreamError as exc:
                 raise ProxyError(502, f"decode instance broke its response ({type(exc).__name__})",
                                  error_type="stream_broken", stage=DECODE) from None
             malformed = trace.scan.malformed
@@ -303,17 +310,20 @@ class Proxy:
             raise ProxyError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                              error_type="unauthorized")
 
-    async def _read_body(self, request: web.Request, route: Route) -> dict[str, Any]:
-        """The body as a checked JSON object, read within --body-timeout and --max-body-bytes."""
+    async def _read_body(self, request: web.Request, route: Route) -> tuple[dict[str, Any], bytes | None]:
+        """The body as a checked JSON object, read within --body-timeout and --max-body-bytes; and its
+        bytes when the decode leg may get them as they are."""
         limit = self.settings.max_body_bytes
-        too_large = ProxyError(413, f"request body is larger than {limit} bytes", error_type="body_too_large")
         if request.content_length is not None and request.content_length > limit:
-            raise too_large  # said so up front: not one byte of it is read
+            raise _too_large(limit)  # said so up front: not one byte of it is read
         try:
-            async with asyncio.timeout(self.settings.body_timeout):
+            if request.content.is_eof():  # the whole body came with the headers: no deadline to arm
                 raw = await request.read()
+            else:
+                async with asyncio.timeout(self.settings.body_timeout):
+                    raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            raise too_large from None
+            raise _too_large(limit) from None
         except TimeoutError:
             raise ProxyError(408, f"request body not received within {self.settings.body_timeout:g}s",
                              error_type="body_timeout") from None
@@ -328,7 +338,7 @@ class Proxy:
             body = json.loads(raw)
         except (ValueError, RecursionError) as exc:
             raise bad_request(f"request body is not valid JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
-        return validate(body, route, self.settings.client_kv_params)
+        return validate(body, route, self.settings.client_kv_params), forwardable(raw)
 
     def _leg_headers(self, request: web.Request, trace: RequestTrace) -> dict[str, str]:
         """Headers both legs share. Authorization: the configured upstream key if any, else the
@@ -346,6 +356,10 @@ class Proxy:
         return headers
 
 
+def _too_large(limit: int) -> ProxyError:
+    return ProxyError(413, f"request body is larger than {limit} bytes", error_type="body_too_large")
+
+
 @dataclass
 class _Failure:
     """One failed attempt at a leg: what the client gets if it stays failed, and what may be done about it."""
@@ -359,25 +373,25 @@ class _Failure:
 
 def _transport_failure(role: str, instance: Instance, exc: BaseException) -> _Failure:
     where = f"{role} instance {instance.address}"
-    if isinstance(exc, _CONNECT_TIMEOUT):
+    if isinstance(exc, ConnectTimeout):
         return _Failure(ProxyError(504, f"{where} did not accept a connection in time", error_type="connect_timeout",
                                    stage=role), reached=False)
     if isinstance(exc, TimeoutError):
         return _Failure(ProxyError(504, f"{where} timed out", error_type="timeout", stage=role))
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, ConnectFailed):
         return _Failure(ProxyError(503, f"{where} is unreachable ({type(exc).__name__})", error_type="connect_error",
                                    stage=role), reached=False)
     return _Failure(ProxyError(502, f"{where} dropped the connection before answering ({type(exc).__name__})",
                                error_type="upstream_disconnect", stage=role))
 
 
-def _status_failure(role: str, instance: Instance, status: int, headers: Any, raw: bytes) -> _Failure:
+def _status_failure(role: str, instance: Instance, status: int, headers: dict[str, str], raw: bytes) -> _Failure:
     """An error status from an instance. 429, and 503 with Retry-After, mean "busy": retried elsewhere
     without counting against the instance. Other 4xx are the request's fault: relayed at once. 5xx
     are the instance's fault: retried, counted, and a 502 naming the instance if they persist."""
-    retry_after = headers.get("Retry-After")
+    retry_after = headers.get("retry-after")  # the upstream client lower-cases header names
     advised = retry_after_seconds(retry_after)
-    content_type = headers.get("Content-Type", "application/json")
+    content_type = headers.get("content-type", "application/json")
     if status == 429 or (status == 503 and advised is not None):
         return _Failure(UpstreamResponse(status, raw, content_type, stage=role, retry_after=retry_after),
                         outlier=False, hold=advised)

@@ -7,8 +7,9 @@ leg is the client's original body plus the prefill's `kv_transfer_params`, verba
 
 from __future__ import annotations
 
+import json
+import random
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +45,22 @@ def request_id(headers: Any) -> str:
     """The client's `X-Request-Id` when it is usable, else a fresh uuid4 (vLLM's toy proxy's choice)."""
     given = headers.get("X-Request-Id")
     if given is None:
-        return str(uuid.uuid4())
+        return new_uuid4()
     if not _REQUEST_ID.fullmatch(given):
         raise bad_request("X-Request-Id must be 1-256 printable ASCII characters without spaces", param="X-Request-Id")
     return given
+
+
+def new_uuid4() -> str:
+    """A random (version 4) UUID string, as `str(uuid.uuid4())` but without its object and system call:
+    an id, not a secret (the same generator as the trace ids; reseeded in each forked worker)."""
+    n = random.getrandbits(128) & _UUID4_CLEAR | _UUID4_SET
+    h = f"{n:032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+_UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))  # version nibble, variant bits
+_UUID4_SET = (0x4000 << 64) | (0x8000 << 48)  # version 4, RFC 4122 variant
 
 
 def check_trace_headers(headers: Any) -> None:
@@ -112,6 +125,27 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None)
     if kv_transfer_params is None:
         return body
     return {**body, "kv_transfer_params": kv_transfer_params}
+
+
+def decode_payload(body: dict[str, Any], raw: bytes | None, kv_transfer_params: dict[str, Any] | None) -> bytes:
+    """The decode leg's bytes. From the client's own bytes when they may go as they are (`raw`, see
+    `forwardable`): unchanged, or with the prefill's `kv_transfer_params` spliced in before the closing
+    brace. The body is then never serialised again; otherwise `decode_body`'s dict is."""
+    if raw is None:
+        return json.dumps(decode_body(body, kv_transfer_params)).encode()
+    if kv_transfer_params is None:
+        return raw
+    end = raw.rindex(b"}")  # a JSON object's last non-blank byte; never `{}` (prompt or messages is required)
+    return b"".join((raw[:end], b',"kv_transfer_params":', json.dumps(kv_transfer_params).encode(), raw[end:]))
+
+
+def forwardable(raw: bytes) -> bytes | None:
+    """`raw` (a validated JSON object) when it can be the decode body as it is: UTF-8 (other encodings
+    `json.loads` accepts start with a BOM or a NUL byte, not `{`) and without a `kv_transfer_params` of
+    the client's, which is never forwarded (even its name inside a string sends the dict instead)."""
+    if raw.lstrip()[:1] != b"{" or b"kv_transfer_params" in raw:
+        return None
+    return raw
 
 
 def _typed(body: dict[str, Any], key: str, kind: type) -> None:

@@ -24,6 +24,7 @@ from pdproxy.protocol import CHAT, COMPLETIONS
 from pdproxy.telemetry import setup as setup_telemetry
 from pdproxy.telemetry import trace_destination
 from pdproxy.telemetry.metrics import merge_expositions
+from pdproxy.upstream import UpstreamClient
 
 log = logging.getLogger("pdproxy")
 
@@ -52,6 +53,7 @@ async def _lifecycle(app: web.Application, settings: Settings):
     recorder, tracing = setup_telemetry(settings)
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",))
+    upstream = UpstreamClient(settings.connect_timeout, settings.read_timeout)  # the two legs (pdproxy/upstream.py)
     eject = settings.eject_after_failures
     eject_s = settings.eject_seconds
     prefill = (Pool(PREFILL, settings.prefill_urls, settings.prefill_policy, eject, eject_s)
@@ -67,8 +69,8 @@ async def _lifecycle(app: web.Application, settings: Settings):
     if settings.shadow_url:
         from pdproxy.shadow import Shadow
 
-        shadow = Shadow(settings, session, recorder)
-    proxy = app[PROXY_KEY] = Proxy(settings, session, prefill, decode, admission, recorder, shadow)
+        shadow = Shadow(settings, session, upstream, recorder)
+    proxy = app[PROXY_KEY] = Proxy(settings, session, upstream, prefill, decode, admission, recorder, shadow)
     proxy.slow_readers.start()
     checker = None
     auth = {"Authorization": f"Bearer {settings.upstream_api_key}"} if settings.upstream_api_key else {}
@@ -89,6 +91,7 @@ async def _lifecycle(app: web.Application, settings: Settings):
         await checker.stop()
     if shadow is not None:
         await shadow.close()
+    await upstream.close()
     await session.close()
     if tracing is not None:
         tracing.shutdown()

@@ -25,15 +25,17 @@ from pdproxy.protocol import Route
 from pdproxy.stream import relay
 from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.telemetry.clock import now
+from pdproxy.upstream import Response, UpstreamClient
 
 log = logging.getLogger("pdproxy.shadow")
 
 
 class Shadow:
-    def __init__(self, settings: Settings, session: aiohttp.ClientSession, recorder: Recorder) -> None:
+    def __init__(self, settings: Settings, session: aiohttp.ClientSession, upstream: UpstreamClient,
+                 recorder: Recorder) -> None:
         prefill = Pool(PREFILL, settings.shadow_prefill_urls) if settings.shadow_prefill_urls else None
         decode = Pool(DECODE, [settings.shadow_url])
-        self.proxy = Proxy(settings, session, prefill, decode, Admission(0, 0, 1.0), recorder)
+        self.proxy = Proxy(settings, session, upstream, prefill, decode, Admission(0, 0, 1.0), recorder)
         self.rate = settings.shadow_sample_rate
         self.limit = settings.shadow_max_inflight
         self.timeout = settings.shadow_timeout
@@ -83,9 +85,9 @@ class Shadow:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-async def _drain(upstream: aiohttp.ClientResponse, trace: RequestTrace) -> None:
+async def _drain(upstream: Response, trace: RequestTrace) -> None:
     """Read the shadow's answer for its timing, and discard it."""
-    if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+    if upstream.headers.get("content-type", "").startswith("text/event-stream"):
         await relay(upstream, None, trace.scan)
     else:
         trace.scan.feed_whole(await upstream.read(), now())

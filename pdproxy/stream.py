@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from pdproxy.errors import DECODE, ProxyError
+from pdproxy.upstream import Response, UpstreamError
 
 # Any of these in an event means it may say more than "one choice, this text": parse it. False
 # positives (the bytes inside a token's text) only cost a parse. `": ` catches JSON that is not
@@ -256,21 +256,21 @@ class ResponseScan:
         return bool(part.get("content") or part.get("reasoning_content") or part.get("reasoning") or part.get("tool_calls"))
 
 
-async def relay(upstream: aiohttp.ClientResponse, downstream: web.StreamResponse | None, scan: ResponseScan) -> None:
+async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: ResponseScan) -> None:
     """Copy the upstream stream to the client (or nowhere, for shadow traffic), timing it on the way.
 
     Upstream failures, including a stream that ends without `[DONE]`, surface as
     `ProxyError(stage=decode)`; a client that went away as `ClientGone`.
     """
     clock = time.monotonic_ns
-    content = upstream.content
+    read = upstream.readany
     while True:
         try:
-            data = await content.readany()
-        except TimeoutError:  # aiohttp's read timeout is a TimeoutError too
+            data = await read()
+        except TimeoutError:  # the upstream client's read timeout
             raise ProxyError(504, "decode instance went silent mid-stream (read timeout)",
                              error_type="timeout", stage=DECODE) from None
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+        except UpstreamError as exc:
             raise ProxyError(502, f"decode instance broke the stream: {exc.__class__.__name__}",
                              error_type="stream_broken", stage=DECODE) from None
         if not data:

@@ -58,3 +58,17 @@ def test_workers_share_the_port_and_merge_their_metrics():
     assert code == 0
     for pid in worker_pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_workers_auto_starts_one_per_usable_cpu():
+    d_proc, d_url = start_scripted("decode")
+    proxy, url = start_proxy("--decode", d_url, "--workers", "auto", "--health-check-interval", "0")
+    try:
+        expected = len(os.sched_getaffinity(proxy.popen.pid))
+        assert len(children(proxy.popen.pid)) == expected - 1  # the first worker is the parent itself
+        if expected > 1:  # one worker has no siblings to merge
+            assert metric_sum(httpx.get(url + "/metrics").text, "pdproxy_workers") == expected
+    finally:
+        code = proxy.stop()
+        d_proc.stop()
+    assert code == 0

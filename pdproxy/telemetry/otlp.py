@@ -20,7 +20,9 @@ import http.client
 import os
 import ssl
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
@@ -46,6 +48,9 @@ class SpanData:
     trace_state: str | None = None
     parent_remote: bool = False
     events: list[tuple[int, str, dict[str, Any]]] | None = None  # (unix ns, name, attributes)
+    # the first `repeating` attributes have values that repeat across requests (model, instance, status...;
+    # no measurements or ids; a key's value always of one type): their encoding is cached per distinct set
+    repeating: int = 0
 
 
 # -- protobuf wire format --------------------------------------------------------------------
@@ -131,6 +136,23 @@ def _float_prefix(key: str) -> bytes:
     return b"\x4a" + _varint(len(k) + 11) + k + b"\x12\x09\x21"
 
 
+_BLOCKS: dict[tuple, bytes] = {}  # the fields of a span's `repeating` attributes, by those (key, value) pairs
+
+
+def _attributes(items: Iterable[tuple[str, Any]]) -> bytes:
+    """Attribute fields, in order."""
+    out = []
+    for k, v in items:
+        if type(v) is float:  # the measurements: most of a root span's attributes
+            prefix = _FLOAT_PREFIX.get(k)
+            if prefix is None:
+                prefix = _FLOAT_PREFIX[k] = _float_prefix(k)
+            out += (prefix, _pack_double(v))
+        else:
+            out.append(attribute(b"\x4a", k, v, k in REPEATING))
+    return b"".join(out)
+
+
 def encode_span(s: SpanData) -> bytes:
     """The bytes of one `Span` message."""
     out = [b"\x0a\x10", s.trace_id.to_bytes(16, "big"), b"\x12\x08", s.span_id.to_bytes(8, "big")]
@@ -140,14 +162,19 @@ def encode_span(s: SpanData) -> bytes:
         out += (b"\x22\x08", s.parent_id.to_bytes(8, "big"))
     out.append(_field(b"\x2a", s.name.encode()))
     out += (b"\x30", _SMALL[s.kind], b"\x39", struct.pack("<Q", s.start_ns), b"\x41", struct.pack("<Q", s.end_ns))
-    for k, v in s.attributes.items():
-        if type(v) is float:  # the measurements: most of a root span's attributes
-            prefix = _FLOAT_PREFIX.get(k)
-            if prefix is None:
-                prefix = _FLOAT_PREFIX[k] = _float_prefix(k)
-            out += (prefix, _pack_double(v))
-        else:
-            out.append(attribute(b"\x4a", k, v, k in REPEATING))
+    items = s.attributes.items()
+    if s.repeating:
+        key = tuple(islice(items, s.repeating))
+        block = _BLOCKS.get(key)
+        if block is None:
+            block = _attributes(key)
+            if len(_BLOCKS) < _PAIRS_MAX:
+                _BLOCKS[key] = block
+        out.append(block)
+        if len(key) < len(s.attributes):
+            out.append(_attributes(islice(items, s.repeating, None)))
+    else:
+        out.append(_attributes(items))
     for time_ns, name, attrs in s.events or ():
         body = b"\x09" + struct.pack("<Q", time_ns) + _field(b"\x12", name.encode())
         body += b"".join(_field(b"\x1a", key_value(k, v)) for k, v in attrs.items())

@@ -186,9 +186,10 @@ class RequestTrace:
         error = self.error_message if not m.ok else None
         # semconv's `{operation} {model}` for a known model; the operation alone otherwise (bounded names)
         name = self.operation if self.model_label == OTHER else f"{self.operation} {self.model_label}"
+        root_attributes, repeating = self._root_attributes(m)
         spans = [SpanData(name, KIND_SERVER, ids.trace_id, ids.root, ids.parent_span_id,
-                          to_unix_ns(t.received), to_unix_ns(t.end), self._root_attributes(m), error, ids.tracestate,
-                          ids.parent_remote)]
+                          to_unix_ns(t.received), to_unix_ns(t.end), root_attributes, error, ids.tracestate,
+                          ids.parent_remote, repeating=repeating)]
         if error is not None:
             spans[0].attributes["error.type"] = m.error_type
         bounds = t.stage_bounds(self.pd_mode)
@@ -197,8 +198,10 @@ class RequestTrace:
         for stage, (start, end) in bounds.items():
             name, kind = _STAGE_SPANS[stage]
             span_id = {PREFILL: ids.prefill, DECODE: ids.decode if self.pd_mode else None}.get(stage)
+            attributes = self._stage_attributes(stage, m)
             span = SpanData(name, kind, ids.trace_id, span_id or random.getrandbits(64), ids.root, to_unix_ns(start),
-                            to_unix_ns(end), self._stage_attributes(stage, m), trace_state=ids.tracestate)
+                            to_unix_ns(end), attributes, trace_state=ids.tracestate,
+                            repeating=len(attributes) if stage != KV_TRANSFER else 3)  # its measurements come last
             if stage == DECODE and m.stalls:
                 span.events = self._stall_events()
             if stage == m.failed_stage:
@@ -214,21 +217,28 @@ class RequestTrace:
         return [(to_unix_ns(start), n.STALL_EVENT, {n.STALL_DURATION: gap, n.STALL_TOKENS: k})
                 for start, gap, k in gaps]
 
-    def _root_attributes(self, m: Measurement) -> dict[str, Any]:
+    def _root_attributes(self, m: Measurement) -> tuple[dict[str, Any], int]:
+        """The root span's attributes, and how many of the first ones repeat across requests (their
+        encoding is cached: see `SpanData.repeating`)."""
         a: dict[str, Any] = {
             "gen_ai.operation.name": self.operation,
             "gen_ai.provider.name": "vllm",
             "gen_ai.request.model": self.model_label,
-            n.REQUEST_ID: self.request_id,
             n.MODE: "pd" if self.pd_mode else "single",
             n.DEPLOYMENT: self.deployment,
-            n.E2E: m.e2e,
-            n.CHUNKS: m.chunks,
             "http.response.status_code": m.status,
-            **self.request_attrs,
         }
         if self.recorder.run_label:
             a[n.RUN] = self.recorder.run_label
+        repeating = {
+            n.PREFILL_INSTANCE: self.prefill_instance,
+            n.DECODE_INSTANCE: self.decode_instance,
+            n.FAILED_STAGE: m.failed_stage,
+            n.KV_PARAMS: self.kv_params,
+        }
+        a.update({k: v for k, v in repeating.items() if v is not None})
+        count = len(a)
+        a.update({n.REQUEST_ID: self.request_id, n.E2E: m.e2e, n.CHUNKS: m.chunks, **self.request_attrs})
         if self.model is not None and self.model != self.model_label:
             a[n.REQUESTED_MODEL] = self.model[:MAX_NAME_LENGTH]  # for reading the trace; no collector keys on it
         optional = {
@@ -237,10 +247,6 @@ class RequestTrace:
             "gen_ai.usage.input_tokens": m.input_tokens,
             "gen_ai.usage.output_tokens": m.output_tokens,
             n.TPOT: m.tpot,
-            n.PREFILL_INSTANCE: self.prefill_instance,
-            n.DECODE_INSTANCE: self.decode_instance,
-            n.FAILED_STAGE: m.failed_stage,
-            n.KV_PARAMS: self.kv_params,
         }
         a.update({k: v for k, v in optional.items() if v is not None})
         if self.scan.finish_reasons:
@@ -248,7 +254,7 @@ class RequestTrace:
         if m.gaps:
             a.update({n.ITL_UNIT: m.itl_unit, n.ITL_COUNT: len(m.gaps), n.ITL_MEAN: m.itl_mean, n.ITL_P50: m.itl_p50,
                       n.ITL_P99: m.itl_p99, n.ITL_MAX: m.itl_max, n.STALLS: m.stalls})
-        return a
+        return a, count
 
     def _stage_attributes(self, stage: str, m: Measurement) -> dict[str, Any]:
         """Every stage span names its model and deployment, so span-derived metrics split like the proxy's."""

@@ -28,7 +28,7 @@ from typing import Protocol
 from opentelemetry import trace as trace_api
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import TracerProvider, sampling
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -37,6 +37,7 @@ from pdproxy.telemetry.otlp import SpanData, encode_span, export_request, frame_
 
 log = logging.getLogger("pdproxy.tracing")
 _propagator = TraceContextTextMapPropagator()
+_NO_PARENT = Context()
 
 DropCounter = Callable[[str, int], None]
 MAX_BATCH = 512  # spans per export request
@@ -74,6 +75,8 @@ class Tracing:
                  on_drop: DropCounter) -> None:
         provider = TracerProvider(resource=_resource(resource_attrs))  # for its env-configured sampler and resource
         self.sampler = provider.sampler
+        # the default sampler samples every trace that starts here: no need to ask it (a few us per request)
+        self._sample_new_traces = self.sampler is sampling.DEFAULT_ON
         self.resource = provider.resource
         self.resource_field, self.scope_field = frame_prefix(dict(self.resource.attributes), "pdproxy", __version__)
         self.sinks = sinks
@@ -91,6 +94,9 @@ class Tracing:
 
     def new_ids(self, headers: dict[str, str] | object) -> TraceIds:
         """Continue the client's W3C trace context if it sent one, else start a trace."""
+        if self._sample_new_traces and (headers is None or "traceparent" not in headers):
+            return TraceIds(_NO_PARENT, random.getrandbits(128), random.getrandbits(64), random.getrandbits(64),
+                            random.getrandbits(64), True, None)
         parent = _propagator.extract(headers)
         parent_span = trace_api.get_current_span(parent).get_span_context()
         trace_id = parent_span.trace_id if parent_span.is_valid else random.getrandbits(128)
