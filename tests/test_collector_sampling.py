@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import subprocess
+import sys
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -272,3 +274,23 @@ def test_span_metrics_exemplar_of_a_slow_request_leads_to_its_whole_trace(run, c
         print(f"\ndrill-down (span_metrics): exemplar {value:.3f} s -> trace {trace_id}: {len(stored)} spans in Jaeger")
     assert "slow-requests" in run.policies.matching(run.sent[trace_id])
     assert {s["spanId"] for s in stored} == {s["spanId"] for s in run.sent[trace_id]}
+
+
+def test_pdproxy_trace_draws_the_slow_request_from_jaeger(run, capsys):
+    """The drill-down with the product's own command: `pdproxy trace ID --jaeger URL` on the real store."""
+    data = run.prom.api("/api/v1/query_exemplars", query=f'pdproxy_ttft_seconds_bucket{{run="{RUN}"}}',
+                        start=f"{run.start - 1:.3f}", end=f"{time.time():.3f}")
+    value, trace_id = max((float(e["value"]), e["labels"]["trace_id"]) for s in data for e in s["exemplars"])
+    root = next(s for s in run.sent[trace_id] if s.get("service", "pdproxy") == "pdproxy" and not s.get("parentSpanId"))
+    request_id = next(a["value"]["stringValue"] for a in root["attributes"] if a["key"] == "pd.request_id")
+    for ident in (trace_id, request_id):  # by trace id, and by request id through Jaeger's search
+        p = subprocess.run([sys.executable, "-m", "pdproxy", "trace", ident, "--jaeger", run.jaeger.url],
+                           capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        out = p.stdout
+        assert trace_id in out and request_id in out, out
+        for name in ("pd.queue", "pd.prefill", "pd.kv_transfer", "pd.decode", "largest:"):
+            assert name in out, out
+        assert max(len(line) for line in out.splitlines()) <= 80, out
+    with capsys.disabled():
+        print(f"\npdproxy trace {trace_id} --jaeger (exemplar TTFT {value:.3f} s):\n{out}")
