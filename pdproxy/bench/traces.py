@@ -14,7 +14,6 @@ from the shadow's traces (`bench/deployments.py`) joins to them instead.
 
 from __future__ import annotations
 
-import gzip
 import json
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from typing import Any, Iterable, Iterator
 
 from pdproxy.bench.engine_spans import ENGINE_SPAN, EngineSpan, SpanEvent, engine_span, span_events
 from pdproxy.bench.otlpjson import attrs_of
+from pdproxy.bench.records import open_text
 
 STAGES = ("queue", "prefill", "kv_transfer", "decode")
 # Resource attributes that describe a process, not the run's fixed conditions.
@@ -76,14 +76,11 @@ class TraceIndex:
 
 
 def _read_text(path: Path) -> str:
-    with open(path, "rb") as f:
-        gzipped = f.read(2) == b"\x1f\x8b"
-    if gzipped:
-        try:
-            return gzip.decompress(path.read_bytes()).decode()
-        except (OSError, EOFError) as e:
-            raise TraceError(f"{path}: a broken gzip file ({e})") from None
-    return path.read_text()
+    try:
+        with open_text(path) as f:
+            return f.read()
+    except (OSError, EOFError) as e:  # a broken gzip file: BadGzipFile is an OSError, a cut one EOFError
+        raise TraceError(f"{path}: cannot be read ({e})") from None
 
 
 def _documents(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
