@@ -16,7 +16,7 @@ from http import HTTPStatus
 from typing import Any
 from collections.abc import Mapping
 
-from pdproxy.sim.tokens import CHAT_TOKENS_PER_MESSAGE, chat_content_words, count_text, prompt_seed
+from pdproxy.sim.tokens import encode, prompt_seed
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                404: "NotFoundError", 408: "TimeoutError", 409: "ConflictError", 410: "GoneError",
@@ -66,6 +66,9 @@ class GenerationRequest:
     kv_transfer_params: dict[str, Any] | None
     external_id: str  # the response id: cmpl-<X-Request-Id> / chatcmpl-<X-Request-Id>
     internal_id: str  # the engine's id: external id (+ "-0" for completions) + "-<8 hex>"
+    prompt_ids: list[int]  # what the output is generated from (pdproxy/sim/generation.py)
+    sampling_seed: int | None = None  # the request's `seed` field
+    return_token_ids: bool = False  # vLLM 0.23: ids on every choice, the prompt's on the first chunk
 
     @property
     def do_remote_decode(self) -> bool:
@@ -98,9 +101,10 @@ def parse_generation(kind: str, body: Any, headers: Mapping[str, str], served_mo
         raise APIError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
 
     if kind == "completion":
-        prompt_tokens, material = _completion_prompt(body.get("prompt"), vocab_size)
+        prompt_ids, material = _completion_prompt(body.get("prompt"), vocab_size)
     else:
-        prompt_tokens, material = _chat_prompt(body.get("messages"))
+        prompt_ids, material = _chat_prompt(body.get("messages"))
+    prompt_tokens = len(prompt_ids)
 
     n = body.get("n")
     if n is not None and (_not_int(n) or n != 1):
@@ -116,6 +120,7 @@ def parse_generation(kind: str, body: Any, headers: Mapping[str, str], served_mo
     include_usage = _optional_bool(options, "include_usage", False, "stream_options.")
     continuous_usage = _optional_bool(options, "continuous_usage_stats", False, "stream_options.")
     ignore_eos = _optional_bool(body, "ignore_eos", False)
+    return_token_ids = _optional_bool(body, "return_token_ids", False)
 
     max_tokens = _optional_int(body, "max_tokens", minimum=1)
     if kind == "chat":
@@ -166,12 +171,13 @@ def parse_generation(kind: str, body: Any, headers: Mapping[str, str], served_mo
         kind=kind, model=model, prompt_tokens=prompt_tokens, seed=prompt_seed(material, seed_field),
         max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos, stream=stream,
         include_usage=include_usage, continuous_usage=continuous_usage, kv_transfer_params=kv,
-        external_id=external, internal_id=internal,
+        external_id=external, internal_id=internal, prompt_ids=prompt_ids, sampling_seed=seed_field,
+        return_token_ids=return_token_ids,
     )
     return req, target, reason
 
 
-def _completion_prompt(prompt: Any, vocab_size: int) -> tuple[int, str]:
+def _completion_prompt(prompt: Any, vocab_size: int) -> tuple[list[int], str]:
     if prompt is None:
         raise APIError(400, "prompt: Field required", "prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -180,10 +186,10 @@ def _completion_prompt(prompt: Any, vocab_size: int) -> tuple[int, str]:
         raise APIError(400, "batched prompts (a list of prompts) are not supported by the simulator; send one "
                             "prompt per request", "prompt")
     if isinstance(prompt, str):
-        tokens = count_text(prompt)
-        if tokens == 0:
+        ids = encode(prompt)
+        if not ids:
             raise APIError(400, "Prompt cannot be empty", "prompt")
-        return tokens, prompt
+        return ids, prompt
     if isinstance(prompt, list):
         if not prompt:
             raise APIError(400, "Prompt cannot be empty", "prompt")
@@ -192,14 +198,18 @@ def _completion_prompt(prompt: Any, vocab_size: int) -> tuple[int, str]:
                 raise APIError(400, "prompt: token ids must be integers", "prompt")
             if not 0 <= tok < vocab_size:
                 raise APIError(400, f"Token id {tok} is out of vocabulary", "prompt")
-        return len(prompt), "ids:" + ",".join(map(str, prompt))
+        return list(prompt), "ids:" + ",".join(map(str, prompt))
     raise APIError(400, "prompt: Input should be a string or a list of token ids", "prompt")
 
 
-def _chat_prompt(messages: Any) -> tuple[int, str]:
+# Llama-3's template around each message: <|start_header_id|> role <|end_header_id|> ... <|eot_id|>
+_START_HEADER, _END_HEADER, _END_OF_TURN = 128006, 128007, 128009
+
+
+def _chat_prompt(messages: Any) -> tuple[list[int], str]:
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages: a non-empty list of messages is required", "messages")
-    words = 0
+    ids: list[int] = []
     parts: list[str] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
@@ -207,9 +217,18 @@ def _chat_prompt(messages: Any) -> tuple[int, str]:
         content = msg.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise APIError(400, f"messages[{i}].content: Input should be a string or a list of parts", "messages")
-        words += chat_content_words(content)
+        role = (encode(msg["role"]) or [_END_HEADER])[:1]
+        ids += [_START_HEADER, *role, _END_HEADER, *encode(_chat_text(content)), _END_OF_TURN]
         parts.append(msg["role"] + ":" + (content if isinstance(content, str) else json.dumps(content)))
-    return words + CHAT_TOKENS_PER_MESSAGE * len(messages), "\n".join(parts)
+    return ids, "\n".join(parts)
+
+
+def _chat_text(content: Any) -> str:
+    """A message's text: a string, or its text parts joined (other parts carry no tokens)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return " ".join(p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text"
+                    and isinstance(p.get("text"), str))
 
 
 def _not_int(value: Any) -> bool:

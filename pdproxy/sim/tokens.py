@@ -35,7 +35,33 @@ WORDS: tuple[str, ...] = tuple(
 
 
 def count_text(text: str) -> int:
-    return len(text.split())
+    return len(encode(text))
+
+
+# The tokenizer interface the simulator codes against (encode, decode, piece). This minimal one keeps the
+# word rule: a word's id is its index in WORDS, or a hash above them for any other word; ids map back
+# to the piece " " + word, so decode(ids) is the text those ids stand for in an answer.
+_WORD_IDS = {w: i for i, w in enumerate(WORDS)}
+_VOCAB = 128256
+
+
+def encode(text: str) -> list[int]:
+    """The ids of a text: one per whitespace-separated word."""
+    return [_WORD_IDS.get(w) if w in _WORD_IDS else _word_hash(w) for w in text.split()]
+
+
+def piece(token_id: int) -> str:
+    """The text one output token adds."""
+    return " " + WORDS[token_id % len(WORDS)]
+
+
+def decode(ids: list[int]) -> str:
+    return "".join([piece(i) for i in ids])
+
+
+def _word_hash(word: str) -> int:
+    digest = hashlib.blake2b(word.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return len(WORDS) + int.from_bytes(digest, "little") % (_VOCAB - len(WORDS))
 
 
 def chat_content_words(content: Any) -> int:
