@@ -256,8 +256,9 @@ class ResponseScan:
         return bool(part.get("content") or part.get("reasoning_content") or part.get("reasoning") or part.get("tool_calls"))
 
 
-async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: ResponseScan) -> None:
-    """Copy the upstream stream to the client (or nowhere, for shadow traffic), timing it on the way.
+async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: ResponseScan, tap: Any = None) -> None:
+    """Copy the upstream stream to the client (or nowhere, for shadow traffic), timing it on the way;
+    through `tap` (`migration.TokenTap`) first when the stream is armed for mid-stream migration.
 
     Upstream failures, including a stream that ends without `[DONE]`, surface as
     `ProxyError(stage=decode)`; a client that went away as `ClientGone`.
@@ -275,8 +276,10 @@ async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: R
                              error_type="stream_broken", stage=DECODE) from None
         if not data:
             break
+        if tap is not None:
+            data = tap.feed(data)
         scan.feed(data, clock())
-        if downstream is not None:
+        if downstream is not None and data:
             try:
                 await downstream.write(data)
             except ConnectionError:

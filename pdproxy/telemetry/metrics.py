@@ -184,6 +184,12 @@ class Metrics:
         self.spans_dropped = Counter("pdproxy_spans_dropped", "Spans lost before reaching the collector", ("reason",),
                                      registry=r)
         self.shadow = Counter("pdproxy_shadow_requests", "Shadow mirroring outcomes", ("outcome",), registry=r)
+        self.migrations = Counter("pdproxy_migrations", "Decode attempts that replaced a failed one, by when the "
+                                  "failure came (before_first_token, mid_stream) and its error type",
+                                  ("stage", "reason"), registry=r)
+        self.abandoned_handoffs = Counter("pdproxy_abandoned_handoffs", "KV hand-offs given up after a decode failed, "
+                                          "by the prefill instance whose blocks stay held until its "
+                                          "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", ("instance",), registry=r)
         Gauge("pdproxy_build_info", "pdproxy version", ("version",), registry=r).labels(__version__).set(1)
         self._series: dict[tuple[str, ...], _Series] = {}
 
@@ -228,6 +234,14 @@ class Metrics:
             s.input_tokens.inc(m.input_tokens)
         if m.output_tokens:
             s.output_tokens.inc(m.output_tokens)
+
+    def migrated(self, migrations: list[tuple[str, str]], abandoned: list[str]) -> None:
+        """One request's migrations (stage and reason are bounded: fixed stages, the proxy's error types)
+        and the prefill instances it left holding KV blocks."""
+        for stage, reason in migrations:
+            self.migrations.labels(stage, reason).inc()
+        for instance in abandoned:
+            self.abandoned_handoffs.labels(instance).inc()
 
     def exposition(self, accept: str) -> tuple[bytes, str]:
         if "application/openmetrics-text" in accept:
