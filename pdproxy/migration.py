@@ -28,8 +28,8 @@ from typing import Any
 
 from pdproxy.errors import DECODE, ProxyError
 from pdproxy.pool import Instance
-from pdproxy.stream import ResponseScan
-from pdproxy.upstream import Response, UpstreamError
+from pdproxy.stream import ResponseScan, read_stream
+from pdproxy.upstream import Response
 
 BEFORE_FIRST_TOKEN, MID_STREAM = "before_first_token", "mid_stream"  # the stages a migration happens in
 # mid-stream failures a continuation can repair: the decode went away. An error event is the instance's
@@ -109,14 +109,7 @@ async def read_head(response: Response, scan: ResponseScan, tap: TokenTap | None
     parts = []
     tokens, finishes, malformed = len(scan.chunk_times), len(scan.finish_reasons), scan.malformed
     while True:
-        try:
-            data = await response.readany()
-        except TimeoutError:
-            raise ProxyError(504, "decode instance went silent before its first token (read timeout)",
-                             error_type="timeout", stage=DECODE) from None
-        except UpstreamError as exc:
-            raise ProxyError(502, f"decode instance broke the stream before its first token: {type(exc).__name__}",
-                             error_type="stream_broken", stage=DECODE) from None
+        data = await read_stream(response, "before its first token")
         if not data:
             raise ProxyError(502, "decode instance ended the stream before its first token",
                              error_type="stream_truncated", stage=DECODE)
@@ -186,8 +179,7 @@ class Continuation:
         cont = {k: body[k] for k in _CONTINUED_FIELDS if k in body}
         cont.update(prompt=tap.prompt_ids + tap.output_ids[:kept], stream=True, return_token_ids=True)
         limit = body.get("max_completion_tokens", body.get("max_tokens")) if self.chat else body.get("max_tokens", 16)
-        if limit is not None:
-            cont["max_tokens"] = limit - kept
+        cont["max_tokens"] = None if limit is None else limit - kept  # null: the rest of the context, as chat's default
         if isinstance(body.get("min_tokens"), int):
             cont["min_tokens"] = max(0, body["min_tokens"] - kept)
         return cont

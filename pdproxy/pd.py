@@ -45,7 +45,7 @@ from pdproxy.protocol import (COMPLETIONS, Route, check_trace_headers, decode_pa
 from pdproxy.stream import ClientGone, ResponseScan, SlowReaders, WholeEventWriter, relay
 from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.telemetry.clock import now
-from pdproxy.upstream import ConnectFailed, ConnectTimeout, UpstreamClient, UpstreamError
+from pdproxy.upstream import ConnectFailed, ConnectTimeout, Response, UpstreamClient, UpstreamError
 
 log = logging.getLogger("pdproxy.pd")
 T = TypeVar("T")
@@ -294,7 +294,7 @@ class Proxy:
         instance = self.decode.choose(exclude=broken.instance)
         return await self._decode(body, None, handoff, COMPLETIONS, trace, instance, headers, budget, tap)
 
-    async def _whole(self, upstream, trace: RequestTrace) -> bytes:
+    async def _whole(self, upstream: Response, trace: RequestTrace) -> bytes:
         """An unstreamed answer, read whole and checked before the client gets any of it."""
         try:
             raw = await upstream.read()
@@ -315,8 +315,8 @@ class Proxy:
     async def _retrying(self, pool: Pool, instance: Instance, budget: Budget,
                         attempt: Callable[[Instance, int], Awaitable[T | _Failure]]) -> tuple[T, Instance, int]:
         """Try `instance`, then others while the failure allows it and the budget lasts (so many more
-        attempts, until a deadline), each after a jittered exponential backoff. An instance that answered 429/503 with Retry-After
-        is held for that long; when only held instances are left, the proxy waits for one if that is
+        attempts, until a deadline), each after a jittered exponential backoff. An instance that
+        answered 429/503 with Retry-After is held for that long; when only held instances are left, the proxy waits for one if that is
         at most --max-retry-wait, else the client gets the instance's answer and its Retry-After."""
         tries = 0
         while True:
