@@ -36,7 +36,7 @@ from pdproxy.admission import Admission
 from pdproxy.config import Settings
 from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, retry_after_seconds
 from pdproxy.pool import Instance, Pool
-from pdproxy.protocol import (Route, check_trace_headers, decode_payload, forwardable, new_uuid4, prefill_body,
+from pdproxy.protocol import (Route, check_trace_headers, decode_payload, new_uuid4, parse_body, prefill_body,
                               request_id, validate)
 from pdproxy.stream import ClientGone, SlowReaders, WholeEventWriter, relay
 from pdproxy.telemetry import Recorder, RequestTrace
@@ -116,7 +116,7 @@ class Proxy:
         """Admit, choose instances, prefill, open the decode and hand its answer to `deliver`.
 
         The same path serves client requests and their shadow copies; only `deliver` differs. `raw`:
-        the client's bytes of `body` when the decode may get them as they are (`protocol.forwardable`).
+        the client's bytes of `body` when the decode may get them as they are (`protocol.parse_body`).
         """
         async with self.admission.slot():
             prefill_instance = self.prefill.choose() if self.prefill else None
@@ -334,11 +334,8 @@ class Proxy:
                              error_type="client_disconnect") from None
         if not raw.strip():
             raise bad_request("request body is empty; send a JSON object")
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            raise bad_request(f"request body is not valid JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
-        return validate(body, route, self.settings.client_kv_params), forwardable(raw)
+        body, forward = parse_body(raw)
+        return validate(body, route, self.settings.client_kv_params), forward
 
     def _leg_headers(self, request: web.Request, trace: RequestTrace) -> dict[str, str]:
         """Headers both legs share. Authorization: the configured upstream key if any, else the

@@ -7,6 +7,7 @@ leg is the client's original body plus the prefill's `kv_transfer_params`, verba
 
 from __future__ import annotations
 
+import codecs
 import json
 import random
 import re
@@ -129,7 +130,7 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None)
 
 def decode_payload(body: dict[str, Any], raw: bytes | None, kv_transfer_params: dict[str, Any] | None) -> bytes:
     """The decode leg's bytes. From the client's own bytes when they may go as they are (`raw`, see
-    `forwardable`): unchanged, or with the prefill's `kv_transfer_params` spliced in before the closing
+    `parse_body`): unchanged, or with the prefill's `kv_transfer_params` spliced in before the closing
     brace. The body is then never serialised again; otherwise `decode_body`'s dict is."""
     if raw is None:
         return json.dumps(decode_body(body, kv_transfer_params)).encode()
@@ -139,13 +140,24 @@ def decode_payload(body: dict[str, Any], raw: bytes | None, kv_transfer_params: 
     return b"".join((raw[:end], b',"kv_transfer_params":', json.dumps(kv_transfer_params).encode(), raw[end:]))
 
 
-def forwardable(raw: bytes) -> bytes | None:
-    """`raw` (a validated JSON object) when it can be the decode body as it is: UTF-8 (other encodings
-    `json.loads` accepts start with a BOM or a NUL byte, not `{`) and without a `kv_transfer_params` of
-    the client's, which is never forwarded (even its name inside a string sends the dict instead)."""
-    if raw.lstrip()[:1] != b"{" or b"kv_transfer_params" in raw:
-        return None
-    return raw
+def parse_body(raw: bytes) -> tuple[Any, bytes | None]:
+    """A request body's JSON value, and `raw` when the decode leg may get those bytes as they are.
+
+    The encoding rule is explicit, and the same as vLLM's (its server hands the bytes to `json.loads`,
+    which reads UTF-8, UTF-16 and UTF-32, with or without a BOM): a body without a NUL byte or a
+    UTF-8 BOM is UTF-8 (strictly); any other is decoded as `json.loads` detects it. Only the first
+    kind may be forwarded raw: UTF-16/32 bytes (BOM-less UTF-16-LE starts `{\\x00`) would not survive
+    a splice. And a body whose parsed object holds `kv_transfer_params`, however the key is spelt
+    (`"kv\\u005ftransfer_params"` decodes to it), is never forwarded raw: the decode gets the
+    re-serialised, checked object, so no client coordinates can reach it.
+    """
+    plain = b"\x00" not in raw and not raw.startswith(codecs.BOM_UTF8)
+    try:
+        body = json.loads(raw.decode("utf-8") if plain else raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise bad_request(f"request body is not valid JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
+    forward = plain and isinstance(body, dict) and "kv_transfer_params" not in body
+    return body, raw if forward else None
 
 
 def _typed(body: dict[str, Any], key: str, kind: type) -> None:
