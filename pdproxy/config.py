@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -275,8 +276,16 @@ def _parse_url_group(group: list[str]) -> list[str]:
         elif re.fullmatch(r"\[?[\w.:-]+\]?:\d+", token):
             urls.append("http://" + token)
         else:
-            raise ConfigError(f"instance {token!r} is neither a URL (http://host:port) nor host:port")
+            raise ConfigError(f"instance {redact_url(token)!r} is neither a URL (http://host:port) nor host:port")
     return urls
+
+
+def redact_url(url: str) -> str:
+    """`url` with its credentials (`user:password@`) masked, for anything that shows a URL."""
+    return _USERINFO.sub(lambda m: (m.group(1) or "") + "***@", url, count=1)
+
+
+_USERINFO = re.compile(r"^((?:[a-z][a-z0-9+.-]*:)?//)?[^/?#\s]*@", re.IGNORECASE)
 
 
 def _url(host: str, port: int) -> str:
@@ -394,6 +403,10 @@ def _validate(s: Settings) -> None:
         raise ConfigError("max-body-bytes must be at least 1024")
     if not 0.0 <= s.shadow_sample_rate <= 1.0:
         raise ConfigError("shadow-sample-rate must be between 0 and 1")
+    for url in (*s.prefill_urls, *s.decode_urls, *s.shadow_prefill_urls, *filter(None, [s.shadow_url])):
+        if "@" in urlsplit(url).netloc:  # one rule for every request to an instance: no URL credentials
+            raise ConfigError(f"instance URL {redact_url(url)} carries credentials, which pdproxy does not send; "
+                              "give the instances' key with --upstream-api-key or OPENAI_API_KEY")
     if s.shadow_prefill_urls and not s.shadow_url:
         raise ConfigError("--shadow-prefill needs --shadow-url (the shadow pool's decode instance)")
     if s.workers < 1:

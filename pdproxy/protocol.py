@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pdproxy.errors import bad_request
+from pdproxy.errors import ProxyError, bad_request
 
 # The NIXL pull connector's request to a prefill instance; vLLM's own proxies send all six fields.
 NIXL_PREFILL_PARAMS = {
@@ -64,18 +64,26 @@ _UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))  # version nibble, variant bit
 _UUID4_SET = (0x4000 << 64) | (0x8000 << 48)  # version 4, RFC 4122 variant
 
 
-def check_trace_headers(headers: Any) -> None:
-    """Reject a malformed W3C `traceparent` rather than silently starting an unrelated trace."""
+def check_body_encoding(headers: Any) -> None:
+    """vLLM takes no compressed request bodies, and a proxy that inflates one lets a 1 MB gzip body
+    cost a gigabyte: a `Content-Encoding` other than identity is refused (415) from the head alone.
+    The body is never inflated anywhere (pdproxy/listener.py turns aiohttp's decompression off)."""
+    value = headers.get("Content-Encoding")
+    if value is not None and {c.strip().lower() for c in value.split(",")} - {"identity", ""}:
+        raise ProxyError(415, "compressed request bodies are not accepted (Content-Encoding); send plain JSON",
+                         error_type="unsupported_encoding", param="Content-Encoding")
+
+
+def valid_traceparent(headers: Any) -> bool:
+    """Whether a W3C `traceparent` the client sent is well formed. An invalid one is ignored, as
+    Trace Context asks (with its `tracestate`): the request starts a new trace and is counted."""
     value = headers.get("traceparent")
     if value is None:
-        return
+        return True
     value = value.strip()
     match = _TRACEPARENT.fullmatch(value)
-    bad = (not match or value.startswith("ff") or set(value[3:35]) == {"0"} or set(value[36:52]) == {"0"}
-           or (value.startswith("00") and match.group(1)))
-    if bad:
-        raise bad_request("traceparent is not a valid W3C trace context header "
-                          "(expected 00-<32 hex trace id>-<16 hex span id>-<2 hex flags>)", param="traceparent")
+    return not (not match or value.startswith("ff") or set(value[3:35]) == {"0"} or set(value[36:52]) == {"0"}
+                or (value.startswith("00") and match.group(1)))
 
 
 def validate(body: Any, route: Route, client_kv_params: str = "reject") -> dict[str, Any]:
