@@ -232,3 +232,49 @@ def test_client_kv_transfer_params_are_never_forwarded():
         strip.stop()
         p.stop()
         d.stop()
+
+
+def test_url_credentials_are_refused_for_instances_and_never_shown_for_the_otlp_endpoint(tmp_path):
+    """One rule for URL credentials: instances get none (refused at start: the legs would drop them
+    while health checks sent them), and no output shows the OTLP endpoint's."""
+    password = "URL-SECRET-3c9d"
+    d = ScriptedGroup("decode", 1)
+    port = d.url.rsplit(":", 1)[1]
+    refused = [("--decode", f"http://user:{password}@127.0.0.1:{port}"),
+               ("--decode", d.url, "--prefill", f"http://user:{password}@127.0.0.1:1"),
+               ("--decode", f"user:{password}@127.0.0.1:{port}"),
+               ("--decode", d.url, "--shadow-url", f"https://{password}@127.0.0.1:1")]
+    try:
+        for args in refused:
+            proc = pdproxy("serve", "--port", str(free_port()), "--health-check-interval", "0", *args)
+            try:
+                assert proc.popen.wait(30) == 2, args
+            finally:
+                proc.stop()
+            assert password not in proc.output() and "***@" in proc.output(), proc.output()
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://otel:{password}@127.0.0.1:{free_port()}"}
+        for flag in ((), ("--otlp-endpoint", f"http://otel:{password}@127.0.0.1:{free_port()}")):
+            proxy, url = start_proxy("--decode", d.url, "--api-key", CLIENT_KEY, "--health-check-interval", "0",
+                                     *flag, env=env)
+            try:
+                status = httpx.get(url + "/status").text
+                assert password not in status and "***@127.0.0.1" in status, status
+            finally:
+                proxy.stop()
+            assert password not in proxy.output() and "***@127.0.0.1" in proxy.output()
+    finally:
+        d.stop()
+
+
+def test_models_listing_needs_the_api_key_like_the_rest_of_v1():
+    d = ScriptedGroup("decode", 1)
+    proxy, url = start_proxy("--decode", d.url, "--api-key", CLIENT_KEY, "--health-check-interval", "0")
+    try:
+        r = httpx.get(url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer WRONG-SECRET-55aa"}).status_code == 401
+        r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {CLIENT_KEY}"})
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "scripted-model"
+    finally:
+        proxy.stop()
+        d.stop()
