@@ -62,7 +62,7 @@ class Settings:
     max_inflight: int = 0
     max_queue: int = 1024
     queue_timeout: float = 30.0
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int = 8 * 1024 * 1024  # worst JSON shape: ~27 MB RSS per body MB (benchmarks/body_memory.py)
     body_timeout: float = 30.0
     write_timeout: float = 60.0
     keep_alive_timeout: float = 75.0
@@ -137,7 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument("--max-inflight", type=int, help="requests served at once; 0 = unlimited (default 0)")
     route.add_argument("--max-queue", type=int, help="requests waiting for a slot beyond --max-inflight before 503 (default 1024)")
     route.add_argument("--queue-timeout", type=float, help="seconds a request may wait for a slot before 503 (default 30)")
-    route.add_argument("--max-body-bytes", type=int, help="largest request body accepted; larger gets 413 (default 32 MiB)")
+    route.add_argument("--max-body-bytes", type=int, help="largest request body accepted; larger gets 413 (default 8 MiB: '[{},{},...]' costs 27x its size in memory)")
     route.add_argument("--body-timeout", type=float, help="seconds a client may take to send its request body; then 408 (default 30)")
     route.add_argument("--write-timeout", type=float,
                        help="seconds a client may leave streamed data unread before it is cut off and its decode "
