@@ -152,9 +152,9 @@ def parse_body(raw: bytes) -> tuple[Any, bytes | None]:
     """A request body's JSON value, and `raw` when the decode leg may get those bytes as they are.
 
     The encoding rule is explicit, and the same as vLLM's (its server hands the bytes to `json.loads`,
-    which reads UTF-8, UTF-16 and UTF-32, with or without a BOM): a body without a NUL byte or a
-    UTF-8 BOM is UTF-8 (strictly); any other is decoded as `json.loads` detects it. Only the first
-    kind may be forwarded raw: UTF-16/32 bytes (BOM-less UTF-16-LE starts `{\\x00`) would not survive
+    which reads UTF-8, UTF-16 and UTF-32, with or without a BOM): a body with neither a NUL byte nor
+    a UTF-8 BOM is read as strict UTF-8; any other as `json.loads` detects it. Only the first kind
+    may be forwarded raw: UTF-16/32 bytes (BOM-less UTF-16-LE starts `{\\x00`) would not survive
     a splice. And a body whose parsed object holds `kv_transfer_params`, however the key is spelt
     (`"kv\\u005ftransfer_params"` decodes to it), is never forwarded raw: the decode gets the
     re-serialised, checked object, so no client coordinates can reach it.

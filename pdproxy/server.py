@@ -15,7 +15,7 @@ from aiohttp import web
 
 from pdproxy import __version__, workers
 from pdproxy.admission import Admission
-from pdproxy.config import Settings, redact_url
+from pdproxy.config import Settings
 from pdproxy.errors import ProxyError, error_body
 from pdproxy.listener import handler_options, listen
 from pdproxy.pd import Proxy
@@ -177,7 +177,7 @@ async def status(request: web.Request) -> web.Response:
     decode = proxy.decode.instances
 
     def describe(instances):
-        return [{"url": redact_url(i.url), "healthy": i.healthy, "inflight": i.inflight} for i in instances]
+        return [{"url": i.url, "healthy": i.healthy, "inflight": i.inflight} for i in instances]
 
     return web.json_response({
         "prefill_node_count": len(prefill), "decode_node_count": len(decode),
