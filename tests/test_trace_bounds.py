@@ -161,35 +161,41 @@ def test_an_operator_chosen_parent_based_sampler_obeys_the_clients_flag(sim, tmp
         proxy.stop()
 
 
-def test_hostile_401s_cannot_grow_the_trace_file_past_its_bound(sim, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_hostile_401s_cannot_grow_the_trace_file_past_its_bound(sim, tmp_path, workers):
     trace_file = tmp_path / "spans.jsonl"
     backup = trace_file.with_name("spans.jsonl.1")
     proxy, url = start_proxy("--decode", sim, "--api-key", KEY, "--trace-file", str(trace_file),
                              "--trace-file-max-bytes", str(MIB), "--trace-file-backups", "1",
                              "--trace-rejected-rate", "1000000",  # every refusal traced: the file bound alone holds
-                             "--health-check-interval", "0", env={"OTEL_BSP_SCHEDULE_DELAY": "50"})
+                             "--workers", str(workers), "--health-check-interval", "0",
+                             env={"OTEL_BSP_SCHEDULE_DELAY": "50"})
     sent, backups_seen = 0, set()
     try:
-        with httpx.Client(timeout=10) as client:
-            deadline = time.monotonic() + 60
-            # until the first backup has itself been replaced: over 2 MiB written, the oldest MiB deleted
-            while len(backups_seen) < 2 and time.monotonic() < deadline:
-                for _ in range(50):
+        deadline = time.monotonic() + 60
+        # until the first backup has itself been replaced: over 2 MiB written, the oldest MiB deleted
+        while len(backups_seen) < 2 and time.monotonic() < deadline:
+            with httpx.Client(timeout=10) as client:  # a new connection each round: the workers share them
+                for _ in range(10):
                     r = client.post(url + "/v1/completions", json=BODY,
                                     headers={"traceparent": traceparent()[1], "tracestate": HOSTILE})
                     assert r.status_code == 401
-                sent += 50
-                if backup.exists():
-                    backups_seen.add(os.stat(backup).st_ino)
+            sent += 10
+            if backup.exists():
+                backups_seen.add(os.stat(backup).st_ino)
         assert len(backups_seen) >= 2, f"{sent} refusals did not rotate the file twice within the phase"
         assert metric(url, "pdproxy_requests_total", code="401") == sent
         files = sorted(p.name for p in tmp_path.iterdir())
         assert files == ["spans.jsonl", "spans.jsonl.1"]  # no older copy kept, nothing else written
         for f in (trace_file, backup):
             assert f.stat().st_size <= MIB
-        spans = spans_in(trace_file, backup)  # whole lines: a rotation never cuts one
+        spans = spans_in(trace_file, backup)  # whole lines, none interleaved: a rotation never cuts one
         assert spans and all(len(s.get("traceState", "")) <= 512 for s in spans)
         assert {s.get("traceState") for s in spans} == {",".join(SHORT)}
+        writers = {a["value"]["stringValue"] for f in (trace_file, backup) for line in f.read_text().splitlines()
+                   for rs in json.loads(line)["resourceSpans"] for a in rs["resource"]["attributes"]
+                   if a["key"] == "service.instance.id"}
+        assert len(writers) == workers  # every worker wrote into the one bounded file
         print(f"\n{sent} refusals; files {[f.stat().st_size for f in (trace_file, backup)]} bytes, bound {MIB}")
     finally:
         proxy.stop()
