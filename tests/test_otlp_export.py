@@ -85,7 +85,7 @@ def test_a_collector_closing_idle_connections_gets_every_batch_exactly_once(sim)
             assert wait_for(lambda: receiver.closed == receiver.connections)
         ids = receiver.span_ids
         assert len(ids) == len(set(ids)) == made
-        assert receiver.connections == 3  # one per round: each idle one was closed by the collector
+        assert receiver.connections >= 3  # a new one each round: the idle one had been closed by the collector
         assert dropped(url) == 0
     finally:
         proxy.stop()
@@ -95,7 +95,7 @@ def test_a_collector_closing_idle_connections_gets_every_batch_exactly_once(sim)
 def test_shutdown_leaves_the_sinks_to_a_send_still_in_progress(tmp_path, monkeypatch):
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "10")
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
-    receiver = HttpReceiver(delay=1.0)
+    receiver = HttpReceiver(delay=2.0)
     trace_file = tmp_path / "spans.jsonl"
     drops: list[tuple[str, int]] = []
     tracing = Tracing({}, [HttpTransport(receiver.endpoint), TraceFileExporter(trace_file)], 64,
