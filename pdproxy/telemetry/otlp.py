@@ -288,7 +288,11 @@ class HttpTransport:
 def _dropped(conn: http.client.HTTPConnection) -> bool:
     """An idle kept-alive connection that is readable has been closed by the peer (or holds bytes
     nobody asked for): either way it cannot carry a request."""
-    return conn.sock is not None and bool(select.select([conn.sock], [], [], 0)[0])
+    if conn.sock is None:
+        return False
+    poller = select.poll()  # not select(): a busy proxy's sockets may be numbered past FD_SETSIZE
+    poller.register(conn.sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _unanswered(exc: BaseException, written: bool) -> bool:
