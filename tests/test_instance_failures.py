@@ -68,6 +68,32 @@ def test_a_connect_timeout_is_retried_with_the_prefills_kv_params(tmp_path):
             s.close()
 
 
+def test_a_kept_alive_connection_closed_unanswered_is_resent_with_the_same_kv_params(tmp_path):
+    """The decode reads the request on a reused connection and closes it without a byte (what the
+    keep-alive race looks like): sent again on a fresh connection, KV params kept, nothing charged."""
+    p, d = ScriptedGroup("prefill", 1), ScriptedGroup("decode", 1)
+    trace_file = tmp_path / "spans.jsonl"
+    proxy, url = start_proxy("--prefill", p.url, "--decode", d.url, "--upstream-keep-alive", "60",
+                             "--decode-retries", "0", "--health-check-interval", "0", "--trace-file", str(trace_file),
+                             *STRICT, env=ENV)
+    try:
+        d.script({}, {"drop": True})  # the second request comes on the first one's connection
+        assert post(url)[0].status_code == 200
+        r, rid = post(url)
+        assert r.status_code == 200  # with --decode-retries 0: not a 502
+        first, dropped, resent = d.journal()
+        assert dropped["peer"] == first["peer"] and resent["peer"] != first["peer"]  # reused, then a fresh one
+        assert resent["body"]["kv_transfer_params"] == dropped["body"]["kv_transfer_params"] is not None
+        spans = trace_of(trace_file, rid)
+        assert attrs(spans["pd.decode"])["pd.decode.attempts"] == 1
+        assert attrs(spans["root"])["pd.kv_transfer_params"] == "received"
+        assert ejected(url) == {d.url: False}
+    finally:
+        proxy.stop()
+        p.stop()
+        d.stop()
+
+
 def test_long_answers_a_client_asks_for_eject_nothing():
     """Non-streamed max_tokens 1000 (~5 s on the simulated H200) against --read-timeout 1: every
     attempt times out on every decode, which is the request's doing, not the instances'."""
