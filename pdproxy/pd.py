@@ -208,7 +208,8 @@ class Proxy:
                         answer = b""
                     finally:
                         upstream.release()
-                    failure = _status_failure(DECODE, inst, upstream.status, upstream.headers, answer, kv is not None)
+                    failure = _status_failure(DECODE, inst, upstream.status, upstream.headers, answer,
+                                              kv_sent=kv is not None)
             finally:
                 if not handed_over:
                     inst.inflight -= 1  # also when the client's disconnect cancels us here

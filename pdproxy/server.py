@@ -51,7 +51,9 @@ def create_app(settings: Settings) -> web.Application:
 async def _lifecycle(app: web.Application, settings: Settings):
     """One pooled session, the pools, health checks and telemetry for the app's lifetime."""
     recorder, tracing = setup_telemetry(settings)
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+    keep = settings.upstream_keep_alive  # health checks and /v1/models meet the same idle timeouts as the legs
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True,
+                                     **({"keepalive_timeout": keep} if keep > 0 else {"force_close": True}))
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",))
     upstream = UpstreamClient(settings.connect_timeout, settings.read_timeout,  # the two legs (pdproxy/upstream.py)
                               keepalive=settings.upstream_keep_alive)
