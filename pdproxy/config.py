@@ -135,7 +135,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument("--health-check-timeout", type=float, help="seconds a health check may take (default 2)")
     route.add_argument("--health-check-path", help="instance path probed by health checks (default /health)")
     route.add_argument("--eject-after-failures", type=int,
-                       help="consecutive failures (connect errors, timeouts, 5xx) that eject an instance; 0 disables (default 3)")
+                       help="consecutive failures an instance is to blame for (connect errors and timeouts, dropped "
+                            "connections, 5xx; not read timeouts) that eject it; 0 disables (default 3)")
     route.add_argument("--eject-seconds", type=float,
                        help="how long an ejected instance stays out, times its ejections in a row (max 6x) (default 10)")
     route.add_argument("--max-ejection-percent", type=float,
