@@ -1,8 +1,8 @@
 """`pdproxy bench` against simulated vLLM instances (real processes on loopback).
 
 The simulator's request journal (`GET /sim/requests`) is the independent witness of what the bench
-sent, and its token rule (one token per word) checks prompt lengths; summary statistics are
-recomputed here from the request lines with numpy.
+sent, and its /tokenize (a sub-word rule, ~2.3 tokens per word) counts the prompts; summary statistics
+are recomputed here from the request lines with numpy.
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ def read(path: Path) -> tuple[dict, list[dict], dict]:
     return lines[0], [x for x in lines if x["type"] == "request"], lines[-1]
 
 
+def tokenize(url: str, prompt: str) -> int:
+    req = urllib.request.Request(url + "/tokenize", data=json.dumps({"prompt": prompt}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return json.loads(r.read())["count"]
+
+
 def journal(url: str, clear: bool = False) -> list[dict]:
     with urllib.request.urlopen(url + "/sim/requests", timeout=5) as r:
         entries = json.loads(r.read())["requests"]
@@ -59,8 +66,10 @@ def test_records_match_what_the_server_saw(sim: str, tmp_path: Path) -> None:
     for r in reqs:
         e = seen[r["request_id"]]
         assert e["headers"]["traceparent"].split("-")[1] == r["trace_id"]
-        assert len(e["body"]["prompt"].split()) == r["prompt_words"] == r["prompt_tokens"]  # sim: word = token
-        assert e["body"]["max_tokens"] == r["max_tokens"] == r["output_tokens"] == r["chunks"]
+        # lengths are the server's tokens: exactly what was asked, whatever the words
+        assert len(e["body"]["prompt"].split()) == r["prompt_words"] < r["prompt_tokens"]
+        assert r["prompt_tokens"] == r["prompt_tokens_requested"] == tokenize(sim, e["body"]["prompt"])
+        assert e["body"]["max_tokens"] == e["body"]["min_tokens"] == r["max_tokens"] == r["output_tokens"] == r["chunks"]
         assert e["body"]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
         assert "text" not in r and "prompt" not in r  # no text unless --save-text
         assert r["warmup"] == (r["seq"] < 4)
@@ -108,7 +117,7 @@ def test_failures_are_counted_with_reasons(tmp_path: Path) -> None:
         wl = tmp_path / "w.yaml"
         wl.write_text("requests: 40\nseed: 1\nclasses:\n"
                       "  - {name: ok, prompt: 10, output: 6, concurrency: 3}\n"
-                      "  - {name: huge, prompt: 5000, output: 4, concurrency: 1, requests: 3}\n")
+                      "  - {name: long, prompt: 4600, output: 4, concurrency: 1, requests: 3}\n")
         _, reqs, summary = bench(tmp_path / "f.jsonl", url, "--workload", str(wl))
     finally:
         proc.stop()
@@ -118,10 +127,10 @@ def test_failures_are_counted_with_reasons(tmp_path: Path) -> None:
         if not r["ok"]:
             reasons[r["error"]] = reasons.get(r["error"], 0) + 1
             assert r["ttft"] is None or r["error"] in ("stream_broken", "incomplete_stream")
-    # every prompt over max-model-len is refused (HTTP 400) ...
-    huge = [r for r in reqs if r["class"] == "huge"]
-    assert len(huge) == 3 and all(not r["ok"] for r in huge)
-    assert all(r["status"] in (400, 503) for r in huge)
+    # prompts just under max-model-len are sent and counted (400s would be the bench's fault) ...
+    long = [r for r in reqs if r["class"] == "long"]
+    assert len(long) == 3 and all(r["status"] != 400 for r in long)
+    assert all(r["prompt_tokens"] == 4600 for r in long if r["ok"])
     # ... the injected 503s and cut streams show up with their own reasons
     assert reasons.get("http_503", 0) > 0
     assert reasons.get("stream_broken", 0) + reasons.get("incomplete_stream", 0) > 0
@@ -138,9 +147,41 @@ def test_connection_refused_is_a_failure_not_a_crash(tmp_path: Path) -> None:
     assert summary["stats"]["requests"]["error_rate"] == 1.0
 
 
+def test_workload_over_the_servers_limit_stops_before_the_run(tmp_path: Path) -> None:
+    proc, url = start_sim("single", "--preset", "instant", "--max-model-len", "2048")
+    try:
+        journal(url, clear=True)
+        p = subprocess.run([sys.executable, "-m", "pdproxy", "bench", "--url", url, "--out", str(tmp_path / "x.jsonl"),
+                            "--no-progress", "--requests", "3", "--concurrency", "1", "--prompt-len", "2000",
+                            "--output-len", "64"], capture_output=True, text=True, timeout=60)
+        sent = journal(url)
+    finally:
+        proc.stop()
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    msg = " ".join(p.stderr.split())
+    assert "prompts up to 2000 tokens + outputs up to 64 tokens = 2064 tokens, over the server's max_model_len of " \
+           "2048" in msg
+    assert sent == [] and not (tmp_path / "x.jsonl").exists()  # not one request, not one record
+
+
+def test_chat_prompts_are_counted_through_the_template(sim: str, tmp_path: Path) -> None:
+    journal(sim, clear=True)
+    _, reqs, _ = bench(tmp_path / "chat.jsonl", sim, "--endpoint", "chat", "--requests", "6", "--concurrency", "2",
+                       "--prompt-len", "100-300", "--output-len", "7", "--seed", "2")
+    seen = {e["headers"]["x-request-id"]: e["body"] for e in journal(sim)}
+    for r in reqs:
+        assert r["ok"] and r["prompt_tokens"] == r["prompt_tokens_requested"] and 100 <= r["prompt_tokens"] <= 300
+        assert r["output_tokens"] == 7 and seen[r["request_id"]]["min_tokens"] == 7
+    assert len({r["prompt_tokens"] for r in reqs}) > 1
+    short = subprocess.run([sys.executable, "-m", "pdproxy", "bench", "--url", sim, "--endpoint", "chat",
+                            "--out", str(tmp_path / "s.jsonl"), "--no-progress", "--requests", "1",
+                            "--concurrency", "1", "--prompt-len", "5"], capture_output=True, text=True, timeout=60)
+    assert short.returncode == 2 and "shorter than what every prompt starts with" in " ".join(short.stderr.split())
+
+
 def test_chat_ttft_skips_the_role_chunk(sim: str, tmp_path: Path) -> None:
     _, reqs, _ = bench(tmp_path / "c.jsonl", sim, "--endpoint", "chat", "--requests", "4", "--concurrency", "2",
-                       "--prompt-len", "8", "--output-len", "5")
+                       "--prompt-len", "40", "--output-len", "5")
     assert all(r["ok"] and r["chunks"] == 5 == r["output_tokens"] for r in reqs), reqs
 
 
