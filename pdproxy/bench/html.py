@@ -132,9 +132,12 @@ def _table(head: list[str], rows: list[list[str]], num_from: int = 1) -> str:
 
 
 def _verdict(report: dict[str, Any]) -> str:
-    v = report.get("verdict")
-    if not v:
-        return ""
+    """Each verdict (same resources first, then capacity); the first keeps the ids the page always had."""
+    verdicts = report.get("verdicts") or ([report["verdict"]] if report.get("verdict") else [])
+    return "".join(_one_verdict(v, "" if i == 0 else f"-{i + 1}") for i, v in enumerate(verdicts))
+
+
+def _one_verdict(v: dict[str, Any], suffix: str) -> str:
     cls = "adopt" if v["decision"] == "adopt" else "reject"
     rows = []
     for c in v["criteria"]:
@@ -143,9 +146,10 @@ def _verdict(report: dict[str, Any]) -> str:
         name = c["criterion"] + (f" vs {c['baseline']}" if c.get("baseline") else "")
         rows.append(f"<tr><td>{mark}</td><td>{_e(name)}</td><td>{_e(c['detail'])}</td></tr>")
     notes = "".join(f"<div class=flag>{_e(n)}</div>" for n in v.get("notes") or [])
-    return (f"<div class='verdict {cls}' id=verdict><b>Verdict: {_e(v['decision'].upper())}</b> "
-            f"({_e(v['candidate'])} vs {_e(', '.join(v['baselines']))})<br>decided by: {_e(v['reason'])}</div>"
-            f"<table id=criteria><thead><tr><th></th><th>criterion</th><th>detail</th></tr></thead>"
+    kind = f" · <b>{_e(v['resources_text'])}</b>" if v.get("resources_text") else ""
+    return (f"<div class='verdict {cls}' id=verdict{suffix}><b>Verdict: {_e(v['decision'].upper())}</b> "
+            f"({_e(v['candidate'])} vs {_e(', '.join(v['baselines']))}){kind}<br>decided by: {_e(v['reason'])}</div>"
+            f"<table id=criteria{suffix}><thead><tr><th></th><th>criterion</th><th>detail</th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table>{notes}")
 
 
@@ -181,7 +185,9 @@ def render(report: dict[str, Any]) -> str:
     d = report["definitions"]
     comp = report["comparison"]
     flags = "".join(f"<div class=flag>{_e(f)}</div>" for f in comp.get("flags") or [])
-    notes = "".join(f"<div class=flag>{_e(e['label'])}: {_e(n)}</div>" for e in runs for n in e["condition_notes"])
+    notes = "".join(f"<div class=flag>{_e(e['label'])}: {_e(n)}</div>" for e in runs
+                    for n in [*e["condition_notes"], *(e.get("length_flags") or []),
+                              *((e.get("prompts") or {}).get("notes") or [])])
     defs = "".join(f"<li><b>{_e(k)}</b>: {_e(v)}</li>" for k, v in d.items() if v is not None)
     payload = json.dumps({"runs": [{"label": e["label"], "plots": e["plots"], "stages": e["stages"]} for e in runs],
                           "definitions": d}, separators=(",", ":")).replace("</", "<\\/")
