@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pdproxy import __version__
-from pdproxy.bench import attribution, engine_spans, stats, traces
+from pdproxy.bench import attribution, engine_spans, instances, stats, traces
 from pdproxy.bench.records import Run
 from pdproxy.bench.verdict import Slo, decide
 
@@ -199,6 +199,7 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
         "stages": stages,
         "kv_transfer": kv,
         "engine_split": _engine_split(ok_infos),
+        "instances": instances.breakdown(run.requests, joined, unit=u, stall_threshold=stall_threshold),
         "stall_attribution": attribution.run_attribution(ok, joined, timeline, threshold=stall_threshold, unit=u)
         if timeline is not None and joined else None,
         "slowest": {"ttft": [brief(r) for r in by_ttft], "tail_itl": [brief(r) for r in by_tail]},

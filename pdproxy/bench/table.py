@@ -146,6 +146,42 @@ def metric_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
     return rows
 
 
+INSTANCE_COLUMNS = ("role", "address", "requests", "failed (by reason)", "TTFT p50 / p99", "KV wait p50 / p99",
+                    "max ITL p50 / p99", "stalls")
+
+
+def instance_rows(e: dict[str, Any]) -> list[list[str]]:
+    """A run's per-instance breakdown (bench/instances.py) as cells; shared by the terminal and HTML."""
+    rows = []
+    for i in e.get("instances") or []:
+        reasons = ", ".join(f"{k}: {v}" for k, v in i["failures"].items())
+        rows.append([i["role"], i["address"], str(i["requests"]), f"{i['failed']}" + (f" ({reasons})" if reasons else ""),
+                     trio(i["ttft"], ("p50", "p99")),
+                     trio(i["kv_wait"], ("p50", "p99")) if i["kv_wait"]["count"] else "n/a",
+                     trio(i["max_itl"], ("p50", "p99")), str(i["stalls"])])
+    return rows
+
+
+def shows_instances(report: dict[str, Any]) -> bool:
+    """The breakdown is worth a table when some run spreads over more than one instance."""
+    return any(len(e.get("instances") or []) > 1 for e in report["runs"])
+
+
+def instances_tables(report: dict[str, Any]) -> list[Table]:
+    out = []
+    for e in report["runs"]:
+        rows = instance_rows(e)
+        if len(rows) < 2:
+            continue
+        t = Table(title=f"Per instance, {e['label']} (from the traces; ms)", title_justify="left")
+        for c in INSTANCE_COLUMNS:
+            t.add_column(c, overflow="fold", justify="left" if c in ("role", "address") else "right")
+        for r in rows:
+            t.add_row(*map(Text, r))
+        out.append(t)
+    return out
+
+
 def _asked(e: dict[str, Any], cls: str, what: str) -> str:
     v = ((e["stats"].get("lengths") or {}).get(cls) or {}).get(what)
     if not v or v["actual"] is None:
@@ -306,6 +342,9 @@ def render(report: dict[str, Any], console: Console | None = None, drilldown: bo
             console.print(f"[yellow]note[/] {e['label']}: {wrong} vLLM span(s) under this run's requests carry another "
                           "request's gen_ai.request.id (expected cmpl-<X-Request-Id>-0): their split may be wrong")
     console.print(metrics_table(report))
+    if shows_instances(report):
+        for t in instances_tables(report):
+            console.print(t)
     d = report["definitions"]
     console.print(Text(
         f"Percentiles: {d['percentiles']}. ITL unit: {d['itl_unit']}"
