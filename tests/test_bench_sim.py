@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from procs import HOST, free_port, start_sim
+from procs import HOST, Proc, free_port, start_sim
 
 
 def bench(out: Path, url: str, *args: str, expect: int = 0) -> tuple[dict, list[dict], dict]:
@@ -223,3 +223,36 @@ def test_fixed_corpus_in_order_and_save_text(sim: str, tmp_path: Path) -> None:
     assert sent == [("alpha beta gamma", 2), ("one two three four five", 3), ("x y", 4), ("alpha beta gamma", 2),
                     ("one two three four five", 3)]
     assert all(isinstance(r["text"], str) and r["text"] for r in reqs)  # kept only because of --save-text
+
+
+def test_without_tokenize_lengths_are_refitted_from_usage_and_said_once(tmp_path: Path) -> None:
+    """A server without /tokenize: text at a guessed ratio, corrected from the answers' usage.prompt_tokens."""
+    sim_proc, sim_url = start_sim("single", "--preset", "instant", "--tokens-per-word", "2.8",
+                                  "--max-model-len", "4608")
+    port = free_port()
+    backend = Proc([sys.executable, str(Path(__file__).with_name("no_tokenize_backend.py")), "--port", str(port),
+                    "--upstream", sim_url], name="no-tokenize")
+    url = f"http://{HOST}:{port}"
+    try:
+        backend.wait_http(url + "/health")
+        out = tmp_path / "u.jsonl"
+        p = subprocess.run([sys.executable, "-m", "pdproxy", "bench", "--url", url, "--out", str(out), "--no-progress",
+                            "--requests", "12", "--concurrency", "1", "--prompt-len", "1000", "--output-len", "4"],
+                           capture_output=True, text=True, timeout=120)
+        over = subprocess.run([sys.executable, "-m", "pdproxy", "bench", "--url", url, "--out",
+                               str(tmp_path / "o.jsonl"), "--no-progress", "--requests", "1", "--concurrency", "1",
+                               "--prompt-len", "4600", "--output-len", "64"], capture_output=True, text=True, timeout=60)
+    finally:
+        backend.stop()
+        sim_proc.stop()
+    assert p.returncode == 0, p.stderr
+    err = " ".join(p.stderr.split())
+    assert err.count("has no /tokenize") == 1 and "refitted from the answers' usage.prompt_tokens" in err
+    header, reqs, _ = read(out)
+    assert header["prompts"]["method"] == "usage"
+    got = [r["prompt_tokens"] for r in reqs]
+    assert got[0] > 1150  # built at 2.3 tokens per word; this server makes 2.8
+    assert all(abs(n - 1000) < 30 for n in got[3:]), got  # refitted after the first answers
+    assert all(r["output_tokens"] == 4 for r in reqs)
+    # the limit comes from /v1/models then: still no request over it
+    assert over.returncode == 2 and "over the server's max_model_len of 4608" in " ".join(over.stderr.split())
