@@ -120,6 +120,10 @@ class Tokenizer:
         # words repeat (a prompt is made of a vocabulary): their ids are kept, a bounded number of them
         self._word = functools.lru_cache(maxsize=1 << 16)(self._encode_word)
 
+    def encode_word(self, word: str) -> tuple[int, ...]:
+        """The ids of one word (at most one leading space, no other whitespace), as `encode` gives them."""
+        return self._word(word)
+
     def encode(self, text: str) -> list[int]:
         out: list[int] = []
         word = self._word
@@ -255,7 +259,7 @@ class OutputText:
 
     def ids(self, start: int, stop: int) -> list[int]:
         while len(self._ids) < stop:
-            self._ids.extend(self._tok._word(" " + self.word(self._words)))
+            self._ids.extend(self._tok.encode_word(" " + self.word(self._words)))
             self._words += 1
         return self._ids[start:stop]
 
