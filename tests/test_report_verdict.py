@@ -147,3 +147,20 @@ def test_same_resources_verdict_comes_first_and_capacity_separately(runs: dict[s
                        capture_output=True, text=True, timeout=60, env={**__import__("os").environ, "COLUMNS": "200"})
     lines = [x for x in p.stdout.splitlines() if x.startswith("Verdict:")]
     assert len(lines) == 2 and "same resources" in lines[0] and "capacity comparison" in lines[1], p.stdout
+
+
+def test_requested_vs_actual_lengths_per_class_and_the_off_class_flagged(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "r.jsonl", "pd", [0.1] * 20, 0.04, conditions=PD)
+    lines = [json.loads(x) for x in run.read_text().splitlines()]
+    for i, x in enumerate(lines[1:]):  # the server counted 8 % more prompt tokens than asked; outputs exact
+        x.update(prompt_tokens_requested=1000, prompt_tokens=1080 + i % 3, max_tokens=12)
+    run.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    r = report(str(run))
+    lengths = r["runs"][0]["stats"]["lengths"]["default"]
+    assert lengths["prompt"] == {"requested": 1000.0, "actual": 1081.0, "off": pytest.approx(0.081), "flagged": True}
+    assert lengths["output"]["flagged"] is False and lengths["output"]["off"] == 0.0
+    assert r["runs"][0]["length_flags"] == ["class default: prompt tokens 1081 at the median, 1000 asked (+8.1%)"]
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "report", str(run)], capture_output=True, text=True,
+                       timeout=60)
+    text = " ".join(p.stdout.split())
+    assert "1000 → 1081 (off)" in text and "FLAG: pd: class default: prompt tokens 1081" in text
