@@ -256,3 +256,11 @@ def test_without_tokenize_lengths_are_refitted_from_usage_and_said_once(tmp_path
     assert all(r["output_tokens"] == 4 for r in reqs)
     # the limit comes from /v1/models then: still no request over it
     assert over.returncode == 2 and "over the server's max_model_len of 4608" in " ".join(over.stderr.split())
+
+
+def test_a_model_the_server_does_not_serve_stops_before_the_run(sim: str, tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "bench", "--url", sim, "--model", "nope", "--out",
+                        str(tmp_path / "m.jsonl"), "--no-progress", "--requests", "1", "--concurrency", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "/tokenize answered HTTP 404: The model `nope` does not exist." in " ".join(p.stderr.split())

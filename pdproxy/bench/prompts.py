@@ -26,8 +26,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from pdproxy.bench.workload import OUTPUT_PRESETS, PROMPT_PRESETS, VOCAB, LengthDist, PlannedRequest, Workload, \
-    WorkloadError
+from pdproxy.bench.workload import (OUTPUT_PRESETS, PROMPT_PRESETS, VOCAB, LengthDist, PlannedRequest, Workload,
+                                    WorkloadError)
 
 LEAD = VOCAB[0]  # every synthetic prompt starts with it, so the template's tokens are the same in all
 WORD_STARTS = (" ", "Ġ", "▁")
@@ -139,14 +139,15 @@ class _Server:
             async with self.session.post(self.url + "/tokenize", json={"model": self.model, **body},
                                          headers=self.headers, timeout=self.timeout) as r:
                 raw = await r.read()
-                if r.status in (404, 405, 501):
-                    return None
                 try:
                     obj = await r.json(content_type=None)
                 except ValueError:
                     obj = None
+                error = obj.get("error") if isinstance(obj, dict) and isinstance(obj.get("error"), dict) else {}
+                if r.status in (404, 405, 501) and error.get("param") != "model":
+                    return None  # no such route (a model it does not serve is the user's to fix, below)
                 if r.status != 200:
-                    message = (obj or {}).get("error", {}).get("message") if isinstance(obj, dict) else None
+                    message = error.get("message")
                     raise WorkloadError(f"{self.url}/tokenize answered HTTP {r.status}: "
                                         f"{message or raw[:200].decode('utf-8', 'replace')}")
                 if not isinstance(obj, dict) or not isinstance(obj.get("count"), int):
@@ -181,9 +182,9 @@ async def prepare(session: aiohttp.ClientSession, url: str, headers: dict[str, s
     if lead is None:
         guess = 3 if wl.endpoint == "completions" else 12  # BOS (+ a chat template) + the lead word
         prompts = Prompts(wl.endpoint, "usage", guess, GUESS_TOKENS_PER_WORD, await server.max_model_len())
-        prompts.notes.append(f"{url} has no /tokenize (or did not answer it): prompt lengths are approximate, built from text at "
-                             f"{GUESS_TOKENS_PER_WORD} tokens per word and refitted from the answers' "
-                             "usage.prompt_tokens (records keep requested and actual counts)")
+        prompts.notes.append(f"{url} has no /tokenize (or did not answer it): prompt lengths are approximate, "
+                             f"built from text at {GUESS_TOKENS_PER_WORD} tokens per word and refitted from the "
+                             "answers' usage.prompt_tokens (records keep requested and actual counts)")
     else:
         prompts = await _learn(server, wl.endpoint, lead)
         await _check(server, prompts, wl)

@@ -155,7 +155,8 @@ def instance_rows(e: dict[str, Any]) -> list[list[str]]:
     rows = []
     for i in e.get("instances") or []:
         reasons = ", ".join(f"{k}: {v}" for k, v in i["failures"].items())
-        rows.append([i["role"], i["address"], str(i["requests"]), f"{i['failed']}" + (f" ({reasons})" if reasons else ""),
+        failed = f"{i['failed']}" + (f" ({reasons})" if reasons else "")
+        rows.append([i["role"], i["address"], str(i["requests"]), failed,
                      trio(i["ttft"], ("p50", "p99")),
                      trio(i["kv_wait"], ("p50", "p99")) if i["kv_wait"]["count"] else "n/a",
                      trio(i["max_itl"], ("p50", "p99")), str(i["stalls"])])
@@ -367,7 +368,8 @@ def render(report: dict[str, Any], console: Console | None = None, drilldown: bo
         console.print(Text(f"FLAG: {f}", style="bold yellow"))
     for e in report["runs"]:
         for f in e.get("length_flags") or []:
-            console.print(Text(f"FLAG: {e['label']}: {f}: more than 5 % off what the workload asked", style="bold yellow"))
+            console.print(Text(f"FLAG: {e['label']}: {f}: more than 5 % off what the workload asked",
+                               style="bold yellow"))
         for n in (e.get("prompts") or {}).get("notes") or []:
             console.print(Text(f"note: {e['label']}: {n}", style="yellow"))
     vt = verdict_text(report)

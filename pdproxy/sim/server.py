@@ -25,8 +25,8 @@ from pdproxy.sim.engine import Engine, Sequence
 from pdproxy.sim.faults import Fault, FaultBook, FaultSpecError, RequestFaults
 from pdproxy.sim.kv import HEARTBEAT_PATH, PULL_PATH, KVPuller, PullRejected, RemoteKV, TransferLink
 from pdproxy.sim.metrics import SimMetrics
-from pdproxy.sim.protocol import (APIError, GenerationRequest, error_body, parse_detokenize, parse_generation, parse_json,
-                                  parse_tokenize)
+from pdproxy.sim.protocol import (APIError, GenerationRequest, error_body, parse_detokenize, parse_generation,
+                                  parse_json, parse_tokenize)
 from pdproxy.sim.render import DONE, Renderer, request_metrics, usage
 from pdproxy.sim.settings import SimSettings
 from pdproxy.sim.timing import PreciseClock
