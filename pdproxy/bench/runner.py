@@ -33,6 +33,10 @@ class Target:
     timeout: float = 600.0
     headers: dict[str, str] = field(default_factory=dict)
 
+    def auth_headers(self) -> dict[str, str]:
+        """The extra headers and the bearer token every request (and every /tokenize call) carries."""
+        return {**self.headers, **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
+
 
 @dataclass
 class RunResult:
@@ -83,9 +87,7 @@ class _Run:
     async def one(self, session: aiohttp.ClientSession, req: PlannedRequest, seq: int) -> None:
         request_id = f"{self.prefix}{req.cls}-{req.index}"
         traceparent, trace_id, _ = client.new_traceparent()
-        headers = {"X-Request-Id": request_id, "traceparent": traceparent, **self.target.headers}
-        if self.target.api_key:
-            headers["Authorization"] = f"Bearer {self.target.api_key}"
+        headers = {"X-Request-Id": request_id, "traceparent": traceparent, **self.target.auth_headers()}
         text, words = self.prompts.make(req)
         start, outcome = await client.send(
             session, self.url, req.body(self.wl, text), headers,
@@ -164,8 +166,7 @@ async def run_async(wl: Workload, target: Target, out: Path, header: dict[str, A
     tasks: list[asyncio.Task[None]] = []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
-        auth = {**target.headers, **({"Authorization": f"Bearer {target.api_key}"} if target.api_key else {})}
-        sized = await prompts.prepare(session, target.url, auth, wl, target.timeout)
+        sized = await prompts.prepare(session, target.url, target.auth_headers(), wl, target.timeout)
         header["prompts"] = sized.describe()
         if on_prompts is not None:
             on_prompts(sized)
