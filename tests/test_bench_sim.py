@@ -223,6 +223,13 @@ def test_fixed_corpus_in_order_and_save_text(sim: str, tmp_path: Path) -> None:
     assert sent == [("alpha beta gamma", 2), ("one two three four five", 3), ("x y", 4), ("alpha beta gamma", 2),
                     ("one two three four five", 3)]
     assert all(isinstance(r["text"], str) and r["text"] for r in reqs)  # kept only because of --save-text
+    assert [r["prompt_tokens_requested"] for r in reqs] == [None] * 5  # sent as they are, counted by the server
+    # a corpus prompt over the server's limit stops the run before it starts, naming the prompt
+    corpus.write_text(json.dumps({"prompt": "word " * 2400, "max_tokens": 8}) + "\n")  # >= 2 tokens a word
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "bench", "--url", sim, "--corpus", str(corpus), "--out",
+                        str(tmp_path / "big.jsonl"), "--no-progress", "--requests", "1", "--concurrency", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and f"{corpus}: prompt 1 has" in " ".join(p.stderr.split()), p.stderr
 
 
 def test_without_tokenize_lengths_are_refitted_from_usage_and_said_once(tmp_path: Path) -> None:

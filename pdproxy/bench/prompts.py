@@ -10,7 +10,8 @@ template included), never words. Before the run the bench asks the server (`prep
    a space). Tokenizers that split text at spaces first (Llama-3, GPT, Mistral, the simulator)
    count a text of words as the sum of its words, so a prompt is the lead word plus random words
    whose counts add up exactly to what is left;
-3. `/tokenize` of each class's shortest and longest prompt, checked against the sum.
+3. `/tokenize` of each class's shortest and longest prompt, checked against the sum (and of a
+   corpus' prompts, checked against `max_model_len`).
 
 Where that works the method is `tokenize`: every prompt is exact. Where the pieces show no word
 boundaries or the check fails, the method is `ratio`: the measured tokens per word size the
@@ -27,13 +28,14 @@ import aiohttp
 import numpy as np
 
 from pdproxy.bench.workload import (OUTPUT_PRESETS, PROMPT_PRESETS, VOCAB, LengthDist, PlannedRequest, Workload,
-                                    WorkloadError)
+                                    WorkloadError, load_corpus)
 
 LEAD = VOCAB[0]  # every synthetic prompt starts with it, so the template's tokens are the same in all
 WORD_STARTS = (" ", "Ġ", "▁")
 GUESS_TOKENS_PER_WORD = 2.3  # Llama-3's tokenizer on these words (research/real-vllm-h200.md)
 SLICE = 200  # words per /tokenize call while learning: fits any max_model_len in use
 FIT_SAMPLES = 200  # answers kept to refit the ratio from usage
+CORPUS_CHECKED = 1000  # corpus prompts counted against max_model_len before a run
 
 
 @dataclass
@@ -188,6 +190,7 @@ async def prepare(session: aiohttp.ClientSession, url: str, headers: dict[str, s
     else:
         prompts = await _learn(server, wl.endpoint, lead)
         await _check(server, prompts, wl)
+        await _check_corpus(server, prompts, wl)
     _check_limits(prompts, wl)
     return prompts
 
@@ -239,6 +242,23 @@ async def _check(server: _Server, prompts: Prompts, wl: Workload) -> None:
                                      f"{got and got['count']} tokens: its words do not add up, so prompts are sized "
                                      f"at {prompts.tokens_per_word:.3f} tokens per word (within a few %, not exact)")
                 return
+
+
+async def _check_corpus(server: _Server, prompts: Prompts, wl: Workload) -> None:
+    """Count a corpus' prompts (the first CORPUS_CHECKED of each) against the limit: they are sent as they are."""
+    limit = prompts.max_model_len
+    if limit is None:
+        return
+    for c in wl.classes:
+        if not c.corpus:
+            continue
+        output = LengthDist.parse(c.output, OUTPUT_PRESETS, "output").high
+        for n, (text, max_tokens) in enumerate(load_corpus(c.corpus)[:CORPUS_CHECKED], 1):
+            got = await server.count(wl.endpoint, text)
+            want = int(max_tokens) if max_tokens else output
+            if got is not None and got["count"] + want > limit:
+                raise WorkloadError(f"{c.corpus}: prompt {n} has {got['count']} tokens + {want} output tokens, over "
+                                    f"the server's max_model_len of {limit}: the server would answer 400")
 
 
 def _check_limits(prompts: Prompts, wl: Workload) -> None:
