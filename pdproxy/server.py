@@ -16,7 +16,7 @@ from aiohttp import web
 from pdproxy import __version__, workers
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
-from pdproxy.errors import ProxyError, error_body
+from pdproxy.errors import DECODE, ProxyError, error_body
 from pdproxy.listener import handler_options, listen
 from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, HealthChecker, Pool
@@ -24,6 +24,7 @@ from pdproxy.protocol import CHAT, COMPLETIONS, check_body_encoding
 from pdproxy.runtime import LoopLag
 from pdproxy.telemetry import setup as setup_telemetry
 from pdproxy.telemetry import trace_destination
+from pdproxy.telemetry.clock import now
 from pdproxy.telemetry.metrics import merge_expositions
 from pdproxy.upstream import UpstreamClient
 
@@ -44,6 +45,8 @@ def create_app(settings: Settings) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/status", status)
     app.router.add_get("/v1/models", models)
+    for path in TOKENIZER_PATHS:
+        app.router.add_post(path, tokenizer)
     app.router.add_get("/metrics", metrics)
     if settings.debug_endpoints:
         app.router.add_get("/debug/runtime", debug_runtime)
@@ -216,6 +219,48 @@ async def models(request: web.Request) -> web.Response:
                                                                   "owned_by": "vllm"}]})
         err = ProxyError(502, f"decode instance did not answer /v1/models ({type(exc).__name__})",
                          error_type="connect_error")
+        return err.response()
+
+
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
+
+
+async def tokenizer(request: web.Request) -> web.Response:
+    """vLLM's /tokenize and /detokenize, answered by a decode instance (clients size prompts in the
+    served model's tokens through the proxy as through vLLM). The body goes as it came; the status and
+    body come back as the instance gave them; one span records it."""
+    proxy = request.app[PROXY_KEY]
+    start = now()
+    address = None
+    try:
+        proxy.authenticate(request)
+        instance = proxy.decode.choose()
+        address = instance.address
+        try:
+            async with asyncio.timeout(proxy.settings.body_timeout):
+                raw = await request.read()
+        except TimeoutError:
+            raise ProxyError(408, f"request body not received within {proxy.settings.body_timeout:g}s",
+                             error_type="body_timeout") from None
+        headers = {"Content-Type": "application/json"}
+        if proxy.settings.upstream_api_key:
+            headers["Authorization"] = f"Bearer {proxy.settings.upstream_api_key}"
+        elif not proxy.settings.api_key and "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        async with proxy.session.post(instance.url + request.path, data=raw, headers=headers,
+                                      timeout=proxy.timeout) as resp:
+            body = await resp.read()
+            proxy.recorder.forwarded(request.path, request.headers, address, resp.status, start,
+                                     None if resp.status < 400 else f"upstream_{resp.status // 100}xx")
+            return web.Response(status=resp.status, body=body,
+                                headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
+    except ProxyError as err:
+        proxy.recorder.forwarded(request.path, request.headers, address, err.status, start, err.error_type)
+        return err.response()
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        err = ProxyError(502, f"decode instance {address} did not answer {request.path} ({type(exc).__name__})",
+                         error_type="connect_error", stage=DECODE)
+        proxy.recorder.forwarded(request.path, request.headers, address, err.status, start, err.error_type)
         return err.response()
 
 
