@@ -56,14 +56,17 @@ def create_app(settings: Settings) -> web.Application:
 async def _lifecycle(app: web.Application, settings: Settings):
     """One pooled session, the pools, health checks and telemetry for the app's lifetime."""
     recorder, tracing = setup_telemetry(settings)
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+    keep = settings.upstream_keep_alive  # health checks and /v1/models meet the same idle timeouts as the legs
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True,
+                                     **({"keepalive_timeout": keep} if keep > 0 else {"force_close": True}))
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",))
-    upstream = UpstreamClient(settings.connect_timeout, settings.read_timeout)  # the two legs (pdproxy/upstream.py)
-    eject = settings.eject_after_failures
-    eject_s = settings.eject_seconds
-    prefill = (Pool(PREFILL, settings.prefill_urls, settings.prefill_policy, eject, eject_s)
+    upstream = UpstreamClient(settings.connect_timeout, settings.read_timeout,  # the two legs (pdproxy/upstream.py)
+                              keepalive=settings.upstream_keep_alive)
+    ejection = {"eject_after": settings.eject_after_failures, "eject_seconds": settings.eject_seconds,
+                "max_ejection_percent": settings.max_ejection_percent}
+    prefill = (Pool(PREFILL, settings.prefill_urls, settings.prefill_policy, **ejection)
                if settings.prefill_urls else None)
-    decode = Pool(DECODE, settings.decode_urls, settings.decode_policy, eject, eject_s)
+    decode = Pool(DECODE, settings.decode_urls, settings.decode_policy, **ejection)
     pools = [p for p in (prefill, decode) if p is not None]
     admission = Admission(settings.max_inflight, settings.max_queue, settings.queue_timeout)
     recorder.metrics.watch(
@@ -164,13 +167,16 @@ async def healthcheck(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while every role has a healthy instance, else 503 (load balancers take it out)."""
+    """200 while every role has an instance that passes its active health check, else 503 (load
+    balancers take the proxy out). Passive ejections do not count: requests cause them, and a few
+    requests (a client's, even) must not take the whole proxy out; panic routing still serves then."""
     proxy = request.app[PROXY_KEY]
     pools = [p for p in (proxy.prefill, proxy.decode) if p is not None]
-    roles = {p.role: sum(i.healthy for i in p.instances) for p in pools}
+    roles = {p.role: sum(i.probe_ok for i in p.instances) for p in pools}
+    ejected = {p.role: sum(i.ejected for i in p.instances) for p in pools}
     ok = all(roles.values())
-    return web.json_response({"status": "ok" if ok else "unavailable", "healthy_instances": roles},
-                             status=200 if ok else 503)
+    return web.json_response({"status": "ok" if ok else "unavailable", "healthy_instances": roles,
+                              "ejected_instances": ejected}, status=200 if ok else 503)
 
 
 async def status(request: web.Request) -> web.Response:
@@ -180,7 +186,7 @@ async def status(request: web.Request) -> web.Response:
     decode = proxy.decode.instances
 
     def describe(instances):
-        return [{"url": i.url, "healthy": i.healthy, "inflight": i.inflight} for i in instances]
+        return [{"url": i.url, "healthy": i.healthy, "ejected": i.ejected, "inflight": i.inflight} for i in instances]
 
     return web.json_response({
         "prefill_node_count": len(prefill), "decode_node_count": len(decode),
