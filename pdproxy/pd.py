@@ -245,13 +245,14 @@ class Proxy:
                 answer = b""
             finally:
                 upstream.release()
-            return _status_failure(DECODE, inst, upstream.status, upstream.headers, answer)
+            return _status_failure(DECODE, inst, upstream.status, upstream.headers, answer,
+                                   kv_sent=kv_params is not None)
         streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
         try:
             head = await (read_head(upstream, trace.scan, tap) if streamed else self._whole(upstream, trace))
         except ProxyError as err:
             upstream.close()  # vLLM aborts the request and frees its KV
-            return _Failure(err)
+            return _Failure(err, charged=err.error_type != "timeout")  # silence is not charged (see below)
         except BaseException:
             upstream.close()
             raise
@@ -279,7 +280,8 @@ class Proxy:
                        trace: RequestTrace, headers: dict[str, str], budget: Budget) -> Attempt:
         """Continue a stream that broke after tokens reached the client on another decode instance:
         prefill the prompt plus the tokens delivered, decode the rest. Raises `failure` when it cannot."""
-        self.decode.failed(broken.instance)
+        if failure.error_type != "timeout":
+            self.decode.failed(broken.instance)
         if continuation is None or broken.tap is None or not continuation.can_continue(broken.tap):
             raise failure
         if failure.error_type not in MIGRATABLE or not budget.take():
@@ -315,8 +317,9 @@ class Proxy:
                         attempt: Callable[[Instance, int], Awaitable[T | _Failure]]) -> tuple[T, Instance, int]:
         """Try `instance`, then others while the failure allows it and the budget lasts (so many more
         attempts, until a deadline), each after a jittered exponential backoff. An instance that
-        answered 429/503 with Retry-After is held for that long; when only held instances are left, the proxy waits for one if that is
-        at most --max-retry-wait, else the client gets the instance's answer and its Retry-After."""
+        answered 429/503 with Retry-After is held for that long; when only held instances are left,
+        the proxy waits for one if that is at most --max-retry-wait, else the client gets the
+        instance's answer and its Retry-After."""
         tries = 0
         while True:
             tries += 1
@@ -326,7 +329,7 @@ class Proxy:
                 return outcome, instance, tries
             if outcome.hold is not None:
                 pool.hold(instance, outcome.hold)
-            if outcome.outlier:
+            if outcome.charged:
                 pool.failed(instance)
             if not outcome.retry or not budget.take():
                 raise outcome.error
@@ -459,18 +462,24 @@ class _Failure:
 
     error: ProxyError | UpstreamResponse
     retry: bool = True  # may another attempt help?
-    outlier: bool = True  # counts towards the instance's passive ejection
+    outlier: bool = True  # a fault, not load (a busy answer is not one: the request never started)
+    charged: bool = True  # the instance is to blame: counts towards its passive ejection
     hold: float | None = None  # the instance asked for this many seconds of peace (Retry-After)
     reached: bool = True  # the instance got the request (a decode may have used its KV coordinates)
 
 
 def _transport_failure(role: str, instance: Instance, exc: BaseException) -> _Failure:
+    """Connect errors and timeouts, resets and broken answers are the instance's fault; read timeouts
+    are not charged to it: how long an answer takes is the request's doing (a non-streamed decode
+    sends its status line after its last token, so `max_tokens` alone can outlast --read-timeout; a
+    prefill's time grows with the prompt). An instance that hangs outright fails its active health
+    check, which has its own short timeout; retries already steer each request away from it."""
     where = f"{role} instance {instance.address}"
     if isinstance(exc, ConnectTimeout):
         return _Failure(ProxyError(504, f"{where} did not accept a connection in time", error_type="connect_timeout",
                                    stage=role), reached=False)
     if isinstance(exc, TimeoutError):
-        return _Failure(ProxyError(504, f"{where} timed out", error_type="timeout", stage=role))
+        return _Failure(ProxyError(504, f"{where} timed out", error_type="timeout", stage=role), charged=False)
     if isinstance(exc, ConnectFailed):
         return _Failure(ProxyError(503, f"{where} is unreachable ({type(exc).__name__})", error_type="connect_error",
                                    stage=role), reached=False)
@@ -478,23 +487,27 @@ def _transport_failure(role: str, instance: Instance, exc: BaseException) -> _Fa
                                error_type="upstream_disconnect", stage=role))
 
 
-def _status_failure(role: str, instance: Instance, status: int, headers: dict[str, str], raw: bytes) -> _Failure:
+def _status_failure(role: str, instance: Instance, status: int, headers: dict[str, str], raw: bytes,
+                    kv_sent: bool = True) -> _Failure:
     """An error status from an instance. 429, and 503 with Retry-After, mean "busy": retried elsewhere
     without counting against the instance. Other 4xx are the request's fault: relayed at once. 5xx
-    are the instance's fault: retried, counted, and a 502 naming the instance if they persist."""
+    are the instance's fault: retried, counted, and a 502 naming the instance if they persist. A KV
+    load failure is counted only when the decode got the prefill's own coordinates (`kv_sent`):
+    whatever it failed to load otherwise, the proxy did not name it."""
     retry_after = headers.get("retry-after")  # the upstream client lower-cases header names
     advised = retry_after_seconds(retry_after)
     content_type = headers.get("content-type", "application/json")
     if status == 429 or (status == 503 and advised is not None):
         return _Failure(UpstreamResponse(status, raw, content_type, stage=role, retry_after=retry_after),
-                        outlier=False, hold=advised)
+                        outlier=False, charged=False, hold=advised)
     if status < 500:
         return _Failure(UpstreamResponse(status, raw, content_type, stage=role, retry_after=retry_after),
-                        retry=False, outlier=False)
+                        retry=False, outlier=False, charged=False)
     message = _message(raw)
     if role == DECODE and _is_kv_load_failure(message):
         return _Failure(ProxyError(502, f"{role} instance {instance.address} could not load the prompt's KV cache "
-                                        f"({status}: {message})", error_type="kv_load_failed", stage=role))
+                                        f"({status}: {message})", error_type="kv_load_failed", stage=role),
+                        charged=kv_sent)
     return _Failure(ProxyError(502, f"{role} instance {instance.address} answered {status}: {message}",
                                error_type="upstream_5xx", stage=role))
 
