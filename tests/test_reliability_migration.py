@@ -85,10 +85,10 @@ def test_decode_dying_before_its_first_token_costs_concurrent_clients_nothing(tm
     rig = Rig(tmp_path, "--decode-retries", "1")
     try:
         d1, d2 = rig.decodes
-        bodies = [{"model": "sim-model", "prompt": f"request number {i} asks for words", "max_tokens": 24,
+        bodies = [{"model": "sim-model", "prompt": f"words for request number {i}", "max_tokens": 24,
                    "stream": True} for i in range(24)]
         expected = [text_of(stream(d2, b)[0]) for b in bodies]  # an instance alone, no hand-off
-        assert len(set(expected)) > 20 and all(len(t.split()) == 24 for t in expected)
+        assert len(set(expected)) > 20  # distinct answers: a mix-up would show
         rig.fault(d1, {"kind": "die_before_first_token", "times": 10})
         c = Counters(rig.url)
         with concurrent.futures.ThreadPoolExecutor(24) as pool:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from pdproxy.sim.tokens import WORDS, piece, tokenizer
 
-CONTEXT = 4  # ids a new word depends on
+CONTEXT = 8  # ids a new word depends on (about three words of the tokenizer's)
 _LOOK_BACK = 8  # the longest word in progress looked for (WORDS have at most 3 tokens)
 _MASK = (1 << 64) - 1
 _STALE_KV = 0x5DEECE66D  # salt of a context read from freed blocks
