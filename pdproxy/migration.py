@@ -249,8 +249,8 @@ class TokenTap:
             if not isinstance(choice, dict):
                 continue
             ids = choice.get("token_ids")
-            prompt = choice.get("prompt_token_ids") or prompt
-            self.finished = self.finished or bool(choice.get("finish_reason"))  # completions: on the first chunk's choice
+            prompt = choice.get("prompt_token_ids") or prompt  # completions: on the first chunk's choice
+            self.finished = self.finished or bool(choice.get("finish_reason"))
             if isinstance(ids, list):
                 self.output_ids.extend(ids)
                 if choice.get("text") or (choice.get("delta") or {}).get("content"):

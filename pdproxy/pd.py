@@ -252,7 +252,7 @@ class Proxy:
             head = await (read_head(upstream, trace.scan, tap) if streamed else self._whole(upstream, trace))
         except ProxyError as err:
             upstream.close()  # vLLM aborts the request and frees its KV
-            return _Failure(err, charged=err.error_type != "timeout")  # silence is not charged (see below)
+            return _Failure(err, charged=err.error_type != "timeout")  # silence: as _transport_failure says
         except BaseException:
             upstream.close()
             raise
@@ -352,9 +352,11 @@ class Proxy:
         """Give the client the decode's answer: whole, or relayed as it streams; a stream that breaks
         is continued on another decode when `resume` can (--migrate-mid-stream), else it ends with an
         error event."""
-        status, content_type = attempt.response.status, attempt.response.headers.get("content-type", "application/json")
+        status = attempt.response.status
+        content_type = attempt.response.headers.get("content-type", "application/json")
         if not attempt.streamed:
-            return web.Response(status=status, body=attempt.head, headers={**reply_headers, "Content-Type": content_type})
+            return web.Response(status=status, body=attempt.head,
+                                headers={**reply_headers, "Content-Type": content_type})
 
         response = web.StreamResponse(status=status,
                                       headers={**reply_headers, "Content-Type": content_type, "Cache-Control": "no-cache"})

@@ -256,7 +256,8 @@ class ResponseScan:
         return bool(part.get("content") or part.get("reasoning_content") or part.get("reasoning") or part.get("tool_calls"))
 
 
-async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: ResponseScan, tap: Any = None) -> None:
+async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: ResponseScan,
+                tap: Any = None) -> None:
     """Copy the upstream stream to the client (or nowhere, for shadow traffic), timing it on the way;
     through `tap` (`migration.TokenTap`) first when the stream is armed for mid-stream migration.
 

@@ -213,7 +213,8 @@ def test_a_thousand_migrated_requests_leave_nothing_behind():
         time.sleep(0.5)
         after = httpx.get(url + "/debug/runtime").json()
         fds_after, rss_after = proc_fds(pid), proc_rss(pid)
-        print(f"\n1000 migrated requests in {time.monotonic() - started:.1f}s: tasks {before['tasks']}->{after['tasks']}, "
+        print(f"\n1000 migrated requests in {time.monotonic() - started:.1f}s: "
+              f"tasks {before['tasks']}->{after['tasks']}, "
               f"fds {fds_before}->{fds_after}, sockets {before['sockets']}->{after['sockets']}, "
               f"rss {rss_before / 2**20:.1f}->{rss_after / 2**20:.1f} MiB")
         assert after["tasks"] <= before["tasks"] + 2

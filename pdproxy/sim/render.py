@@ -71,7 +71,8 @@ class Renderer:
     def content_chunk(self, text: str, usage_obj: dict[str, Any] | None = None, token_ids: list[int] | None = None,
                       prompt_ids: list[int] | None = None) -> bytes:
         extra = "" if usage_obj is None else ',"usage":' + json.dumps(usage_obj, separators=(",", ":"))
-        ids = "".join(f',"{k}":{json.dumps(v, separators=(",", ":"))}' for k, v in self._ids(token_ids, prompt_ids).items())
+        ids = "".join(f',"{k}":{json.dumps(v, separators=(",", ":"))}'
+                      for k, v in self._ids(token_ids, prompt_ids).items())
         return (self._head + json.dumps(text) + self._tail + ids + "}]" + extra + "}\n\n").encode()
 
     def role_chunk(self, usage_obj: dict[str, Any] | None = None, prompt_ids: list[int] | None = None) -> bytes:
@@ -124,7 +125,8 @@ class Renderer:
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                      "stop_reason": None, "token_ids": token_ids, "prompt_logprobs": None, "prompt_token_ids": prompt_ids}
+                      "stop_reason": None, "token_ids": token_ids, "prompt_logprobs": None,
+                      "prompt_token_ids": prompt_ids}
             obj = "text_completion"
         if self.chat and token_ids is not None:
             choice["token_ids"] = token_ids
