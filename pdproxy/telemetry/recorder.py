@@ -69,6 +69,7 @@ class RequestTrace:
         self.prefill_status: int | None = None
         self.decode_status: int | None = None
         self.kv_params: str | None = None
+        self.routes: dict[str, Any] = {}  # leg -> the policies.Decision that chose its instance
         self.scan = ResponseScan(chat)
         self.status = 200
         self.error_type: str | None = None
@@ -104,6 +105,11 @@ class RequestTrace:
         if self.recorder.capture_content:
             content = body.get("messages") if self.chat else body.get("prompt")
             attrs["gen_ai.input.messages"] = json.dumps(content)[:16384]
+
+    def routed(self, leg: str, decision: Any) -> None:
+        """A policy chose the instance for `leg` (a `pdproxy.policies.Decision`): on its span and counted."""
+        self.routes[leg] = decision
+        self.recorder.metrics.route_decision(leg, decision.policy, decision.reason)
 
     def admitted(self, prefill_address: str | None, decode_address: str) -> None:
         self.t.admitted = now()
@@ -264,10 +270,12 @@ class RequestTrace:
             if not self.pd_mode:
                 address, status = self.decode_instance, self.decode_status
             attrs.update(_leg_attributes(address, "prefill", status))
+            attrs.update(_route_attributes(self.routes.get(PREFILL if self.pd_mode else DECODE)))
             if self.pd_mode:
                 attrs[n.PREFILL_ATTEMPTS] = max(self.prefill_attempts, 1)
         elif stage == DECODE:
             attrs.update(_leg_attributes(self.decode_instance, "decode", self.decode_status))
+            attrs.update(_route_attributes(self.routes.get(DECODE)))
             attrs[n.DECODE_ATTEMPTS] = self.decode_attempts
         elif stage == KV_TRANSFER:
             optional = {n.HANDOFF_GAP: m.handoff_gap, n.DECODE_HEADERS_WAIT: m.decode_headers_wait,
@@ -284,6 +292,17 @@ def _leg_attributes(address: str | None, phase: str, status: int | None) -> dict
         attrs["server.address"], attrs["server.port"] = host, int(port)
     if status is not None:
         attrs["http.response.status_code"] = status
+    return attrs
+
+
+def _route_attributes(decision: Any) -> dict[str, Any]:
+    if decision is None:
+        return {}
+    attrs: dict[str, Any] = {n.ROUTE_POLICY: decision.policy, n.ROUTE_REASON: decision.reason}
+    if decision.matched is not None:
+        attrs[n.ROUTE_MATCHED], attrs[n.ROUTE_MATCHED_UNIT] = decision.matched, decision.unit
+    if decision.scores:
+        attrs[n.ROUTE_SCORES] = [f"{address}={score:g}" for address, score in decision.scores.items()]
     return attrs
 
 
