@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 from collections.abc import Mapping
 
-from pdproxy.sim.tokens import CHAT_TOKENS_PER_MESSAGE, chat_content_words, count_text, prompt_seed
+from pdproxy.sim.tokens import CHAT_TOKENS_PER_MESSAGE, chat_content_words, prompt_seed
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                404: "NotFoundError", 408: "TimeoutError", 409: "ConflictError", 410: "GoneError",
@@ -66,6 +66,7 @@ class GenerationRequest:
     kv_transfer_params: dict[str, Any] | None
     external_id: str  # the response id: cmpl-<X-Request-Id> / chatcmpl-<X-Request-Id>
     internal_id: str  # the engine's id: external id (+ "-0" for completions) + "-<8 hex>"
+    prompt_units: list[Any] = field(default_factory=list)  # one per prompt token: what prefix caching hashes
 
     @property
     def do_remote_decode(self) -> bool:
@@ -98,9 +99,9 @@ def parse_generation(kind: str, body: Any, headers: Mapping[str, str], served_mo
         raise APIError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
 
     if kind == "completion":
-        prompt_tokens, material = _completion_prompt(body.get("prompt"), vocab_size)
+        prompt_tokens, material, units = _completion_prompt(body.get("prompt"), vocab_size)
     else:
-        prompt_tokens, material = _chat_prompt(body.get("messages"))
+        prompt_tokens, material, units = _chat_prompt(body.get("messages"))
 
     n = body.get("n")
     if n is not None and (_not_int(n) or n != 1):
@@ -166,12 +167,12 @@ def parse_generation(kind: str, body: Any, headers: Mapping[str, str], served_mo
         kind=kind, model=model, prompt_tokens=prompt_tokens, seed=prompt_seed(material, seed_field),
         max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos, stream=stream,
         include_usage=include_usage, continuous_usage=continuous_usage, kv_transfer_params=kv,
-        external_id=external, internal_id=internal,
+        external_id=external, internal_id=internal, prompt_units=units,
     )
     return req, target, reason
 
 
-def _completion_prompt(prompt: Any, vocab_size: int) -> tuple[int, str]:
+def _completion_prompt(prompt: Any, vocab_size: int) -> tuple[int, str, list[Any]]:
     if prompt is None:
         raise APIError(400, "prompt: Field required", "prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -180,10 +181,10 @@ def _completion_prompt(prompt: Any, vocab_size: int) -> tuple[int, str]:
         raise APIError(400, "batched prompts (a list of prompts) are not supported by the simulator; send one "
                             "prompt per request", "prompt")
     if isinstance(prompt, str):
-        tokens = count_text(prompt)
-        if tokens == 0:
+        words = prompt.split()  # the simulator's tokens (pdproxy/sim/tokens.py)
+        if not words:
             raise APIError(400, "Prompt cannot be empty", "prompt")
-        return tokens, prompt
+        return len(words), prompt, words
     if isinstance(prompt, list):
         if not prompt:
             raise APIError(400, "Prompt cannot be empty", "prompt")
@@ -192,15 +193,16 @@ def _completion_prompt(prompt: Any, vocab_size: int) -> tuple[int, str]:
                 raise APIError(400, "prompt: token ids must be integers", "prompt")
             if not 0 <= tok < vocab_size:
                 raise APIError(400, f"Token id {tok} is out of vocabulary", "prompt")
-        return len(prompt), "ids:" + ",".join(map(str, prompt))
+        return len(prompt), "ids:" + ",".join(map(str, prompt)), prompt
     raise APIError(400, "prompt: Input should be a string or a list of token ids", "prompt")
 
 
-def _chat_prompt(messages: Any) -> tuple[int, str]:
+def _chat_prompt(messages: Any) -> tuple[int, str, list[Any]]:
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages: a non-empty list of messages is required", "messages")
     words = 0
     parts: list[str] = []
+    units: list[Any] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise APIError(400, f"messages[{i}]: each message needs a string 'role'", "messages")
@@ -208,8 +210,13 @@ def _chat_prompt(messages: Any) -> tuple[int, str]:
         if content is not None and not isinstance(content, (str, list)):
             raise APIError(400, f"messages[{i}].content: Input should be a string or a list of parts", "messages")
         words += chat_content_words(content)
+        # the template's tokens around each message, then its text (as chat_content_words counts it)
+        units += [f"<|{msg['role']}|>", "<|header|>", "<|eot|>", "\n"][:CHAT_TOKENS_PER_MESSAGE]
+        texts = [content] if isinstance(content, str) else [
+            p["text"] for p in content or () if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)]
+        units += [w for t in texts for w in t.split()]
         parts.append(msg["role"] + ":" + (content if isinstance(content, str) else json.dumps(content)))
-    return words + CHAT_TOKENS_PER_MESSAGE * len(messages), "\n".join(parts)
+    return words + CHAT_TOKENS_PER_MESSAGE * len(messages), "\n".join(parts), units
 
 
 def _not_int(value: Any) -> bool:
