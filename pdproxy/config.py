@@ -23,15 +23,14 @@ from typing import Any
 
 import yaml
 
-from pdproxy import policies
-from pdproxy.policies.consistent_hash import DEFAULT_HASH_KEY, parse_hash_key
-
 ENV_HELP = ("Every flag can also be set as an environment variable PDPROXY_<FLAG> named after it "
             "(--read-timeout 30 is PDPROXY_READ_TIMEOUT=30, --no-tracing is PDPROXY_NO_TRACING=1, lists "
             "comma-separated) or as a key of the --config YAML file (read-timeout: 30). A flag wins over the "
             "environment, which wins over the file.")
 TOY_DEFAULTS = {"prefiller_hosts": ["localhost"], "prefiller_ports": [8100], "decoder_hosts": ["localhost"], "decoder_ports": [8200]}
-POLICIES = tuple(policies.POLICIES)
+# routing policies, one module each in pdproxy/policies/ (a test keeps the two lists equal)
+POLICIES = ("round_robin", "least_inflight", "power_of_two", "consistent_hash", "cache_aware", "load_aware")
+DEFAULT_HASH_KEY = "header:X-Session-Id,body:user"
 # flags named other than their setting: the flag's name works in the environment and the file too
 FLAG_NAMES = {"resource_attrs": "resource_attr", "shadow_prefill_urls": "shadow_prefill"}
 NEGATED_FLAGS = {"tracing": "no_tracing"}  # PDPROXY_NO_TRACING=1 is tracing off
@@ -438,9 +437,15 @@ def _validate(s: Settings) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def policy_params(s: Settings) -> dict[str, Any]:
-    """The routing policies' parameters (each policy takes its own: pdproxy/policies/__init__.py)."""
-    return {name: getattr(s, name) for name in policies.ALL_PARAMETERS}
+def parse_hash_key(spec: str) -> tuple[tuple[str, str], ...]:
+    """--hash-key 'header:X-Session-Id,body:user' -> (("header", "X-Session-Id"), ("body", "user"))."""
+    sources = []
+    for item in (s.strip() for s in spec.split(",")):
+        where, sep, name = item.partition(":")
+        if not sep or where not in ("header", "body") or not name.strip():
+            raise ValueError(f"hash-key source {item!r} is not header:NAME or body:FIELD")
+        sources.append((where, name.strip()))
+    return tuple(sources)
     if not 0 <= s.port < 65536:
         raise ConfigError(f"port {s.port} is out of range")
 

@@ -16,7 +16,7 @@ from aiohttp import web
 from pdproxy import __version__, workers
 from pdproxy.admission import Admission
 from pdproxy import policies
-from pdproxy.config import Settings, policy_params
+from pdproxy.config import Settings
 from pdproxy.errors import ProxyError, error_body
 from pdproxy.listener import handler_options, listen
 from pdproxy.pd import Proxy
@@ -57,7 +57,7 @@ async def _lifecycle(app: web.Application, settings: Settings):
     upstream = UpstreamClient(settings.connect_timeout, settings.read_timeout)  # the two legs (pdproxy/upstream.py)
     eject = settings.eject_after_failures
     eject_s = settings.eject_seconds
-    params = policy_params(settings)
+    params = policies.params_of(settings)
     prefill = (Pool(PREFILL, settings.prefill_urls, policies.create(settings.prefill_policy, params), eject, eject_s)
                if settings.prefill_urls else None)
     decode = Pool(DECODE, settings.decode_urls, policies.create(settings.decode_policy, params), eject, eject_s)

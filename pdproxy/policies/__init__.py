@@ -30,6 +30,11 @@ PARAMETERS: dict[str, tuple[str, ...]] = {
 ALL_PARAMETERS = tuple(sorted({p for names in PARAMETERS.values() for p in names}))
 
 
+def params_of(settings: Any) -> dict[str, Any]:
+    """Every policy parameter from pdproxy's `Settings` (they are flags of their own: --cache-threshold, ...)."""
+    return {name: getattr(settings, name) for name in ALL_PARAMETERS}
+
+
 def create(name: str, params: dict[str, Any] | None = None) -> Policy:
     """A new policy; `params` may hold any policy's settings, each takes its own. ValueError if unknown."""
     cls = POLICIES.get(name)
@@ -42,4 +47,4 @@ def create(name: str, params: dict[str, Any] | None = None) -> Policy:
     return cls(**{k: v for k, v in params.items() if k in PARAMETERS[name]})
 
 
-__all__ = ["POLICIES", "PARAMETERS", "REASON_RETRY", "Decision", "Policy", "RequestView", "create"]
+__all__ = ["POLICIES", "PARAMETERS", "REASON_RETRY", "Decision", "Policy", "RequestView", "create", "params_of"]

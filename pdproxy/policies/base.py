@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from pdproxy.policies.request import RequestView
 
-if TYPE_CHECKING:
-    from pdproxy.pool import Instance
+
+class Instance(Protocol):
+    """What a policy reads of an instance (pdproxy.pool.Instance; policies never change it)."""
+
+    url: str
+    address: str
+    inflight: int  # requests this proxy process has in flight on it
 
 REASON_RETRY = "retry"  # a retry after a failed attempt: no request view, chosen by load
 

@@ -13,28 +13,15 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from pdproxy.config import DEFAULT_HASH_KEY, parse_hash_key
 from pdproxy.policies.base import Decision, Rotation, inflight_scores
 from pdproxy.policies.request import RequestView
 
 VNODES = 64  # points per instance on the ring: smooths the share of keys each instance gets
-DEFAULT_HASH_KEY = "header:X-Session-Id,body:user"
 
 
 def _h(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
-
-
-def parse_hash_key(spec: str) -> tuple[tuple[str, str], ...]:
-    """'header:X-Session-Id,body:user' -> (("header", "X-Session-Id"), ("body", "user")); ValueError if bad."""
-    sources = []
-    for item in (s.strip() for s in spec.split(",")):
-        where, sep, name = item.partition(":")
-        if not sep or where not in ("header", "body") or not name.strip():
-            raise ValueError(f"hash-key source {item!r} is not header:NAME or body:FIELD")
-        sources.append((where, name.strip()))
-    if not sources:
-        raise ValueError("hash-key names no source")
-    return tuple(sources)
 
 
 class ConsistentHash:

@@ -205,9 +205,12 @@ class RequestTrace:
             name, kind = _STAGE_SPANS[stage]
             span_id = {PREFILL: ids.prefill, DECODE: ids.decode if self.pd_mode else None}.get(stage)
             attributes = self._stage_attributes(stage, m)
+            repeating = len(attributes) if stage != KV_TRANSFER else 3  # its measurements come last
+            # the routing decision (per request: scores, matched prefix) follows the repeating part
+            leg = {PREFILL: PREFILL if self.pd_mode else DECODE, DECODE: DECODE}.get(stage)
+            attributes.update(_route_attributes(self.routes.get(leg)))
             span = SpanData(name, kind, ids.trace_id, span_id or random.getrandbits(64), ids.root, to_unix_ns(start),
-                            to_unix_ns(end), attributes, trace_state=ids.tracestate,
-                            repeating=len(attributes) if stage != KV_TRANSFER else 3)  # its measurements come last
+                            to_unix_ns(end), attributes, trace_state=ids.tracestate, repeating=repeating)
             if stage == DECODE and m.stalls:
                 span.events = self._stall_events()
             if stage == m.failed_stage:
@@ -270,12 +273,10 @@ class RequestTrace:
             if not self.pd_mode:
                 address, status = self.decode_instance, self.decode_status
             attrs.update(_leg_attributes(address, "prefill", status))
-            attrs.update(_route_attributes(self.routes.get(PREFILL if self.pd_mode else DECODE)))
             if self.pd_mode:
                 attrs[n.PREFILL_ATTEMPTS] = max(self.prefill_attempts, 1)
         elif stage == DECODE:
             attrs.update(_leg_attributes(self.decode_instance, "decode", self.decode_status))
-            attrs.update(_route_attributes(self.routes.get(DECODE)))
             attrs[n.DECODE_ATTEMPTS] = self.decode_attempts
         elif stage == KV_TRANSFER:
             optional = {n.HANDOFF_GAP: m.handoff_gap, n.DECODE_HEADERS_WAIT: m.decode_headers_wait,
