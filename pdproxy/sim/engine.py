@@ -308,7 +308,7 @@ class Engine:
             self.waiting.popleft()
             seq.blocks.extend(self.pool.allocate(need))
             if seq.num_computed == 0:  # vLLM looks the prompt up when first scheduled (and after a preemption)
-                self.metrics.prompt_queried(seq.prompt_tokens, start)
+                self._queried(seq, start)
                 seq.num_computed, seq.cached_blocks = start, hit_blocks
                 self.prefix_cache.touch(seq.block_hashes[:hit_blocks])
             self._admit(seq, now)
@@ -318,6 +318,10 @@ class Engine:
                 prefill_tokens += n
         self._trim_cache()
         return batch, prefill_tokens
+
+    def _queried(self, seq: Sequence, hit: int) -> None:
+        if self.prefix_cache.enabled:  # vLLM without prefix caching looks nothing up and counts no queries
+            self.metrics.prompt_queried(seq.prompt_tokens, hit)
 
     def _trim_cache(self) -> None:
         """Cached blocks live in the free ones: what running requests and leases take is no longer cached."""
@@ -448,7 +452,7 @@ class Engine:
         m.ttft.observe(now - seq.arrival)
         hit_blocks = self.prefix_cache.cached_blocks(seq.block_hashes)
         hit = min(hit_blocks * self.block_size, seq.prompt_tokens - 1)
-        m.prompt_queried(seq.prompt_tokens, hit)
+        self._queried(seq, hit)
         m.prompt_computed(seq.prompt_tokens - hit)
         self.prefix_cache.touch(seq.block_hashes)
         self._trim_cache()
