@@ -194,6 +194,7 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
         "stages": stages,
         "kv_transfer": kv,
         "engine_split": _engine_split(ok_infos),
+        "engine_counters": (run.summary or {}).get("engine_counters"),
         "stall_attribution": attribution.run_attribution(ok, joined, timeline, threshold=stall_threshold, unit=u)
         if timeline is not None and joined else None,
         "slowest": {"ttft": [brief(r) for r in by_ttft], "tail_itl": [brief(r) for r in by_tail]},

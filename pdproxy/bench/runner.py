@@ -18,7 +18,7 @@ from typing import Any, Callable
 import aiohttp
 
 from pdproxy import __version__
-from pdproxy.bench import client, records, stats
+from pdproxy.bench import client, engine_counters, records, stats
 from pdproxy.bench.workload import PlannedRequest, Workload, arrival_times, class_requests
 
 ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -32,6 +32,7 @@ class Target:
     api_key: str | None = None
     timeout: float = 600.0
     headers: dict[str, str] = field(default_factory=dict)
+    engine_metrics: list[str] = field(default_factory=list)  # instances whose counters frame the run
 
 
 @dataclass
@@ -166,8 +167,10 @@ async def run_async(wl: Workload, target: Target, out: Path, header: dict[str, A
     interrupted = False
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     tasks: list[asyncio.Task[None]] = []
+    counters: dict[str, Any] | None = None
     try:
         async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
+            before = await engine_counters.snapshot(session, target.engine_metrics) if target.engine_metrics else None
             for ci, c in enumerate(wl.classes):
                 if c.concurrency is not None:
                     tasks += [asyncio.ensure_future(state.closed_loop(session, ci)) for _ in range(c.concurrency)]
@@ -178,6 +181,8 @@ async def run_async(wl: Workload, target: Target, out: Path, header: dict[str, A
                 await asyncio.gather(*tasks)
             finally:
                 ticker.cancel()
+            if before is not None:
+                counters = engine_counters.delta(before, await engine_counters.snapshot(session, target.engine_metrics))
     except asyncio.CancelledError:
         interrupted = True
         for t in tasks:
@@ -192,6 +197,8 @@ async def run_async(wl: Workload, target: Target, out: Path, header: dict[str, A
             "conditions": header["conditions"],
             "stats": stats.run_stats(state.records, stall_threshold=stall_threshold),
         }
+        if counters is not None:
+            summary["engine_counters"] = counters
         writer.write(summary)
         writer.close()
     if interrupted:

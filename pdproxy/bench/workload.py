@@ -25,6 +25,8 @@ from typing import Any, Iterator
 import numpy as np
 import yaml
 
+from pdproxy.bench.prefixes import PrefixShaper
+
 # Presets are (low, high) inclusive, uniform. Shapes follow the measured H200 load
 # (research/real-vllm-h200.md): ~200-token stream prompts, ~3000-token long prompts.
 PROMPT_PRESETS: dict[str, tuple[int, int]] = {
@@ -83,6 +85,10 @@ class TrafficClass:
     arrival: str = "constant"  # or "poisson"; only with rate
     requests: int | None = None  # per-class cap (optional)
     corpus: str | None = None  # JSONL/text file of fixed prompts, used in order, cycling
+    shared_prefixes: int = 0  # prompts start with one of this many system prompts (pdproxy/bench/prefixes.py)
+    prefix_len: str = "medium"  # words of each system prompt: N, LOW-HIGH or a preset
+    sessions: int = 0  # multi-turn: this many conversations side by side, each turn repeating the ones before
+    turns: int = 4  # turns per conversation
 
     def validate(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.]+", self.name):
@@ -99,6 +105,9 @@ class TrafficClass:
             raise WorkloadError(f"class {self.name!r}: requests must be >= 1")
         LengthDist.parse(self.prompt, PROMPT_PRESETS, f"class {self.name!r} prompt")
         LengthDist.parse(self.output, OUTPUT_PRESETS, f"class {self.name!r} output")
+        LengthDist.parse(self.prefix_len, PROMPT_PRESETS, f"class {self.name!r} prefix_len")
+        if self.shared_prefixes < 0 or self.sessions < 0 or self.turns < 1:
+            raise WorkloadError(f"class {self.name!r}: shared_prefixes and sessions must be >= 0, turns >= 1")
 
 
 @dataclass
@@ -174,6 +183,7 @@ class PlannedRequest:
     prompt: str
     prompt_words: int
     max_tokens: int
+    session: str | None = None  # the conversation of a multi-turn class, sent as `user`
 
     def body(self, wl: Workload) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -191,6 +201,8 @@ class PlannedRequest:
             body["messages"] = [{"role": "user", "content": self.prompt}]
         else:
             body["prompt"] = self.prompt
+        if self.session is not None:
+            body["user"] = self.session
         return body
 
 
@@ -233,6 +245,8 @@ def class_requests(wl: Workload, class_index: int) -> Iterator[PlannedRequest]:
     prompt_d = LengthDist.parse(c.prompt, PROMPT_PRESETS, "prompt")
     out_d = LengthDist.parse(c.output, OUTPUT_PRESETS, "output")
     corpus = load_corpus(c.corpus) if c.corpus else None
+    shaper = PrefixShaper(wl.seed, class_index, VOCAB, c.shared_prefixes,
+                          LengthDist.parse(c.prefix_len, PROMPT_PRESETS, "prefix_len"), c.sessions, c.turns)
     i = 0
     while True:
         max_tokens = out_d.draw(rng)
@@ -242,7 +256,8 @@ def class_requests(wl: Workload, class_index: int) -> Iterator[PlannedRequest]:
         else:
             n = prompt_d.draw(rng)
             text = " ".join(VOCAB[j] for j in rng.integers(0, len(VOCAB), n))
-        yield PlannedRequest(c.name, i, text, len(text.split()), max_tokens)
+        text, session = shaper.shape(i, text)
+        yield PlannedRequest(c.name, i, text, len(text.split()), max_tokens, session)
         i += 1
 
 
