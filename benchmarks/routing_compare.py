@@ -11,7 +11,7 @@ differ only in the prefill pool's policy:
   prefix-cache hit rate and computed prompt tokens (their own vLLM counters, read by the bench with
   --engine-metrics), TTFT p50 and p99.
 * one slow instance: prefill instance 0 runs 4x slower (--time-scale 4), distinct 1,024-word prompts,
-  concurrency 8; round_robin against load_aware (engine /metrics read every 0.5 s). Reported: TTFT p50
+  concurrency 12, KV link 25 GB/s; round_robin against load_aware (engine /metrics read every 0.5 s). Reported: TTFT p50
   and p99 and the slow instance's share of the prompt tokens.
 
 The numbers are simulated GPU time plus this machine's real proxy and HTTP time; docs/bench.md quotes
@@ -32,8 +32,8 @@ import urllib.request
 from pathlib import Path
 
 HOST = "127.0.0.1"
-SIM = ("--preset", "h200-llama8b-2gpu")
-PREFIX_SIM = (*SIM, "--kv-bandwidth-gbps", "25", "--num-gpu-blocks", "1400")
+SIM = ("--preset", "h200-llama8b-2gpu", "--kv-bandwidth-gbps", "25")  # a fast KV link: routing decides TTFT
+PREFIX_SIM = (*SIM, "--num-gpu-blocks", "1400")
 
 
 def free_port() -> int:
@@ -122,7 +122,7 @@ def main() -> int:
     n = str(args.requests + 16)
     prefix_bench = ["--shared-prefixes", "8", "--prefix-len", "3000", "--prompt-len", "64", "--output-len", "16",
                     "--concurrency", "16", "--requests", n, "--warmup-requests", "16"]
-    slow_bench = ["--prompt-len", "1024", "--output-len", "16", "--concurrency", "8", "--requests", n,
+    slow_bench = ["--prompt-len", "1024", "--output-len", "16", "--concurrency", "12", "--requests", n,
                   "--warmup-requests", "16"]
     results: dict[str, list[dict]] = {"prefix_reuse": [], "slow_instance": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,7 +142,7 @@ def main() -> int:
     for r in results["prefix_reuse"]:
         print(f"  {r['policy'].split()[-1]:<16} {pct(r['hit_rate']):>9} {r['computed_tokens']:>10.0f} "
               f"{r['ttft_p50'] * 1e3:>7.0f}ms {r['ttft_p99'] * 1e3:>7.0f}ms {r['ok']:>6}/{r['failed']}")
-    print("\none slow prefill instance (4x), 1,024-word prompts, concurrency 8:")
+    print("\none slow prefill instance (4x), 1,024-word prompts, concurrency 12:")
     print(f"  {'prefill policy':<16} {'slow share':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ok/failed':>10}")
     for r in results["slow_instance"]:
         print(f"  {r['policy'].split()[1]:<16} {pct(r['slow_share']):>10} {r['ttft_p50'] * 1e3:>7.0f}ms "

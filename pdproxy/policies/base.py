@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdproxy.policies.request import RequestView
@@ -21,13 +21,20 @@ REASON_RETRY = "retry"  # a retry after a failed attempt: no request view, chose
 
 @dataclass(slots=True)
 class Decision:
-    """Why an instance was chosen: recorded on the leg span and counted in /metrics."""
+    """Why an instance was chosen: recorded on the leg span and counted in /metrics.
+
+    The deciding scores are kept as the instances compared and their values at decision time; the
+    address -> score map is only built when a span records it (`scores()`), not for every request."""
 
     policy: str
     reason: str  # one of the policy's fixed reasons (a bounded metric label)
-    scores: dict[str, float] = field(default_factory=dict)  # instance address -> the score that decided
     matched: int | None = None  # prefix units (tokens or chars) the chosen instance already had
     unit: str | None = None  # "tokens" or "chars" for `matched`
+    compared: Sequence[Instance] = ()
+    values: Sequence[float] = ()
+
+    def scores(self) -> dict[str, float]:
+        return {i.address: float(v) for i, v in zip(self.compared, self.values)}
 
 
 class Policy(Protocol):
@@ -46,25 +53,20 @@ class Policy(Protocol):
 
 
 class Rotation:
-    """A counter that breaks ties round-robin, so equal instances share the load."""
+    """A counter that breaks ties in turn, so equal instances share the load."""
 
     __slots__ = ("next",)
 
     def __init__(self) -> None:
         self.next = 0
 
-    def least(self, instances: Sequence[Instance], key: Callable[[Instance], float]) -> Instance:
-        start = self.next % len(instances)
+    def least(self, instances: Sequence[Instance], values: Sequence[Any]) -> Instance:
+        """The instance with the lowest value; among equal ones, each in turn."""
+        low = min(values)
+        ties = [k for k, v in enumerate(values) if v == low]
         self.next += 1
-        best, best_key = None, 0.0
-        n = len(instances)
-        for k in range(n):
-            inst = instances[(start + k) % n]
-            value = key(inst)
-            if best is None or value < best_key:
-                best, best_key = inst, value
-        return best  # type: ignore[return-value]
+        return instances[ties[self.next % len(ties)]]
 
 
-def inflight_scores(instances: Sequence[Instance]) -> dict[str, float]:
-    return {i.address: float(i.inflight) for i in instances}
+def loads(instances: Sequence[Instance]) -> list[int]:
+    return [i.inflight for i in instances]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pdproxy.policies.base import Decision, Rotation, inflight_scores
+from pdproxy.policies.base import Decision, Rotation, loads
 from pdproxy.policies.prefix_index import PrefixIndex
 from pdproxy.policies.request import RequestView
 
@@ -48,28 +48,25 @@ class CacheAware:
 
     def choose(self, instances: Sequence, request: RequestView | None):
         key = request.prefix if request is not None else None
-        loads = [i.inflight for i in instances]
-        low, high = min(loads), max(loads)
-        least = self.rotation.least
-        if high - low > self.balance_abs_threshold and high > self.balance_rel_threshold * low:
-            chosen, decision = least(instances, lambda i: i.inflight), Decision(self.name, "imbalanced",
-                                                                                inflight_scores(instances))
-        elif key is None:
-            chosen, decision = least(instances, lambda i: i.inflight), Decision(self.name, "no_prompt",
-                                                                                inflight_scores(instances))
+        load = loads(instances)
+        low, high = min(load), max(load)
+        if key is None or (high - low > self.balance_abs_threshold and high > self.balance_rel_threshold * low):
+            chosen = self.rotation.least(instances, load)
+            decision = Decision(self.name, "no_prompt" if key is None else "imbalanced", compared=instances,
+                                values=load)
         else:
             bits = [self._bit(i) for i in instances]
             matched = self.index.match(key, sum(1 << b for b in bits))
-            best = max(matched.values(), default=0)
-            scores = {i.address: float(matched.get(b, 0)) for i, b in zip(instances, bits)}
-            if best > self.cache_threshold * key.length:
-                holders = [i for i, b in zip(instances, bits) if matched.get(b) == best]
-                chosen, reason = least(holders, lambda i: i.inflight), "prefix_match"
-            else:
+            lengths = [matched.get(b, 0) for b in bits]
+            best = max(lengths)
+            if best > self.cache_threshold * key.length:  # the longest match, least loaded among equals
+                chosen = self.rotation.least(instances, [(-n, x) for n, x in zip(lengths, load)])
+                reason = "prefix_match"
+            else:  # the least indexed (most room, as far as this proxy knows), least loaded among equals
                 sizes = self.index.sizes
-                chosen = least(instances, lambda i: (sizes.get(self._bits[i], 0), i.inflight))
-                reason = "cache_miss"
-            decision = Decision(self.name, reason, scores, best if reason == "prefix_match" else 0, key.unit)
+                chosen = self.rotation.least(instances, [(sizes.get(b, 0), x) for b, x in zip(bits, load)])
+                reason, best = "cache_miss", 0
+            decision = Decision(self.name, reason, best, key.unit, instances, lengths)
         if key is not None:
             self.index.insert(key, self._bit(chosen))  # even when balancing: that instance now has the prompt
         return chosen, decision

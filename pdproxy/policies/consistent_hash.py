@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdproxy.config import DEFAULT_HASH_KEY, parse_hash_key
-from pdproxy.policies.base import Decision, Rotation, inflight_scores
+from pdproxy.policies.base import Decision, Rotation, loads
 from pdproxy.policies.request import RequestView
 
 VNODES = 64  # points per instance on the ring: smooths the share of keys each instance gets
@@ -47,8 +47,9 @@ class ConsistentHash:
     def choose(self, instances: Sequence, request: RequestView | None):
         key = self.key(request)
         if key is None:
-            chosen = self.rotation.least(instances, lambda i: i.inflight)
-            return chosen, Decision(self.name, "no_key", inflight_scores(instances))
+            values = loads(instances)
+            return self.rotation.least(instances, values), Decision(self.name, "no_key", compared=instances,
+                                                                    values=values)
         self._ring(instances)
         at = bisect.bisect(self._points, _h(key)) % len(self._points)
         return self._owners[at], Decision(self.name, "hash_key")

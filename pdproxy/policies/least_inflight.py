@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from pdproxy.policies.base import Decision, Rotation, inflight_scores
+from pdproxy.policies.base import Decision, Rotation, loads
 from pdproxy.policies.request import RequestView
 
 
@@ -17,8 +17,9 @@ class LeastInflight:
         self.rotation = Rotation()
 
     def choose(self, instances: Sequence, request: RequestView | None):
-        chosen = self.rotation.least(instances, lambda i: i.inflight)
-        return chosen, Decision(self.name, "least_loaded", inflight_scores(instances))
+        values = loads(instances)
+        return self.rotation.least(instances, values), Decision(self.name, "least_loaded", compared=instances,
+                                                                values=values)
 
     def status(self, instances: Sequence) -> dict[str, dict[str, Any]]:
         return {i.address: {"inflight": i.inflight, "score": float(i.inflight)} for i in instances}

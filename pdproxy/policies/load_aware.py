@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdproxy.policies.base import Decision, Rotation, inflight_scores
+from pdproxy.policies.base import Decision, Rotation, loads
 
 log = logging.getLogger("pdproxy.policies.load_aware")
 
@@ -46,10 +46,10 @@ class Reading:
     running: float
     kv_usage: float
     at: float  # monotonic
+    score: float = 0.0
 
-    @property
-    def score(self) -> float:
-        return self.waiting + RUNNING_WEIGHT * self.running + KV_WEIGHT * self.kv_usage
+    def __post_init__(self) -> None:
+        self.score = self.waiting + RUNNING_WEIGHT * self.running + KV_WEIGHT * self.kv_usage
 
 
 def parse_load(text: str) -> tuple[float, float, float]:
@@ -80,21 +80,25 @@ class LoadAware:
 
     # -- routing --------------------------------------------------------------------------
 
-    def _fresh(self, instance, now: float) -> Reading | None:
+    def _fresh(self, instance, now: float) -> Reading | None:  # for /status
         reading = self.readings.get(instance.url)
         if reading is None or now - reading.at > STALE_INTERVALS * self.interval:
             return None
         return reading
 
     def choose(self, instances: Sequence, request):
-        now = time.monotonic()
-        readings = [self._fresh(i, now) for i in instances]
-        if any(r is None for r in readings):
-            chosen = self.rotation.least(instances, lambda i: i.inflight)
-            return chosen, Decision(self.name, "inflight_fallback", inflight_scores(instances))
-        scores = {i.address: i.inflight + r.score for i, r in zip(instances, readings)}  # type: ignore[union-attr]
-        chosen = self.rotation.least(instances, lambda i: scores[i.address])
-        return chosen, Decision(self.name, "engine_load", scores)
+        oldest = time.monotonic() - STALE_INTERVALS * self.interval
+        readings = self.readings
+        values = []
+        for inst in instances:
+            r = readings.get(inst.url)
+            if r is None or r.at < oldest:
+                values = loads(instances)
+                return self.rotation.least(instances, values), Decision(self.name, "inflight_fallback",
+                                                                        compared=instances, values=values)
+            values.append(inst.inflight + r.score)
+        return self.rotation.least(instances, values), Decision(self.name, "engine_load", compared=instances,
+                                                                values=values)
 
     def status(self, instances: Sequence) -> dict[str, dict[str, Any]]:
         now = time.monotonic()

@@ -22,7 +22,7 @@ class PowerOfTwo:
             return instances[0], Decision(self.name, "only_one")
         a, b = self.rng.sample(instances, 2)
         chosen = b if b.inflight < a.inflight else a
-        return chosen, Decision(self.name, "less_loaded", {a.address: float(a.inflight), b.address: float(b.inflight)})
+        return chosen, Decision(self.name, "less_loaded", compared=(a, b), values=(a.inflight, b.inflight))
 
     def status(self, instances: Sequence) -> dict[str, dict[str, Any]]:
         return {i.address: {"inflight": i.inflight, "score": float(i.inflight)} for i in instances}

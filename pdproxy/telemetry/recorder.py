@@ -302,8 +302,9 @@ def _route_attributes(decision: Any) -> dict[str, Any]:
     attrs: dict[str, Any] = {n.ROUTE_POLICY: decision.policy, n.ROUTE_REASON: decision.reason}
     if decision.matched is not None:
         attrs[n.ROUTE_MATCHED], attrs[n.ROUTE_MATCHED_UNIT] = decision.matched, decision.unit
-    if decision.scores:
-        attrs[n.ROUTE_SCORES] = [f"{address}={score:g}" for address, score in decision.scores.items()]
+    scores = decision.scores()
+    if scores:
+        attrs[n.ROUTE_SCORES] = [f"{address}={score:g}" for address, score in scores.items()]
     return attrs
 
 
