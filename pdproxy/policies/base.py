@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,10 +31,11 @@ class Decision:
     matched: int | None = None  # prefix units (tokens or chars) the chosen instance already had
     unit: str | None = None  # "tokens" or "chars" for `matched`
     compared: Sequence[Instance] = ()
-    values: Sequence[float] = ()
+    values: Sequence[float] | Callable[[], Sequence[float]] = ()  # or how to compute them, if that costs
 
     def scores(self) -> dict[str, float]:
-        return {i.address: float(v) for i, v in zip(self.compared, self.values)}
+        values = self.values() if callable(self.values) else self.values
+        return {i.address: float(v) for i, v in zip(self.compared, values)}
 
 
 class Policy(Protocol):
@@ -64,8 +65,9 @@ class Rotation:
         """The instance with the lowest value; among equal ones, each in turn."""
         low = min(values)
         ties = [k for k, v in enumerate(values) if v == low]
-        self.next += 1
-        return instances[ties[self.next % len(ties)]]
+        turn = self.next
+        self.next = turn + 1
+        return instances[ties[turn % len(ties)]]
 
 
 def loads(instances: Sequence[Instance]) -> list[int]:

@@ -3,8 +3,8 @@
 The prefix key is the request's prompt as token ids when it has them (a `prompt` of integers), else
 as text (`prompt`, or the chat `messages` with their roles). It is cut into blocks (16 tokens, or 64
 characters: about 16 tokens of English) and hashed as a chain at a sparse set of block counts
-(`CHECKPOINTS`: every count up to 8, then four per doubling), so a prompt of any length costs a few
-dozen hashes and index entries, and a match is known to within a quarter of its length. That is the
+(`CHECKPOINTS`: 1, 2, 3, 4, then 1.5x and 2x of each power of two), so a prompt of any length costs
+a dozen or two hashes and index entries, and a match is known to within a third of its length. That is the
 "approximate" in an approximate prefix index: enough to tell which instance most likely holds a
 prompt's KV blocks, never a claim about them.
 
@@ -25,10 +25,10 @@ MAX_FIELD_CHARS = 256  # a consistent-hash key longer than this is cut (it is ha
 
 
 def _checkpoints(limit: int) -> tuple[int, ...]:
-    points = list(range(1, 9))
-    octave = 8
+    points = [1, 2, 3, 4]
+    octave = 4
     while octave < limit:
-        points += [octave * 5 // 4, octave * 3 // 2, octave * 7 // 4, octave * 2]
+        points += [octave * 3 // 2, octave * 2]
         octave *= 2
     return tuple(p for p in points if p <= limit)
 
@@ -40,7 +40,8 @@ CHECKPOINTS = _checkpoints(MAX_KEY_TOKENS // TOKEN_BLOCK)
 class PrefixKey:
     unit: str  # "tokens" or "chars"
     length: int  # units of the prompt that were keyed
-    points: tuple[tuple[int, int], ...]  # (prefix length in units, chained hash of that prefix), ascending
+    lengths: tuple[int, ...]  # prefix lengths in units, ascending (whole blocks at the checkpoints)
+    hashes: tuple[int, ...]  # the chained hash of each of those prefixes
 
 
 class RequestView:
@@ -117,7 +118,8 @@ def _chain(material: Any, unit: str) -> PrefixKey | None:
     block, limit = (TOKEN_BLOCK, MAX_KEY_TOKENS) if unit == "tokens" else (CHAR_BLOCK, MAX_KEY_CHARS)
     length = min(len(material), limit)
     blocks = length // block
-    points: list[tuple[int, int]] = []
+    lengths: list[int] = []
+    hashes: list[int] = []
     h, start = hash(unit), 0
     for count in CHECKPOINTS:
         if count > blocks:
@@ -125,6 +127,7 @@ def _chain(material: Any, unit: str) -> PrefixKey | None:
         end = count * block
         piece = material[start:end]
         h = hash((h, piece if unit == "chars" else tuple(piece)))
-        points.append((end, h))
+        lengths.append(end)
+        hashes.append(h)
         start = end
-    return PrefixKey(unit, length, tuple(points)) if points else None
+    return PrefixKey(unit, length, tuple(lengths), tuple(hashes)) if hashes else None
