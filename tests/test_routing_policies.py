@@ -247,3 +247,20 @@ def test_every_policy_module_is_a_choice_of_the_flags():
 
     assert config.POLICIES == tuple(policies.POLICIES)
     assert set(policies.ALL_PARAMETERS) <= {f.name for f in config.fields(config.Settings)}
+
+
+def test_the_prefix_index_stays_within_its_bound_and_keeps_count_per_instance():
+    from pdproxy.policies import RequestView, create
+    from pdproxy.pool import Pool
+
+    pool = Pool("prefill", [f"http://10.0.0.{i}:8100" for i in range(4)], create("cache_aware", {"max_tree_size": 500}))
+    for k in range(300):  # 300 distinct 2,000-token prompts: ~13 entries each, far beyond 500
+        pool.pick(RequestView({"prompt": [k] + list(range(2000))}))
+        assert len(pool.policy.index) <= 500
+    sizes = pool.policy.index.sizes
+    assert sum(sizes.values()) == len(pool.policy.index) and all(v >= 0 for v in sizes.values())
+    fresh = [k + 1000 for k in range(2000)]  # a new prompt: a miss, then a match on the instance that got it
+    first, decision = pool.pick(RequestView({"prompt": fresh}))
+    assert decision.reason == "cache_miss"
+    again, decision = pool.pick(RequestView({"prompt": fresh + [7, 7, 7]}))
+    assert again is first and decision.reason == "prefix_match" and decision.matched >= 1500
