@@ -5,12 +5,13 @@
 Two comparisons, each a pair of `pdproxy bench` runs against fresh instances and a fresh proxy that
 differ only in the prefill pool's policy:
 
-* prefix reuse: 8 shared system prompts of 3,000 words in front of 64-word questions, concurrency 16,
+* prefix reuse: 8 shared system prompts of 1,300 words (~3,000 tokens) in front of 64-token questions,
+  concurrency 16,
   KV cache 1,400 blocks per instance (22,400 tokens: room for the running requests and about half the
   system prompts), KV link 25 GB/s; round_robin against cache_aware. Reported: the prefill instances'
   prefix-cache hit rate and computed prompt tokens (their own vLLM counters, read by the bench with
   --engine-metrics), TTFT p50 and p99.
-* one slow instance: prefill instance 0 runs 4x slower (--time-scale 4), distinct 1,024-word prompts,
+* one slow instance: prefill instance 0 runs 4x slower (--time-scale 4), distinct 1,024-token prompts,
   concurrency 12, KV link 25 GB/s; round_robin against load_aware (engine /metrics read every 0.5 s). Reported: TTFT p50
   and p99 and the slow instance's share of the prompt tokens.
 
@@ -120,7 +121,7 @@ def main() -> int:
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     n = str(args.requests + 16)
-    prefix_bench = ["--shared-prefixes", "8", "--prefix-len", "3000", "--prompt-len", "64", "--output-len", "16",
+    prefix_bench = ["--shared-prefixes", "8", "--prefix-len", "1300", "--prompt-len", "64", "--output-len", "16",
                     "--concurrency", "16", "--requests", n, "--warmup-requests", "16"]
     slow_bench = ["--prompt-len", "1024", "--output-len", "16", "--concurrency", "12", "--requests", n,
                   "--warmup-requests", "16"]
@@ -137,12 +138,12 @@ def main() -> int:
         return "n/a" if x is None else f"{x:.1%}"
 
     print(f"routing comparison, 2 prefill + 2 decode simulated instances, {args.requests} measured requests per run")
-    print("\nprefix reuse (8 system prompts x 3,000 words, concurrency 16, 1,400 KV blocks per instance):")
+    print("\nprefix reuse (8 system prompts x 1,300 words, concurrency 16, 1,400 KV blocks per instance):")
     print(f"  {'prefill policy':<16} {'hit rate':>9} {'computed':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ok/failed':>10}")
     for r in results["prefix_reuse"]:
         print(f"  {r['policy'].split()[-1]:<16} {pct(r['hit_rate']):>9} {r['computed_tokens']:>10.0f} "
               f"{r['ttft_p50'] * 1e3:>7.0f}ms {r['ttft_p99'] * 1e3:>7.0f}ms {r['ok']:>6}/{r['failed']}")
-    print("\none slow prefill instance (4x), 1,024-word prompts, concurrency 12:")
+    print("\none slow prefill instance (4x), 1,024-token prompts, concurrency 12:")
     print(f"  {'prefill policy':<16} {'slow share':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ok/failed':>10}")
     for r in results["slow_instance"]:
         print(f"  {r['policy'].split()[1]:<16} {pct(r['slow_share']):>10} {r['ttft_p50'] * 1e3:>7.0f}ms "

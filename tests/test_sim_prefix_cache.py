@@ -14,6 +14,10 @@ def words(tag: str, n: int) -> str:
     return " ".join(f"{tag}{i}" for i in range(n))
 
 
+def ids(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
 class Instance:
     def __init__(self, url: str) -> None:
         self.url = url
@@ -24,9 +28,10 @@ class Instance:
         assert r.status_code == 200, r.text
         return r.json()
 
-    def chat(self, messages) -> None:
+    def chat(self, messages) -> int:
         r = self.client.post(self.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
         assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
 
     def metric(self, name: str, **labels: str) -> float:
         return counter(self.client.get(self.url + "/metrics").text, name, **labels)
@@ -43,11 +48,11 @@ def sim():
 
 
 def test_a_shared_prefix_is_computed_once_and_counted_as_vllm_does(sim):
-    system = words("sys", 2000)
+    system = ids(1000, 2000)
     busy0 = sim.busy()
-    sim.complete(system + " first question")
+    sim.complete(system + [5, 6])
     busy1 = sim.busy()
-    sim.complete(system + " second question")
+    sim.complete(system + [7, 8])
     busy2 = sim.busy()
     assert busy2 - busy1 < (busy1 - busy0) / 4  # prefill time only for the uncached tail
 
@@ -72,19 +77,20 @@ def test_token_ids_and_chat_prompts_hit_too_and_a_changed_prefix_does_not(sim):
     messages = [{"role": "system", "content": words("chat", 500)}, {"role": "user", "content": "hello"}]
     sim.chat(messages)
     before = sim.metric("vllm:prefix_cache_hits_total")
-    sim.chat(messages[:1] + [{"role": "user", "content": "goodbye"}])
-    assert sim.metric("vllm:prefix_cache_hits_total") - before >= 496
+    tokens = sim.chat(messages[:1] + [{"role": "user", "content": "goodbye"}])
+    hit = sim.metric("vllm:prefix_cache_hits_total") - before
+    assert tokens - 16 - 24 <= hit < tokens  # all whole blocks before the user's turn (template and all)
 
 
 def test_cached_blocks_are_evicted_least_recently_used_within_the_kv_capacity(sim):
-    first = words("first", 3000)
+    first = ids(1000, 3000)
     sim.complete(first)
     for k in range(4):  # 4 × 3000 tokens through a 9600-token cache push the first prompt out
-        sim.complete(words(f"other{k}-", 3000))
+        sim.complete(ids(10_000 * (k + 1), 3000))
     before = sim.metric("vllm:prefix_cache_hits_total")
-    sim.complete(first + " again")
+    sim.complete(first + [5])
     assert sim.metric("vllm:prefix_cache_hits_total") == before
-    sim.complete(first + " and again")  # computed again just now, so cached again
+    sim.complete(first + [6])  # computed again just now, so cached again
     assert sim.metric("vllm:prefix_cache_hits_total") - before == 3000 // 16 * 16
 
 
@@ -92,7 +98,7 @@ def test_prefix_caching_can_be_turned_off():
     proc, url = start_sim("single", "--no-enable-prefix-caching")
     try:
         sim = Instance(url)
-        prompt = words("same", 500)
+        prompt = ids(1000, 500)
         sim.complete(prompt)
         sim.complete(prompt)
         assert sim.metric("vllm:prefix_cache_hits_total") == 0

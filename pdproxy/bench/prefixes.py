@@ -4,8 +4,8 @@ questions, and multi-turn conversations whose every turn repeats the ones before
 Both shapes exist to measure prefix-cache reuse (vLLM's automatic prefix caching, and routing that
 keeps a prefix on the instance that cached it). They wrap the class's own prompt draw:
 
-* `shared_prefixes: N` (with `prefix_len`): each request starts with one of N fixed system prompts,
-  drawn at random; the class's `prompt` length is the user's part after it.
+* `shared_prefixes: N` (with `prefix_len`, in words): each request starts with one of N fixed system
+  prompts, drawn at random; the class's `prompt` (sized in tokens by bench/prompts.py) follows it.
 * `sessions: S` (with `turns`): S conversations run side by side; request i is turn (i // S) % turns of
   conversation i % S, and a conversation that has had its turns is replaced by a new one. Turn t's
   prompt is turn t-1's prompt plus a stand-in answer and the new question, so each turn's prompt is a
@@ -15,10 +15,11 @@ keeps a prefix on the instance that cached it). They wrap the class's own prompt
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
 from typing import Any
 
 import numpy as np
+
+from pdproxy.bench.workload import PROMPT_PRESETS, VOCAB, LengthDist, Workload
 
 ANSWER_WORDS = 32  # the stand-in for the previous answer in a conversation's history
 
@@ -34,6 +35,25 @@ class PrefixShaper:
     turns: int = 1
     _prefixes: list[str] = field(default_factory=list)
     _history: dict[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, wl: Workload, class_index: int) -> "PrefixShaper":
+        c = wl.classes[class_index]
+        return cls(wl.seed, class_index, VOCAB, c.shared_prefixes, LengthDist.parse(c.prefix_len, PROMPT_PRESETS,
+                   "prefix_len"), c.sessions, c.turns)
+
+    def wrap(self, i: int, text: str, words: int, body: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """Request i's body with its prompt shaped (unchanged for a class without either shape), and its words."""
+        if not (self.shared_prefixes or self.sessions):
+            return body, words
+        shaped, conversation = self.shape(i, text)
+        if "messages" in body:
+            body["messages"] = [{"role": "user", "content": shaped}]
+        else:
+            body["prompt"] = shaped
+        if conversation is not None:
+            body["user"] = conversation
+        return body, len(shaped.split())
 
     def __post_init__(self) -> None:
         rng = np.random.default_rng([self.seed, self.class_index, 2])

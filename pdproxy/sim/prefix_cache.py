@@ -8,7 +8,7 @@ request's blocks are touched tail first, so its first blocks are the last to go 
 request's blocks in reverse order for the same reason). A new request is charged prefill time only
 for the tokens after its longest cached prefix, and at least its last token is always computed.
 
-Hashing runs over whatever token ids the request has (`GenerationRequest.prompt_units`). The cache
+Hashing runs over whatever token ids the request has (`GenerationRequest.prompt_ids`). The cache
 is per instance; nothing here is shared between instances.
 """
 
