@@ -2,7 +2,7 @@
 """Does `pdproxy sim` with its default preset reproduce real vLLM on one H200?
 
 Starts simulated instances as processes on 127.0.0.1 and compares with
-/work/shared/research/real-vllm-h200.md (numbers copied into pdproxy/sim/presets.py):
+tests/fixtures/vllm023/real-vllm-h200.md (numbers copied into pdproxy/sim/presets.py):
 
 1. calibration curves, each point PASS when within 15 %:
    - prefill TTFT of a lone request at 128..4096 prompt tokens (median of 7, token-id prompts);

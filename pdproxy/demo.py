@@ -6,7 +6,7 @@ drives the same seeded load through the proxy with `pdproxy bench`, stops them, 
 prints `pdproxy report`'s comparison of the three (TTFT, ITL, tail ITL, KV transfer, throughput,
 error rate) with the adopt / don't-adopt verdict, plus where records, traces and the HTML page are.
 
-The load is the shape measured on real H200s (research/real-vllm-h200.md): closed-loop streams
+The load is the shape measured on real H200s (tests/fixtures/vllm023/real-vllm-h200.md): closed-loop streams
 with short prompts plus one long prompt at a steady rate. Long prefills stall the streams'
 decode steps on a single instance; chunked prefill bounds the stall; P/D moves prefill off the
 decode instance but pays a KV transfer. The simulated instances run `--time-scale` times slower
@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=2048, help="max-num-batched-tokens of the chunked set-up")
     p.add_argument("--kv-pull-stalls-decode", action="store_true",
                    help="P/D decodes start no step while a KV pull is in flight, as recorded on two real H200s "
-                        "(research/real-traces): the decode's streams stall on other requests' KV arrivals")
+                        "(tests/fixtures/vllm023): the decode's streams stall on other requests' KV arrivals")
     p.add_argument("--batch-tokens", type=int, default=16384, help="max-num-batched-tokens of the other set-ups")
     p.add_argument("--preset", default="h200-llama8b-2gpu", help="simulator preset (default h200-llama8b-2gpu)")
     p.add_argument("--time-scale", type=float, default=4.0,
