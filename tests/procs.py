@@ -85,11 +85,11 @@ def start_proxy(*args: str, env: dict[str, str] | None = None, port: int | None 
     return proc, url
 
 
-def start_scripted(role: str, port: int | None = None) -> tuple[Proc, str]:
+def start_scripted(role: str, *extra: str, port: int | None = None) -> tuple[Proc, str]:
     """The scripted vLLM-like instance of tests/scripted_backend.py (exact bytes and faults)."""
     port = port or free_port()
     script = str(Path(__file__).with_name("scripted_backend.py"))
-    proc = Proc([sys.executable, script, "--port", str(port), "--role", role], name=f"scripted-{role}")
+    proc = Proc([sys.executable, script, "--port", str(port), "--role", role, *extra], name=f"scripted-{role}")
     url = f"http://{HOST}:{port}"
     proc.wait_http(url + "/health")
     return proc, url
