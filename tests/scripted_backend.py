@@ -9,7 +9,8 @@ By default it answers like a vLLM instance of its role (a prefill returns `kv_tr
 a decode streams a fixed SSE body). Tests queue exact answers with `POST /_script` (a list of
 steps, one consumed per inference request) and read what arrived with `GET /_journal`.
 A step may set: status, headers, body (JSON or string), chunks (list of strings written one by
-one), repeat (send the chunks that many times), delay (before the status line), chunk_delay, stall_after (chunks before a long pause),
+one), repeat (send the chunks that many times), hold (answer only once a test posts /_release),
+delay (before the status line), chunk_delay, stall_after (chunks before a long pause),
 abort_after (chunks before the connection is cut), drop (close the connection without answering).
 `--delay` and `--chunk-delay` set the defaults for requests without a step. `--echo-model` answers
 every request as the model it asked for (some OpenAI-compatible servers do), while /v1/models
@@ -53,6 +54,7 @@ class Backend:
         self.defaults = {"delay": delay, "chunk_delay": chunk_delay}
         self.script: list[dict] = []
         self.journal: list[dict] = []
+        self.released = asyncio.Event()  # held steps wait for it
 
     async def inference(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -75,6 +77,8 @@ class Backend:
             raise
 
     async def _answer(self, request: web.Request, step: dict, body: dict) -> web.StreamResponse:
+        if step.get("hold"):
+            await self.released.wait()
         await asyncio.sleep(step.get("delay", 0))
         if step.get("drop"):
             request.transport.close()
@@ -120,6 +124,11 @@ class Backend:
     async def reset(self, request: web.Request) -> web.Response:
         self.script.clear()
         self.journal.clear()
+        self.released = asyncio.Event()
+        return web.json_response({})
+
+    async def release(self, request: web.Request) -> web.Response:
+        self.released.set()
         return web.json_response({})
 
 
@@ -141,6 +150,7 @@ def main() -> None:
     app.router.add_post("/_script", backend.set_script)
     app.router.add_get("/_journal", backend.get_journal)
     app.router.add_post("/_reset", backend.reset)
+    app.router.add_post("/_release", backend.release)
     asyncio.run(_serve(app, args.port))
 
 
