@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -26,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -93,16 +95,11 @@ class Child:
     log: Path
     url: str
 
-    def stop(self, timeout: float = 8.0) -> None:
+    def send(self, signum: int) -> None:
+        """Signal the child's whole session (it may have started processes of its own)."""
         if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGTERM)
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
-            except ProcessLookupError:
-                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signum)
 
 
 @dataclass
@@ -141,10 +138,26 @@ class Processes:
                     raise DemoError(f"{c.name} not healthy after {timeout:g}s; see {c.log}")
                 time.sleep(0.05)
 
-    def stop_all(self) -> None:
-        for c in reversed(self.children):
-            c.stop()
-        self.children.clear()
+    def stop_all(self, timeout: float = 8.0) -> None:
+        """SIGTERM every child at once (each flushes its trace file), wait for them together, then SIGKILL
+        what is left: a Ctrl-C takes as long as the slowest child, not the sum of them. A second Ctrl-C
+        meanwhile is ignored, so that no child is left running."""
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+        try:
+            for c in reversed(self.children):
+                c.send(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for c in reversed(self.children):
+                try:
+                    c.popen.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.send(signal.SIGKILL)
+                    c.popen.wait()
+            self.children.clear()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
 
 
 def parse_xpyd(spec: str) -> tuple[int, int]:
