@@ -6,6 +6,7 @@ import time
 import httpx
 
 from procs import free_port, raw_post, start_proxy
+from waits import scaled
 
 BODY = {"model": "m", "prompt": "one two three", "max_tokens": 16, "stream": True}
 
@@ -127,7 +128,7 @@ def test_client_disconnect_cancels_the_decode_request(pd):
         seen = b""
         while b"t1" not in seen:  # the stream is flowing: now hang up
             seen += s.recv(65536)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + scaled(5)
     while time.monotonic() < deadline and not d.journal()[0]["aborted"]:
         time.sleep(0.1)
     entry = d.journal()[0]

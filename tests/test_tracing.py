@@ -9,7 +9,7 @@ import pytest
 
 from otlp import GrpcReceiver, TapReceiver, attrs, duration_ns
 from procs import free_port, start_proxy, start_scripted
-from waits import wait_until
+from waits import scaled, wait_until
 
 BODY = {"model": "tiny", "prompt": "one two three", "max_tokens": 16, "stream": True}
 CLIENT_PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -206,7 +206,7 @@ def test_trace_file_holds_otlp_json_with_the_fixed_conditions(traced):
     script(traced["d"])
     r, *_ = stream(traced["url"])
     rid = r.headers["x-request-id"]
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + scaled(5)
     while rid not in traced["file"].read_text() and time.monotonic() < deadline:
         time.sleep(0.1)
     lines = [json.loads(line) for line in traced["file"].read_text().splitlines()]
@@ -301,7 +301,7 @@ def test_grpc_export(traced):
     try:
         script(traced["d"])
         stream(url)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while "pd.decode" not in receiver.span_names() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert {"pd.queue", "pd.prefill", "pd.decode", "text_completion tiny"} <= set(receiver.span_names())
@@ -322,8 +322,8 @@ def test_dead_collector_never_breaks_serving_and_drops_are_counted(traced):
             started = time.monotonic()
             assert httpx.post(url + "/v1/completions", json={**BODY, "stream": False}, timeout=10).status_code == 200
             durations.append(time.monotonic() - started)
-        assert max(durations) < 1.0  # the exporter's retries happen off the serving path
-        deadline = time.monotonic() + 10
+        assert max(durations) < scaled(1.0)  # the exporter's retries happen off the serving path
+        deadline = time.monotonic() + scaled(10)
         dropped = 0.0
         while time.monotonic() < deadline:
             metrics = httpx.get(url + "/metrics").text
@@ -339,7 +339,7 @@ def test_dead_collector_never_breaks_serving_and_drops_are_counted(traced):
 
 def _trace_of(traced, request_id, count=5):
     """Find a request's trace by its request id attribute, then wait for all its spans."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while time.monotonic() < deadline:
         for s in traced["tap"].spans():
             if attrs(s).get("pd.request_id") == request_id:
