@@ -21,7 +21,10 @@ from test_reliability_telemetry import BODY, SPANS_PER_REQUEST, side_by_side
 from waits import Load, scaled, wait_until
 
 PHASES = {"up": 4.0, "stopped": 5.0, "restarted": 4.0}  # seconds of load in each (restarted: after export resumed)
-PER_PHASE_CAP = 5000  # a bound per phase: a fast machine idles at it, never eats the next phase's requests
+# A bound per phase, never shared: a fast machine idles at it and cannot eat a later phase's requests. High
+# enough that no phase reaches it (the longest, 9 s, would need < 0.5 ms per pair of proxied requests): a
+# phase that idles early makes no spans to show export resuming.
+PER_PHASE_CAP = 20_000
 MIN_PER_PHASE = 20
 
 pytestmark = pytest.mark.timeout(scaled(240))
@@ -61,9 +64,9 @@ def test_collector_restart_under_load(tmp_path, capsys):
             load.end_phase("stopped", MIN_PER_PHASE)
             collector.config["exporters"]["file/received"]["path"] = str(tmp_path / "run-2.jsonl")
             collector.write_config()
-            load.enter("restarted")
             collector.start()  # returns once its health check says every pipeline runs
             healthy_at = time.monotonic()
+            load.enter("restarted")  # from here on every span has a collector to go to
             # on its own, within the proxy's gRPC reconnect backoff (capped at 2 s, plus jitter)
             wait_until(lambda: accepted_spans(collector) > 0, "export to resume after the restart", timeout=5.0,
                        interval=0.1)
