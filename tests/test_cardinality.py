@@ -128,3 +128,39 @@ def series(text: str) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
 
     return {(s.name, tuple(sorted(s.labels.items())))
             for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_with_health_checks_off_the_listing_is_asked_until_every_instance_answered(monkeypatch) -> None:
+    """Answers teach no names, so an instance that comes up after the proxy must still be asked: with
+    `interval` 0 the watch retries (every MIN_REFRESH_SECONDS, shortened here) until each one listed."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from pdproxy.telemetry import models
+    from procs import HOST, free_port
+
+    monkeypatch.setattr(models, "MIN_REFRESH_SECONDS", 0.05)
+    port = free_port()
+
+    async def scenario() -> tuple[set[str], bool]:
+        names = models.ModelNames()
+        app = web.Application()
+        async def listing(request: web.Request) -> web.Response:
+            return web.json_response({"data": [{"id": "late-model"}]})
+
+        app.router.add_get("/v1/models", listing)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        async with aiohttp.ClientSession() as session:
+            watch = asyncio.create_task(names.watch(session, [f"http://{HOST}:{port}"], {}, 0, 1.0))
+            await asyncio.sleep(0.3)  # several refreshes against a port nothing listens on yet
+            assert not watch.done() and names.learned == set()
+            await web.TCPSite(runner, HOST, port).start()
+            await asyncio.wait_for(watch, 10)  # returns once the instance has answered
+        await runner.cleanup()
+        return names.learned, watch.done()
+
+    learned, done = asyncio.run(scenario())
+    assert learned == {"late-model"} and done
