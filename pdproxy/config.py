@@ -74,6 +74,9 @@ class Settings:
     otlp_endpoint: str | None = None
     otlp_protocol: str | None = None
     trace_file: str | None = None
+    trace_file_max_bytes: int = 256 * 1024 * 1024
+    trace_file_backups: int = 3
+    trace_rejected_rate: float = 10.0
     span_queue_size: int = 8192
     run_label: str = ""
     served_model_name: list[str] = field(default_factory=list)
@@ -164,6 +167,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tel.add_argument("--otlp-endpoint", help="OTLP collector endpoint (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)")
     tel.add_argument("--otlp-protocol", choices=("grpc", "http/protobuf"), help="OTLP protocol (default: OTEL_EXPORTER_OTLP_PROTOCOL or grpc)")
     tel.add_argument("--trace-file", help="also write spans as OTLP-JSON lines (the Collector file-exporter format) to this file")
+    tel.add_argument("--trace-file-max-bytes", type=int,
+                     help="size bound of --trace-file: a write that would pass it first rotates the file to FILE.1 "
+                          "(FILE.1 to FILE.2, ...); 0 = unbounded, else at least 1 MiB (default 256 MiB)")
+    tel.add_argument("--trace-file-backups", type=int,
+                     help="rotated trace files kept (FILE.1 ... FILE.N), the oldest deleted; 0 keeps none "
+                          "(default 3)")
+    tel.add_argument("--trace-rejected-rate", type=float,
+                     help="requests refused before admission (401, 400, 413, 415, 429, 503...) traced per second at "
+                          "most; the rest are counted in /metrics but not traced; 0 traces none (default 10)")
     tel.add_argument("--span-queue-size", type=int, help="spans buffered for export before new ones are dropped and counted (default 8192)")
     tel.add_argument("--stall-threshold", type=float, help="a token gap above this many seconds counts as a stall (default 0.1)")
     tel.add_argument("--served-model-name", nargs="+", metavar="NAME",
@@ -390,6 +402,10 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"{name.replace('_', '-')} must be >= 0")
     if s.span_queue_size < 1:
         raise ConfigError("span-queue-size must be >= 1")
+    if s.trace_file_max_bytes != 0 and s.trace_file_max_bytes < 1024 * 1024:
+        raise ConfigError("trace-file-max-bytes must be 0 (unbounded) or at least 1048576 (1 MiB)")
+    if s.trace_file_backups < 0 or s.trace_rejected_rate < 0:
+        raise ConfigError("trace-file-backups and trace-rejected-rate must be >= 0")
     if s.max_body_bytes < 1024:
         raise ConfigError("max-body-bytes must be at least 1024")
     if not 0.0 <= s.shadow_sample_rate <= 1.0:

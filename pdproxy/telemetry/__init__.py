@@ -80,7 +80,8 @@ def setup(settings: Settings) -> tuple[Recorder, Tracing | None]:
         if destination.otlp_endpoint:
             sinks.append(otlp_transport(settings.otlp_endpoint, settings.otlp_protocol))
         if settings.trace_file:
-            sinks.append(TraceFileExporter(settings.trace_file))
+            sinks.append(TraceFileExporter(settings.trace_file, settings.trace_file_max_bytes,
+                                           settings.trace_file_backups))
         # both reasons exist from the start: a healthy export shows 0 dropped, not "no data"
         for reason in ("queue_full", "export_failed"):
             metrics.spans_dropped.labels(reason)
@@ -88,7 +89,8 @@ def setup(settings: Settings) -> tuple[Recorder, Tracing | None]:
                           on_drop=lambda reason, count: metrics.spans_dropped.labels(reason).inc(count))
     models = ModelNames([*settings.served_model_name, *([settings.model] if settings.model else [])])
     recorder = Recorder(metrics, tracing, stall_threshold=settings.stall_threshold, run_label=settings.run_label,
-                        capture_content=settings.capture_content, models=models)
+                        capture_content=settings.capture_content, models=models,
+                        rejected_trace_rate=settings.trace_rejected_rate)
     return recorder, tracing
 
 

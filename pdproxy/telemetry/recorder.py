@@ -31,13 +31,16 @@ _STAGE_SPANS = {QUEUE: (n.QUEUE_SPAN, KIND_INTERNAL), PREFILL: (n.PREFILL_SPAN, 
 
 class Recorder:
     def __init__(self, metrics: Metrics, tracing: Tracing | None, *, stall_threshold: float, run_label: str = "",
-                 capture_content: bool = False, models: ModelNames | None = None) -> None:
+                 capture_content: bool = False, models: ModelNames | None = None,
+                 rejected_trace_rate: float = 10.0) -> None:
         self.metrics = metrics
         self.models = models if models is not None else ModelNames()
         self.tracing = tracing
         self.stall_threshold = stall_threshold
         self.run_label = run_label
         self.capture_content = capture_content
+        # refusals cost a client nothing to send: their traces are rate-limited, their counts are not
+        self.refusal_traces = RateLimit(rejected_trace_rate)
 
     def begin(self, *, route: str, operation: str, chat: bool, headers: Any, request_id: str, pd_mode: bool,
               deployment: str = "primary", parent_ids: TraceIds | None = None) -> RequestTrace:
@@ -45,6 +48,8 @@ class Recorder:
         ids = None
         if self.tracing is not None:
             ids = self.tracing.child_ids(parent_ids) if parent_ids else self.tracing.new_ids(headers)
+            if ids.tracestate_cut:
+                self.metrics.tracestate_cut.labels(ids.tracestate_cut).inc()
         return RequestTrace(self, route, operation, chat, request_id, pd_mode, deployment, ids, headers)
 
 
@@ -158,7 +163,7 @@ class RequestTrace:
         answered = self.scan.response_model if m.ok else None  # picks among known names, never adds one
         self.model_label = models.label(self.model, answered)
         trace_id = None
-        if self.ids is not None and self.ids.sampled:
+        if self.ids is not None and self.ids.sampled and self._trace_allowed(m):
             trace_id = f"{self.ids.trace_id:032x}"
             try:
                 self._emit_spans(m)
@@ -169,6 +174,13 @@ class RequestTrace:
         return m
 
     # -- internals ----------------------------------------------------------------------
+
+    def _trace_allowed(self, m: Measurement) -> bool:
+        """Requests refused before admission (401, 400, 413, 503 ...) are traced within the rate limit."""
+        if m.ok or self.t.admitted is not None or self.recorder.refusal_traces.take():
+            return True
+        self.recorder.metrics.untraced_refusals.inc()
+        return False
 
     def _open_stage(self) -> str:
         t = self.t
@@ -288,3 +300,22 @@ def _leg_attributes(address: str | None, phase: str, status: int | None) -> dict
 
 def _trace_headers(headers: Any) -> dict[str, str]:
     return {k: headers[k] for k in ("traceparent", "tracestate") if headers is not None and k in headers}
+
+
+class RateLimit:
+    """A token bucket: at most `rate` per second on average, in bursts of up to max(rate, 1); 0 allows none."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.burst = max(rate, 1.0) if rate > 0 else 0.0
+        self.tokens = self.burst
+        self.stamp = now()
+
+    def take(self) -> bool:
+        t = now()
+        self.tokens = min(self.burst, self.tokens + (t - self.stamp) / 1e9 * self.rate)
+        self.stamp = t
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
