@@ -17,7 +17,7 @@ import pytest
 from gotools import Collector, collector_binary, load_config
 from ledgers import ScriptedGroup, counter, spans_in
 from procs import HOST, free_port, start_proxy
-from test_reliability_telemetry import BODY, SPANS_PER_REQUEST, side_by_side
+from test_reliability_telemetry import SPANS_PER_REQUEST, side_by_side
 from waits import Load, scaled, wait_until
 
 PHASES = {"up": 4.0, "stopped": 5.0, "restarted": 4.0}  # seconds of load in each (restarted: after export resumed)
