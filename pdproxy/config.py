@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -61,7 +62,7 @@ class Settings:
     max_inflight: int = 0
     max_queue: int = 1024
     queue_timeout: float = 30.0
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int = 8 * 1024 * 1024  # worst JSON shape: ~27 MB RSS per body MB (benchmarks/body_memory.py)
     body_timeout: float = 30.0
     write_timeout: float = 60.0
     keep_alive_timeout: float = 75.0
@@ -139,7 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument("--max-inflight", type=int, help="requests served at once; 0 = unlimited (default 0)")
     route.add_argument("--max-queue", type=int, help="requests waiting for a slot beyond --max-inflight before 503 (default 1024)")
     route.add_argument("--queue-timeout", type=float, help="seconds a request may wait for a slot before 503 (default 30)")
-    route.add_argument("--max-body-bytes", type=int, help="largest request body accepted; larger gets 413 (default 32 MiB)")
+    route.add_argument("--max-body-bytes", type=int, help="largest request body accepted; larger gets 413 (default 8 MiB: '[{},{},...]' costs 27x its size in memory)")
     route.add_argument("--body-timeout", type=float, help="seconds a client may take to send its request body; then 408 (default 30)")
     route.add_argument("--write-timeout", type=float,
                        help="seconds a client may leave streamed data unread before it is cut off and its decode "
@@ -287,8 +288,16 @@ def _parse_url_group(group: list[str]) -> list[str]:
         elif re.fullmatch(r"\[?[\w.:-]+\]?:\d+", token):
             urls.append("http://" + token)
         else:
-            raise ConfigError(f"instance {token!r} is neither a URL (http://host:port) nor host:port")
+            raise ConfigError(f"instance {redact_url(token)!r} is neither a URL (http://host:port) nor host:port")
     return urls
+
+
+def redact_url(url: str) -> str:
+    """`url` with its credentials (`user:password@`) masked, for anything that shows a URL."""
+    return _USERINFO.sub(lambda m: (m.group(1) or "") + "***@", url, count=1)
+
+
+_USERINFO = re.compile(r"^((?:[a-z][a-z0-9+.-]*:)?//)?[^/?#\s]*@", re.IGNORECASE)
 
 
 def _url(host: str, port: int) -> str:
@@ -410,6 +419,10 @@ def _validate(s: Settings) -> None:
         raise ConfigError("max-body-bytes must be at least 1024")
     if not 0.0 <= s.shadow_sample_rate <= 1.0:
         raise ConfigError("shadow-sample-rate must be between 0 and 1")
+    for url in (*s.prefill_urls, *s.decode_urls, *s.shadow_prefill_urls, *filter(None, [s.shadow_url])):
+        if "@" in urlsplit(url).netloc:  # one rule for every request to an instance: no URL credentials
+            raise ConfigError(f"instance URL {redact_url(url)} carries credentials, which pdproxy does not send; "
+                              "give the instances' key with --upstream-api-key or OPENAI_API_KEY")
     if s.shadow_prefill_urls and not s.shadow_url:
         raise ConfigError("--shadow-prefill needs --shadow-url (the shadow pool's decode instance)")
     if s.workers < 1:

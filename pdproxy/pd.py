@@ -36,8 +36,8 @@ from pdproxy.admission import Admission
 from pdproxy.config import Settings
 from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, retry_after_seconds
 from pdproxy.pool import Instance, Pool
-from pdproxy.protocol import (Route, check_trace_headers, decode_payload, forwardable, new_uuid4, prefill_body,
-                              request_id, validate)
+from pdproxy.protocol import (Route, check_body_encoding, decode_payload, new_uuid4, parse_body, prefill_body,
+                              request_id, valid_traceparent, validate)
 from pdproxy.stream import ClientGone, SlowReaders, WholeEventWriter, relay
 from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.telemetry.clock import now
@@ -79,14 +79,13 @@ class Proxy:
         except ProxyError as err:
             rid, id_error = new_uuid4(), err
         trace = self.recorder.begin(route=route.name, operation=route.operation, chat=route.chat,
-                                    headers=request.headers, request_id=rid, pd_mode=self.prefill is not None)
+                                    headers=self._trace_context(request), request_id=rid,
+                                    pd_mode=self.prefill is not None)
         reply_headers = {"X-Request-Id": rid}
         try:
             if id_error:
                 raise id_error
-            check_trace_headers(request.headers)
-            self.authenticate(request)
-            self.admission.check()  # saturated: refuse before spending anything on the body
+            self.check_head(request)
             body, raw = await self._read_body(request, route)
             trace.set_request(body)
             headers = self._leg_headers(request, trace)
@@ -97,7 +96,7 @@ class Proxy:
         except (ProxyError, UpstreamResponse) as err:
             trace.fail(err.status, err.error_type, err.message)
             response = err.response(reply_headers)
-            if err.status in (408, 413):
+            if err.status in (408, 413, 415):
                 response.force_close()  # the rest of that body is not worth reading
             return response
         except asyncio.CancelledError:
@@ -116,7 +115,7 @@ class Proxy:
         """Admit, choose instances, prefill, open the decode and hand its answer to `deliver`.
 
         The same path serves client requests and their shadow copies; only `deliver` differs. `raw`:
-        the client's bytes of `body` when the decode may get them as they are (`protocol.forwardable`).
+        the client's bytes of `body` when the decode may get them as they are (`protocol.parse_body`).
         """
         async with self.admission.slot():
             prefill_instance = self.prefill.choose() if self.prefill else None
@@ -301,6 +300,24 @@ class Proxy:
 
     # -- helpers ----------------------------------------------------------------------------
 
+    def check_head(self, request: web.Request) -> None:
+        """Everything decided from the request head, before a byte of the body is read or invited
+        (`100 Continue`, pdproxy/server.py): its encoding, the API key, capacity, the declared size."""
+        check_body_encoding(request.headers)
+        self.authenticate(request)
+        self.admission.check()  # saturated: refuse before spending anything on the body
+        limit = self.settings.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise _too_large(limit)  # said so up front: not one byte of it is read
+
+    def _trace_context(self, request: web.Request) -> Any:
+        """The headers the request's trace continues from: none when `traceparent` is invalid (W3C
+        Trace Context: ignore it and start a new trace), which is counted."""
+        if valid_traceparent(request.headers):
+            return request.headers
+        self.recorder.metrics.invalid_traceparent.inc()
+        return {}
+
     def authenticate(self, request: web.Request) -> None:
         """Check the client's API key (when --api-key is set); also guards the debug endpoint."""
         if self._key_digest is None:
@@ -314,8 +331,6 @@ class Proxy:
         """The body as a checked JSON object, read within --body-timeout and --max-body-bytes; and its
         bytes when the decode leg may get them as they are."""
         limit = self.settings.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise _too_large(limit)  # said so up front: not one byte of it is read
         try:
             if request.content.is_eof():  # the whole body came with the headers: no deadline to arm
                 raw = await request.read()
@@ -334,11 +349,8 @@ class Proxy:
                              error_type="client_disconnect") from None
         if not raw.strip():
             raise bad_request("request body is empty; send a JSON object")
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            raise bad_request(f"request body is not valid JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
-        return validate(body, route, self.settings.client_kv_params), forwardable(raw)
+        body, forward = parse_body(raw)
+        return validate(body, route, self.settings.client_kv_params), forward
 
     def _leg_headers(self, request: web.Request, trace: RequestTrace) -> dict[str, str]:
         """Headers both legs share. Authorization: the configured upstream key if any, else the

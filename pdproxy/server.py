@@ -20,7 +20,8 @@ from pdproxy.errors import ProxyError, error_body
 from pdproxy.listener import handler_options, listen
 from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, HealthChecker, Pool
-from pdproxy.protocol import CHAT, COMPLETIONS
+from pdproxy.protocol import CHAT, COMPLETIONS, check_body_encoding
+from pdproxy.runtime import LoopLag
 from pdproxy.telemetry import setup as setup_telemetry
 from pdproxy.telemetry import trace_destination
 from pdproxy.telemetry.metrics import merge_expositions
@@ -30,14 +31,15 @@ log = logging.getLogger("pdproxy")
 
 PROXY_KEY = web.AppKey("proxy", Proxy)
 WORKER_KEY = web.AppKey("worker", workers.WorkerInfo)
+LOOP_LAG_KEY = web.AppKey("loop_lag", LoopLag)
 SHUTDOWN_GRACE = 10.0  # seconds in-flight requests get to finish on SIGTERM
 
 
 def create_app(settings: Settings) -> web.Application:
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[json_errors])
     app.cleanup_ctx.append(lambda app: _lifecycle(app, settings))
-    app.router.add_post(COMPLETIONS.path, _inference(COMPLETIONS))
-    app.router.add_post(CHAT.path, _inference(CHAT))
+    app.router.add_post(COMPLETIONS.path, _inference(COMPLETIONS), expect_handler=expect_continue)
+    app.router.add_post(CHAT.path, _inference(CHAT), expect_handler=expect_continue)
     app.router.add_get("/healthcheck", healthcheck)
     app.router.add_get("/health", health)
     app.router.add_get("/status", status)
@@ -72,6 +74,9 @@ async def _lifecycle(app: web.Application, settings: Settings):
         shadow = Shadow(settings, session, upstream, recorder)
     proxy = app[PROXY_KEY] = Proxy(settings, session, upstream, prefill, decode, admission, recorder, shadow)
     proxy.slow_readers.start()
+    lag = app[LOOP_LAG_KEY] = LoopLag()
+    if settings.debug_endpoints:
+        lag.start()
     checker = None
     auth = {"Authorization": f"Bearer {settings.upstream_api_key}"} if settings.upstream_api_key else {}
     if settings.health_check_interval > 0:
@@ -87,6 +92,7 @@ async def _lifecycle(app: web.Application, settings: Settings):
     with contextlib.suppress(asyncio.CancelledError):
         await learning
     await proxy.slow_readers.stop()
+    await lag.stop()
     if checker:
         await checker.stop()
     if shadow is not None:
@@ -101,13 +107,37 @@ def _inference(route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handler(request: web.Request) -> web.StreamResponse:
         return await request.app[PROXY_KEY].handle(request, route)
 
+    _TRACED_HANDLERS.add(handler)
     return handler
+
+
+_TRACED_HANDLERS: set[Callable] = set()  # they check the request head themselves (Proxy.check_head), traced
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue` on an inference route: invite the body only when the head passes the
+    checks made before reading it (encoding, key, capacity, declared size). Otherwise say nothing:
+    the handler then refuses the request (traced and counted) without waiting for the body."""
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return web.json_response(error_body("only 'Expect: 100-continue' is understood", 417), status=417)
+    try:
+        request.app[PROXY_KEY].check_head(request)
+    except ProxyError:
+        return None
+    if request.version >= aiohttp.HttpVersion11:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the interim answer is not the response (aiohttp's own handler does this)
+    return None
 
 
 @web.middleware
 async def json_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Unknown routes, wrong methods and unexpected failures answer in OpenAI's error shape."""
+    """Unknown routes, wrong methods and unexpected failures answer in OpenAI's error shape; a
+    compressed body is refused on every route, before it is read (the inference routes do it in
+    Proxy.handle, which traces the refusal)."""
     try:
+        if request.match_info.handler not in _TRACED_HANDLERS:
+            check_body_encoding(request.headers)
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -117,7 +147,10 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         return web.json_response(error_body(message.get(exc.status, exc.reason), exc.status), status=exc.status,
                                  headers=headers)
     except ProxyError as err:
-        return err.response()
+        response = err.response()
+        if err.status == 415:
+            response.force_close()
+        return response
 
 
 async def healthcheck(request: web.Request) -> web.Response:
@@ -160,6 +193,7 @@ async def models(request: web.Request) -> web.Response:
     """Forwarded to a decode instance, so clients see the served model names."""
     proxy = request.app[PROXY_KEY]
     try:
+        proxy.authenticate(request)  # as vLLM guards all of /v1 with its --api-key
         instance = proxy.decode.choose()
         headers = {}
         if proxy.settings.upstream_api_key:
@@ -168,6 +202,8 @@ async def models(request: web.Request) -> web.Response:
             body = await resp.read()
             return web.Response(status=resp.status, body=body,
                                 headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
+    except ProxyError as err:
+        return err.response()
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         if proxy.settings.model:
             return web.json_response({"object": "list", "data": [{"id": proxy.settings.model, "object": "model",
@@ -186,7 +222,7 @@ async def debug_runtime(request: web.Request) -> web.Response:
         proxy.authenticate(request)
     except ProxyError as err:
         return err.response()
-    return web.json_response(snapshot(proxy))
+    return web.json_response({**snapshot(proxy), "loop_lag_max_seconds": request.app[LOOP_LAG_KEY].take()})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pdproxy.config import Settings
+from pdproxy.config import Settings, redact_url
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import ModelNames
 from pdproxy.telemetry.recorder import Recorder, RequestTrace
@@ -68,7 +68,8 @@ def trace_destination(settings: Settings) -> TraceDestination:
     sampler = env.get("OTEL_TRACES_SAMPLER")
     if sampler and env.get("OTEL_TRACES_SAMPLER_ARG"):
         sampler += f" {env['OTEL_TRACES_SAMPLER_ARG']}"
-    return TraceDestination(protocol, endpoint, settings.trace_file, sampler or None)
+    shown = redact_url(endpoint) if endpoint else None  # the log and /status never show its credentials
+    return TraceDestination(protocol, shown, settings.trace_file, sampler or None)
 
 
 def setup(settings: Settings) -> tuple[Recorder, Tracing | None]:

@@ -190,6 +190,8 @@ class Metrics:
                                          "Requests refused before admission whose trace was not recorded "
                                          "(--trace-rejected-rate reached); all are in pdproxy_requests_total",
                                          registry=r)
+        self.invalid_traceparent = Counter("pdproxy_invalid_traceparent", "Requests whose malformed traceparent "
+                                           "was ignored (each started a new trace)", registry=r)
         Gauge("pdproxy_build_info", "pdproxy version", ("version",), registry=r).labels(__version__).set(1)
         self._series: dict[tuple[str, ...], _Series] = {}
 
