@@ -40,6 +40,14 @@ def test_wait_until_returns_the_state_or_names_what_it_waited_for():
     with pytest.raises(AssertionError, match=r"waiting for the port to answer \(last: ConnectionRefusedError"):
         wait_until(refused, "the port to answer", timeout=0.2)
 
+    def exited():
+        raise AssertionError("the process exited 1")
+
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match="the process exited 1"):  # at once: that state will not come
+        wait_until(exited, "the process to answer", timeout=30)
+    assert time.monotonic() - started < 5
+
 
 def test_a_phase_cap_idles_the_sender_and_a_starved_phase_is_named():
     with Load(lambda phase: phase, ["first", "second"], cap=5) as load:

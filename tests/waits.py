@@ -42,12 +42,15 @@ def scaled(seconds: float) -> float:
 
 def wait_until(predicate: Callable[[], T], what: str, timeout: float = 10.0, interval: float = 0.05) -> T:
     """Poll `predicate` until it returns something truthy, and return that; fail naming `what` after
-    `timeout` seconds (scaled). An exception from `predicate` counts as "not yet" and is shown on failure."""
+    `timeout` seconds (scaled). An exception from `predicate` counts as "not yet" and is shown on failure,
+    except an AssertionError: the predicate saw that the state can no longer come (a process exited)."""
     deadline = time.monotonic() + scaled(timeout)
     last: object = None
     while True:
         try:
             value = predicate()
+        except AssertionError:
+            raise
         except Exception as e:  # e.g. connection refused while a process starts
             value, last = None, e  # type: ignore[assignment]
         else:
