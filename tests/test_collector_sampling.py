@@ -110,6 +110,12 @@ async def drive_for(url: str, seconds: float, concurrency: int) -> list[dict]:
     return await drive(url, None, concurrency, seconds)
 
 
+def decisions(collector_metrics: str) -> float:
+    """Traces the tail sampler has decided, kept or not (its own telemetry)."""
+    return sum(float(line.split()[-1]) for line in collector_metrics.splitlines()
+               if line.startswith("otelcol_processor_tail_sampling_global_count_traces_sampled"))
+
+
 @dataclass
 class Run:
     sent: dict[str, list[dict]]   # trace id -> every span that was sent (proxy + vLLM-like)
@@ -180,7 +186,9 @@ def run(tmp_path_factory):
         while pending and time.monotonic() < deadline:
             pending = {t for t in pending if len(jaeger.trace(t)) < len(sent[t])}
             time.sleep(0.5)
-        time.sleep(2.0)  # and the baseline draws decided in the same ticks
+        # and every other trace decided too (the baseline's draws): the sampler's own count of decisions
+        wait_until(lambda: decisions(collector.metrics()) >= len(sent), f"the sampler to decide all {len(sent)} traces",
+                   timeout=30, interval=0.5)
         stored = {t: jaeger.trace(t) for t in sent}
         yield Run(sent, policies, stored, client, jaeger, prom, prom_spans, start, end)
 
