@@ -50,6 +50,7 @@ class Settings:
     decode_policy: str = "round_robin"
     connect_timeout: float = 10.0
     read_timeout: float = 600.0
+    upstream_keep_alive: float = 4.0
     prefill_retries: int = 1
     decode_retries: int = 1
     retry_backoff: float = 0.05
@@ -59,6 +60,7 @@ class Settings:
     health_check_path: str = "/health"
     eject_after_failures: int = 3
     eject_seconds: float = 10.0
+    max_ejection_percent: float = 50.0
     max_inflight: int = 0
     max_queue: int = 1024
     queue_timeout: float = 30.0
@@ -124,6 +126,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument("--decode-policy", choices=POLICIES, help="selection policy for decode instances")
     route.add_argument("--connect-timeout", type=float, help="seconds to open a connection to an instance (default 10)")
     route.add_argument("--read-timeout", type=float, help="seconds an instance may stay silent mid-response (default 600)")
+    route.add_argument("--upstream-keep-alive", type=float,
+                       help="seconds an idle connection to an instance is kept for reuse; keep it below the instances' "
+                            "own idle timeout (vLLM's uvicorn: 5); 0: a new connection per request (default 4)")
     route.add_argument("--prefill-retries", type=int, help="extra prefill attempts on another instance after 5xx/connect errors (default 1)")
     route.add_argument("--decode-retries", type=int, help="extra decode attempts before the first byte reached the client (default 1)")
     route.add_argument("--retry-backoff", type=float, help="base of the jittered exponential backoff between attempts, seconds (default 0.05)")
@@ -134,9 +139,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument("--health-check-timeout", type=float, help="seconds a health check may take (default 2)")
     route.add_argument("--health-check-path", help="instance path probed by health checks (default /health)")
     route.add_argument("--eject-after-failures", type=int,
-                       help="consecutive failures (connect errors, timeouts, 5xx) that eject an instance; 0 disables (default 3)")
+                       help="consecutive failures an instance is to blame for (connect errors and timeouts, dropped "
+                            "connections, 5xx; not read timeouts) that eject it; 0 disables (default 3)")
     route.add_argument("--eject-seconds", type=float,
                        help="how long an ejected instance stays out, times its ejections in a row (max 6x) (default 10)")
+    route.add_argument("--max-ejection-percent", type=float,
+                       help="largest share of a pool's instances that failures may eject at once; at least one always "
+                            "stays in rotation (default 50, as Envoy's max_ejection_percent)")
     route.add_argument("--max-inflight", type=int, help="requests served at once; 0 = unlimited (default 0)")
     route.add_argument("--max-queue", type=int, help="requests waiting for a slot beyond --max-inflight before 503 (default 1024)")
     route.add_argument("--queue-timeout", type=float, help="seconds a request may wait for a slot before 503 (default 30)")
@@ -405,10 +414,13 @@ def _validate(s: Settings) -> None:
         if getattr(s, name) <= 0:
             raise ConfigError(f"{name.replace('_', '-')} must be > 0")
     non_negative = ("prefill_retries", "decode_retries", "retry_backoff", "health_check_interval", "max_inflight",
-                    "max_queue", "stall_threshold", "eject_after_failures", "eject_seconds", "max_retry_wait")
+                    "max_queue", "stall_threshold", "eject_after_failures", "eject_seconds", "max_retry_wait",
+                    "upstream_keep_alive")
     for name in non_negative:
         if getattr(s, name) < 0:
             raise ConfigError(f"{name.replace('_', '-')} must be >= 0")
+    if not 0 <= s.max_ejection_percent <= 100:
+        raise ConfigError("max-ejection-percent must be between 0 and 100")
     if s.span_queue_size < 1:
         raise ConfigError("span-queue-size must be >= 1")
     if s.trace_file_max_bytes != 0 and s.trace_file_max_bytes < 1024 * 1024:

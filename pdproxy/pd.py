@@ -207,7 +207,8 @@ class Proxy:
                         answer = b""
                     finally:
                         upstream.release()
-                    failure = _status_failure(DECODE, inst, upstream.status, upstream.headers, answer)
+                    failure = _status_failure(DECODE, inst, upstream.status, upstream.headers, answer,
+                                              kv_sent=kv is not None)
             finally:
                 if not handed_over:
                     inst.inflight -= 1  # also when the client's disconnect cancels us here
@@ -235,7 +236,7 @@ class Proxy:
                 return outcome, instance, tries
             if outcome.hold is not None:
                 pool.hold(instance, outcome.hold)
-            if outcome.outlier:
+            if outcome.charged:
                 pool.failed(instance)
             if not outcome.retry or tries > retries:
                 raise outcome.error
@@ -378,18 +379,24 @@ class _Failure:
 
     error: ProxyError | UpstreamResponse
     retry: bool = True  # may another attempt help?
-    outlier: bool = True  # counts towards the instance's passive ejection
+    outlier: bool = True  # a fault, not load (a busy answer is not one: the request never started)
+    charged: bool = True  # the instance is to blame: counts towards its passive ejection
     hold: float | None = None  # the instance asked for this many seconds of peace (Retry-After)
     reached: bool = True  # the instance got the request (a decode may have used its KV coordinates)
 
 
 def _transport_failure(role: str, instance: Instance, exc: BaseException) -> _Failure:
+    """Connect errors and timeouts, resets and broken answers are the instance's fault; read timeouts
+    are not charged to it: how long an answer takes is the request's doing (a non-streamed decode
+    sends its status line after its last token, so `max_tokens` alone can outlast --read-timeout; a
+    prefill's time grows with the prompt). An instance that hangs outright fails its active health
+    check, which has its own short timeout; retries already steer each request away from it."""
     where = f"{role} instance {instance.address}"
     if isinstance(exc, ConnectTimeout):
         return _Failure(ProxyError(504, f"{where} did not accept a connection in time", error_type="connect_timeout",
                                    stage=role), reached=False)
     if isinstance(exc, TimeoutError):
-        return _Failure(ProxyError(504, f"{where} timed out", error_type="timeout", stage=role))
+        return _Failure(ProxyError(504, f"{where} timed out", error_type="timeout", stage=role), charged=False)
     if isinstance(exc, ConnectFailed):
         return _Failure(ProxyError(503, f"{where} is unreachable ({type(exc).__name__})", error_type="connect_error",
                                    stage=role), reached=False)
@@ -397,23 +404,27 @@ def _transport_failure(role: str, instance: Instance, exc: BaseException) -> _Fa
                                error_type="upstream_disconnect", stage=role))
 
 
-def _status_failure(role: str, instance: Instance, status: int, headers: dict[str, str], raw: bytes) -> _Failure:
+def _status_failure(role: str, instance: Instance, status: int, headers: dict[str, str], raw: bytes,
+                    kv_sent: bool = True) -> _Failure:
     """An error status from an instance. 429, and 503 with Retry-After, mean "busy": retried elsewhere
     without counting against the instance. Other 4xx are the request's fault: relayed at once. 5xx
-    are the instance's fault: retried, counted, and a 502 naming the instance if they persist."""
+    are the instance's fault: retried, counted, and a 502 naming the instance if they persist. A KV
+    load failure is counted only when the decode got the prefill's own coordinates (`kv_sent`):
+    whatever it failed to load otherwise, the proxy did not name it."""
     retry_after = headers.get("retry-after")  # the upstream client lower-cases header names
     advised = retry_after_seconds(retry_after)
     content_type = headers.get("content-type", "application/json")
     if status == 429 or (status == 503 and advised is not None):
         return _Failure(UpstreamResponse(status, raw, content_type, stage=role, retry_after=retry_after),
-                        outlier=False, hold=advised)
+                        outlier=False, charged=False, hold=advised)
     if status < 500:
         return _Failure(UpstreamResponse(status, raw, content_type, stage=role, retry_after=retry_after),
-                        retry=False, outlier=False)
+                        retry=False, outlier=False, charged=False)
     message = _message(raw)
     if role == DECODE and _is_kv_load_failure(message):
         return _Failure(ProxyError(502, f"{role} instance {instance.address} could not load the prompt's KV cache "
-                                        f"({status}: {message})", error_type="kv_load_failed", stage=role))
+                                        f"({status}: {message})", error_type="kv_load_failed", stage=role),
+                        charged=kv_sent)
     return _Failure(ProxyError(502, f"{role} instance {instance.address} answered {status}: {message}",
                                error_type="upstream_5xx", stage=role))
 

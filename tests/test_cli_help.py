@@ -55,6 +55,7 @@ SAMPLES = {
     "decode_policy": "least_inflight", "connect_timeout": "3", "read_timeout": "30", "prefill_retries": "2",
     "decode_retries": "2", "retry_backoff": "0.5", "max_retry_wait": "5", "health_check_interval": "1",
     "health_check_timeout": "1", "health_check_path": "/ready", "eject_after_failures": "5", "eject_seconds": "20",
+    "max_ejection_percent": "100", "upstream_keep_alive": "2",
     "max_inflight": "8", "max_queue": "16", "queue_timeout": "5", "max_body_bytes": "4096", "body_timeout": "5",
     "write_timeout": "5", "keep_alive_timeout": "5", "client_kv_params": "strip", "workers": "2",
     "api_key": "k", "upstream_api_key": "u", "debug_endpoints": "1", "no_tracing": "1",

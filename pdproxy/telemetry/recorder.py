@@ -52,6 +52,29 @@ class Recorder:
                 self.metrics.tracestate_cut.labels(ids.tracestate_cut).inc()
         return RequestTrace(self, route, operation, chat, request_id, pd_mode, deployment, ids, headers)
 
+    def forwarded(self, route: str, headers: Any, instance: str | None, status: int, start: float,
+                  error_type: str | None = None) -> None:
+        """One SERVER span for a request passed through to an instance as it is (`POST /tokenize`):
+        no stages, no metrics; `start` on the telemetry clock, the end is now."""
+        if self.tracing is None:
+            return
+        try:
+            ids = self.tracing.new_ids(headers)
+            if not ids.sampled:
+                return
+            attributes: dict[str, Any] = {"http.request.method": "POST", "http.route": route,
+                                          "http.response.status_code": status}
+            if instance:
+                attributes[n.DECODE_INSTANCE] = instance
+            if error_type:
+                attributes["error.type"] = error_type
+            self.tracing.emit([SpanData(f"POST {route}", KIND_SERVER, ids.trace_id, ids.root, ids.parent_span_id,
+                                        to_unix_ns(start), to_unix_ns(now()), attributes,
+                                        f"HTTP {status}" if status >= 500 else None, ids.tracestate,
+                                        ids.parent_remote)])
+        except Exception:  # telemetry must never break serving
+            log.exception("could not record the span of %s", route)
+
 
 class RequestTrace:
     """Everything known about one request while it is served."""
