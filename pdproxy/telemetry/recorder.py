@@ -189,8 +189,7 @@ class RequestTrace:
                     stall_threshold=self.recorder.stall_threshold)
         self.finished = m
         models = self.recorder.models
-        answered = self.scan.response_model if m.ok else None
-        models.learn(answered)
+        answered = self.scan.response_model if m.ok else None  # picks among known names, never adds one
         self.model_label = models.label(self.model, answered)
         trace_id = None
         if self.ids is not None and self.ids.sampled and self._trace_allowed(m):
