@@ -7,7 +7,6 @@ pd.route.* attributes) and from the instances' counters, never from timing.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections import Counter as Tally
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ import pytest
 from ledgers import Counters, counter, spans_in, trace_of
 from otlp import attrs
 from procs import start_proxy, start_scripted, start_sim, pdproxy
+from waits import wait_until
 
 ENV = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
 QUIET = ("--health-check-interval", "0")
@@ -128,13 +128,11 @@ def test_load_aware_reads_the_engines_own_load(procs, tmp_path):
     for t in threads:
         t.start()
     try:
-        deadline = time.monotonic() + 20
-        while True:  # wait until the proxy has read decode 0 busy
+        def read_busy():
             scores = {i["url"]: i["scores"] for i in httpx.get(url + "/status").json()["instances"]["decode"]}
-            if scores[d0].get("running", 0) >= 6 and scores[d1].get("metrics") == "ok":
-                break
-            assert time.monotonic() < deadline, scores
-            time.sleep(0.1)
+            return scores if scores[d0].get("running", 0) >= 6 and scores[d1].get("metrics") == "ok" else None
+
+        scores = wait_until(read_busy, "the proxy's reading of decode 0's six running requests", timeout=20)
         assert scores[d0]["score"] > scores[d1]["score"]
         rids = [post(url, {"prompt": f"short one {n}", "max_tokens": 2}) for n in range(10)]
     finally:
@@ -156,10 +154,8 @@ def test_load_aware_falls_back_to_inflight_when_metrics_cannot_be_read(procs):
     proxy, url = start_proxy("--decode", sim, scripted_url, "--decode-policy", "load_aware",
                              "--load-metrics-interval", "0.2", *QUIET)
     procs.append(proxy)
-    deadline = time.monotonic() + 20
-    while counter(httpx.get(url + "/metrics").text, "pdproxy_engine_metrics_read_failures_total") < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_until(lambda: counter(httpx.get(url + "/metrics").text, "pdproxy_engine_metrics_read_failures_total") >= 2,
+               "two failed reads of the scripted instance's /metrics", timeout=20)
     counters = Counters(url)
     for n in range(4):
         r = httpx.post(url + "/v1/completions", json={"prompt": f"a b {n}", "max_tokens": 2}, timeout=30)
