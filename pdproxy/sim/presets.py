@@ -1,6 +1,6 @@
 """Named parameter sets for the simulator; every field can be overridden from the command line.
 
-`h200-llama8b` (the default) is calibrated on /work/shared/research/real-vllm-h200.md: vLLM 0.23,
+`h200-llama8b` (the default) is calibrated on tests/fixtures/vllm023/real-vllm-h200.md: vLLM 0.23,
 a Llama-3.1-8B-shaped model (bf16) on one H200, NixlConnector between two instances that share
 one GPU. How each number was derived is written next to it, so a preset for another shape can be
 made the same way from the same five measurements (prefill TTFT vs prompt length, decode ITL vs
@@ -61,7 +61,7 @@ class Preset:
     max_num_seqs: int
     enable_chunked_prefill: bool = True
     # decode: no engine step starts while a remote KV pull is in flight, so the decode's other streams
-    # stall for the transfer. Seen in the recorded vLLM 0.23 traces on two H200s (research/real-traces):
+    # stall for the transfer. Seen in the recorded vLLM 0.23 traces on two H200s (tests/fixtures/vllm023):
     # streams whose decode window holds a 4.5k-token KV arrival have a max gap of 62 ms (about that
     # transfer) against 21 ms for the others, the gap inside that request's KV wait; not on one GPU.
     # Off in every preset (opt-in with --kv-pull-stalls-decode): one recording is not a calibration.

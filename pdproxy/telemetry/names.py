@@ -32,6 +32,10 @@ MIGRATION_REASON = "pd.migration.reason"  # the failed attempt's error type
 MIGRATION_STAGE = "pd.migration.stage"  # before_first_token | mid_stream
 ABANDONED = "pd.handoff.abandoned"  # its KV coordinates may have been read: never given out again
 PREFILL_RERUN_EVENT = "pd.prefill.rerun"
+# leg-span attributes: the routing decision that chose the leg's instance (pdproxy/policies/)
+ROUTE_POLICY, ROUTE_REASON = "pd.route.policy", "pd.route.reason"
+ROUTE_MATCHED, ROUTE_MATCHED_UNIT = "pd.route.matched_prefix", "pd.route.matched_prefix.unit"
+ROUTE_SCORES = "pd.route.scores"  # ["host:port=score", ...] of the instances the policy compared
 
 # pd.decode span events: each stall (a gap above the stall threshold), at the gap's start
 STALL_EVENT = "pd.stall"
