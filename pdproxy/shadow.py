@@ -62,8 +62,8 @@ class Shadow:
                                deployment="shadow", parent_ids=primary.ids)
         trace.set_request(body)
         try:
-            await asyncio.wait_for(self.proxy.forward(body, route, trace, headers, lambda attempt, resume: _drain(attempt, trace)),
-                                   self.timeout)
+            await asyncio.wait_for(self.proxy.forward(body, route, trace, headers,
+                                                      lambda attempt, resume: _drain(attempt, trace)), self.timeout)
         except (ProxyError, UpstreamResponse) as err:
             trace.fail(err.status, err.error_type, err.message)
         except TimeoutError:

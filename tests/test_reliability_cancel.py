@@ -179,38 +179,41 @@ def test_a_thousand_migrated_requests_leave_nothing_behind():
     memory is left in the proxy, and nothing is left running on the instances."""
     from procs import start_sim
 
-    sims = [start_sim(role, "--preset", "instant") for role in ("prefill", "decode", "decode")]
-    (_, purl), (_, d1), (_, d2) = sims
-    proxy, url = start_proxy("--prefill", purl, "--decode", d1, d2, "--health-check-interval", "0",
-                             "--eject-after-failures", "0", "--decode-retries", "1", "--migrate-mid-stream",
-                             "--retry-backoff", "0", "--debug-endpoints", "--no-tracing")
-    pid = proxy.popen.pid
-    body = {"model": "sim-model", "prompt": "move me along please", "max_tokens": 6, "stream": True, "temperature": 0}
-
-    def one(client: httpx.Client) -> bool:
-        r = client.post(url + "/v1/completions", json=body)
-        return r.status_code == 200 and r.text.count("data: [DONE]") == 1 and '"error"' not in r.text
-
-    def load(seconds: float, until=lambda: False) -> list[bool]:
-        """Requests from 16 threads until `until()` or the time runs out."""
-        deadline = time.monotonic() + seconds
-        import concurrent.futures
-
-        def worker() -> list[bool]:
-            out = []
-            with httpx.Client(timeout=30) as client:
-                while time.monotonic() < deadline and not until():
-                    out.append(one(client))
-            return out
-
-        with concurrent.futures.ThreadPoolExecutor(16) as pool:
-            return [ok for part in pool.map(lambda _: worker(), range(16)) for ok in part]
-
-    def migrations(stage: str) -> float:
-        from ledgers import counter
-        return counter(httpx.get(url + "/metrics").text, "pdproxy_migrations_total", stage=stage)
-
+    sims, proxy = [], None
     try:
+        for role in ("prefill", "decode", "decode"):
+            sims.append(start_sim(role, "--preset", "instant"))
+        (_, purl), (_, d1), (_, d2) = sims
+        proxy, url = start_proxy("--prefill", purl, "--decode", d1, d2, "--health-check-interval", "0",
+                                 "--eject-after-failures", "0", "--decode-retries", "1", "--migrate-mid-stream",
+                                 "--retry-backoff", "0", "--debug-endpoints", "--no-tracing")
+        pid = proxy.popen.pid
+        body = {"model": "sim-model", "prompt": "move me along please", "max_tokens": 6, "stream": True,
+                "temperature": 0}
+
+        def one(client: httpx.Client) -> bool:
+            r = client.post(url + "/v1/completions", json=body)
+            return r.status_code == 200 and r.text.count("data: [DONE]") == 1 and '"error"' not in r.text
+
+        def load(seconds: float, until=lambda: False) -> list[bool]:
+            """Requests from 16 threads until `until()` or the time runs out."""
+            deadline = time.monotonic() + seconds
+            import concurrent.futures
+
+            def worker() -> list[bool]:
+                out = []
+                with httpx.Client(timeout=30) as client:
+                    while time.monotonic() < deadline and not until():
+                        out.append(one(client))
+                return out
+
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                return [ok for part in pool.map(lambda _: worker(), range(16)) for ok in part]
+
+        def migrations(stage: str) -> float:
+            from ledgers import counter
+            return counter(httpx.get(url + "/metrics").text, "pdproxy_migrations_total", stage=stage)
+
         assert all(load(3))  # warm-up: pools, caches, allocator
         time.sleep(0.5)
         before = httpx.get(url + "/debug/runtime").json()
@@ -241,6 +244,7 @@ def test_a_thousand_migrated_requests_leave_nothing_behind():
             state = httpx.get(d + "/sim/state").json()
             assert state["running"] == 0 and state["waiting"] == 0 and state["kv_blocks_used"] == 0
     finally:
-        proxy.stop()
+        if proxy is not None:
+            proxy.stop()
         for proc, _ in sims:
             proc.stop()

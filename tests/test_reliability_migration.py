@@ -31,12 +31,16 @@ class Rig:
 
     def __init__(self, tmp_path, *proxy_args: str, preset: str = "instant") -> None:
         self.procs = []
-        self.prefills = [self._sim("prefill", preset) for _ in range(2)]
-        self.decodes = [self._sim("decode", preset) for _ in range(2)]
-        self.file = tmp_path / "spans.jsonl"
-        proxy, self.url = start_proxy("--prefill", *self.prefills, "--decode", *self.decodes, "--trace-file",
-                                      str(self.file), *FAST, *proxy_args, env=ENV)
-        self.procs.append(proxy)
+        try:
+            self.prefills = [self._sim("prefill", preset) for _ in range(2)]
+            self.decodes = [self._sim("decode", preset) for _ in range(2)]
+            self.file = tmp_path / "spans.jsonl"
+            proxy, self.url = start_proxy("--prefill", *self.prefills, "--decode", *self.decodes, "--trace-file",
+                                          str(self.file), *FAST, *proxy_args, env=ENV)
+            self.procs.append(proxy)
+        except BaseException:
+            self.stop()  # what started before a failed start
+            raise
 
     def _sim(self, role: str, preset: str) -> str:
         proc, url = start_sim(role, "--preset", preset)
