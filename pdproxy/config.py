@@ -61,6 +61,9 @@ class Settings:
     upstream_keep_alive: float = 4.0
     prefill_retries: int = 1
     decode_retries: int = 1
+    first_token_timeout: float = 0.0
+    decode_deadline: float = 60.0
+    migrate_mid_stream: bool = False
     retry_backoff: float = 0.05
     max_retry_wait: float = 2.0
     health_check_interval: float = 5.0
@@ -154,7 +157,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seconds an idle connection to an instance is kept for reuse; keep it below the instances' "
                             "own idle timeout (vLLM's uvicorn: 5); 0: a new connection per request (default 4)")
     route.add_argument("--prefill-retries", type=int, help="extra prefill attempts on another instance after 5xx/connect errors (default 1)")
-    route.add_argument("--decode-retries", type=int, help="extra decode attempts before the first byte reached the client (default 1)")
+    route.add_argument("--decode-retries", type=int,
+                       help="extra decode attempts on another instance per request: before its first token (the client "
+                            "sees nothing of them) and, with --migrate-mid-stream, after (default 1)")
+    route.add_argument("--first-token-timeout", type=float,
+                       help="seconds a streamed decode may take to its first token before the request moves to another "
+                            "decode instance; 0 = no limit (default 0)")
+    route.add_argument("--decode-deadline", type=float,
+                       help="seconds after the first decode attempt within which another may start; 0 = no limit "
+                            "(default 60)")
+    route.add_argument("--migrate-mid-stream", action="store_true",
+                       help="continue a stream whose decode dies after tokens reached the client on another decode "
+                            "(greedy requests only: temperature 0, no logprobs, n=1, no stop strings; see docs/protocol.md)")
     route.add_argument("--retry-backoff", type=float, help="base of the jittered exponential backoff between attempts, seconds (default 0.05)")
     route.add_argument("--max-retry-wait", type=float,
                        help="longest Retry-After (from a 429/503) the proxy waits out to retry; a longer one is relayed "
@@ -438,9 +452,9 @@ def _validate(s: Settings) -> None:
     for name in positive:
         if getattr(s, name) <= 0:
             raise ConfigError(f"{name.replace('_', '-')} must be > 0")
-    non_negative = ("prefill_retries", "decode_retries", "retry_backoff", "health_check_interval", "max_inflight",
-                    "max_queue", "stall_threshold", "eject_after_failures", "eject_seconds", "max_retry_wait",
-                    "upstream_keep_alive")
+    non_negative = ("prefill_retries", "decode_retries", "first_token_timeout", "decode_deadline", "retry_backoff",
+                    "health_check_interval", "max_inflight", "max_queue", "stall_threshold", "eject_after_failures",
+                    "eject_seconds", "max_retry_wait", "upstream_keep_alive")
     for name in non_negative:
         if getattr(s, name) < 0:
             raise ConfigError(f"{name.replace('_', '-')} must be >= 0")

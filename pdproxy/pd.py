@@ -9,7 +9,9 @@ say which stage failed, answered as JSON before the response starts and as an SS
 Every request ends in exactly one `trace.fail(...)` (when it failed) and always one `trace.finish()`.
 
 Retries happen only where the client cannot see them: the prefill leg, and the decode leg before
-its status line came back. A client that goes away cancels this handler (aiohttp's
+its first token (the client's status line waits for it). Which KV a retried decode gets, and how a
+stream that breaks after its first token may go on elsewhere (--migrate-mid-stream), is decided in
+`pdproxy/migration.py`. A client that goes away cancels this handler (aiohttp's
 `handler_cancellation`), and with it whichever upstream request is open: closing that connection
 is how vLLM learns to abort the request and free its KV blocks. Both legs go through
 `pdproxy/upstream.py`'s pooled keep-alive client.
@@ -35,17 +37,20 @@ from aiohttp.web_protocol import RequestPayloadError
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
 from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, retry_after_seconds
+from pdproxy.migration import (BEFORE_FIRST_TOKEN, MID_STREAM, Attempt, Budget, Continuation, Handoff, TokenTap,
+                               MIGRATABLE, first_token_timeout, read_head)
 from pdproxy.policies import RequestView
 from pdproxy.pool import Instance, Pool
-from pdproxy.protocol import (Route, check_body_encoding, decode_payload, new_uuid4, parse_body, prefill_body,
-                              request_id, valid_traceparent, validate)
-from pdproxy.stream import ClientGone, SlowReaders, WholeEventWriter, relay
+from pdproxy.protocol import (COMPLETIONS, Route, check_body_encoding, decode_payload, new_uuid4, parse_body,
+                              prefill_body, request_id, valid_traceparent, validate)
+from pdproxy.stream import ClientGone, ResponseScan, SlowReaders, WholeEventWriter, relay
 from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.telemetry.clock import now
 from pdproxy.upstream import ConnectFailed, ConnectTimeout, Response, UpstreamClient, UpstreamError
 
 log = logging.getLogger("pdproxy.pd")
 T = TypeVar("T")
+Resume = Callable[[ProxyError], Awaitable[Attempt]]
 
 MAX_BACKOFF = 2.0  # seconds; the backoff between two attempts never exceeds this
 CLIENT_CLOSED = 499  # as the recorder's client_gone(): nginx's "client closed the request"
@@ -93,7 +98,8 @@ class Proxy:
             if self.shadow is not None:
                 self.shadow.mirror(body, route, trace, headers)
             return await self.forward(body, route, trace, headers,
-                                      lambda upstream: self._respond(request, upstream, trace, reply_headers), raw,
+                                      lambda attempt, resume: self._respond(request, attempt, resume, trace,
+                                                                            reply_headers), raw,
                                       RequestView(body, request.headers, route.chat))
         except (ProxyError, UpstreamResponse) as err:
             trace.fail(err.status, err.error_type, err.message)
@@ -113,13 +119,15 @@ class Proxy:
             trace.finish()
 
     async def forward(self, body: dict[str, Any], route: Route, trace: RequestTrace, headers: dict[str, str],
-                      deliver: Callable[[Response], Awaitable[T]], raw: bytes | None = None,
+                      deliver: Callable[[Attempt, Resume], Awaitable[T]], raw: bytes | None = None,
                       view: RequestView | None = None) -> T:
-        """Admit, choose instances, prefill, open the decode and hand its answer to `deliver`.
+        """Admit, choose instances, prefill, run the decode up to its first token and hand it to `deliver`.
 
         The same path serves client requests and their shadow copies; only `deliver` differs. `raw`:
         the client's bytes of `body` when the decode may get them as they are (`protocol.parse_body`);
         `view`: what the routing policies may read of the request (its body and the client's headers).
+        `deliver` may call `resume` when the stream breaks after tokens reached the client: it gives
+        the stream's continuation on another decode instance, or raises why there is none.
         """
         view = view or RequestView(body, None, route.chat)
         async with self.admission.slot():
@@ -133,20 +141,32 @@ class Proxy:
             kv_params = None
             if prefill_instance is not None:
                 kv_params = await self._prefill(body, route, trace, prefill_instance, headers)
-            upstream, decode_instance = await self._open_decode(body, raw, kv_params, route, trace, decode_instance,
-                                                                headers)
+            budget = Budget.start(self.settings.decode_retries, self.settings.decode_deadline)
+            continuation, tap = self._arm(body, route, trace)
+            if tap is not None:
+                body, raw = {**body, "return_token_ids": True}, None  # the ids a continuation needs
+            attempt = await self._decode(body, raw, Handoff(kv_params, prefill_instance), route, trace,
+                                         decode_instance, headers, budget, tap)
+
+            async def resume(failure: ProxyError) -> Attempt:
+                nonlocal attempt
+                broken, attempt = attempt, None
+                broken.close()  # vLLM aborts the request when its connection closes
+                attempt = await self._migrate(continuation, broken, failure, trace, headers, budget)
+                return attempt
+
             try:
-                return await deliver(upstream)
+                return await deliver(attempt, resume)
             finally:
-                # an answer not read to its end is closed, not pooled: that aborts it on the instance
-                upstream.release() if upstream.at_eof else upstream.close()
-                decode_instance.inflight -= 1
+                if attempt is not None:
+                    attempt.close()
 
     # -- the prefill leg -------------------------------------------------------------------
 
     async def _prefill(self, body: dict[str, Any], route: Route, trace: RequestTrace, instance: Instance,
-                       headers: dict[str, str]) -> dict[str, Any] | None:
-        """Run the prefill leg (retried elsewhere: nothing of it reaches the client); return its KV coordinates."""
+                       headers: dict[str, str], rerun: bool = False) -> dict[str, Any] | None:
+        """Run the prefill leg (retried elsewhere: nothing of it reaches the client); return its KV coordinates.
+        `rerun`: fresh coordinates for a migrated decode (the request's first prefill keeps its span)."""
         payload = json.dumps(prefill_body(body)).encode()
         headers = {**headers, **trace.leg_headers(PREFILL)}
 
@@ -170,72 +190,145 @@ class Proxy:
             except ProxyError as err:
                 return _Failure(err)  # a broken answer: another instance may do better
 
-        (kv_params, status), instance, tries = await self._retrying(self.prefill, instance,
-                                                                    self.settings.prefill_retries, attempt)
-        trace.prefill_done(instance.address, status, tries, "received" if kv_params else "missing")
+        (kv_params, status), instance, tries = await self._retrying(
+            self.prefill, instance, Budget.start(self.settings.prefill_retries, 0), attempt)
+        if rerun:
+            trace.prefill_rerun(instance.address)
+        else:
+            trace.prefill_done(instance.address, status, tries, "received" if kv_params else "missing")
         return kv_params
 
     # -- the decode leg --------------------------------------------------------------------
 
-    async def _open_decode(self, body: dict[str, Any], raw: bytes | None, kv_params: dict[str, Any] | None,
-                           route: Route, trace: RequestTrace, instance: Instance,
-                           headers: dict[str, str]) -> tuple[Response, Instance]:
-        """Send the decode leg and wait for a 2xx status line. Nothing has reached the client yet, so
-        failures may still be retried on another instance.
+    async def _decode(self, body: dict[str, Any], raw: bytes | None, handoff: Handoff, route: Route,
+                      trace: RequestTrace, instance: Instance, headers: dict[str, str], budget: Budget,
+                      tap: TokenTap | None) -> Attempt:
+        """Send the decode leg and read its answer up to the first token (or whole, unstreamed). Nothing
+        has reached the client yet, so a failure is retried on another instance, with fresh KV
+        coordinates from a new prefill unless the failed one provably never got the request."""
+        leg_headers = {**headers, **trace.leg_headers(DECODE)}
+        timeout = self.settings.first_token_timeout if body.get("stream") else 0  # an answer's first byte is its last
 
-        A retry re-sends the prefill's `kv_transfer_params` only when the failed attempt never reached
-        its instance (connection refused). Once a decode has seen them it may have pulled the KV, and
-        the prefill may have released its blocks; a second decode reading them could fail again or read
-        blocks already reused. So the retry goes out without them and that decode computes the prompt
-        itself — vLLM's own `kv_load_failure_policy=recompute`, moved one instance over.
-        """
-        headers = {**headers, **trace.leg_headers(DECODE)}
-        kv = kv_params
-
-        async def attempt(inst: Instance, tries: int) -> Response | _Failure:
-            nonlocal kv
-            if kv is None and kv_params is not None:
-                trace.kv_params = "recomputed"
-            payload = decode_payload(body, raw, kv)
+        async def attempt(inst: Instance, tries: int) -> Attempt | _Failure:
+            nonlocal handoff
+            if tries > 1 or tap is not None and tap.splice:
+                trace.migrating(BEFORE_FIRST_TOKEN if tries > 1 else MID_STREAM, inst.address)
+            if not handoff.reusable:
+                handoff = await self._reprefill(body, route, trace, handoff, headers)
             inst.inflight += 1
-            handed_over = False  # a 2xx answer and the in-flight count go to the caller
+            handed_over = False  # a committed answer and the in-flight count go to the caller
             trace.decode_sent(inst.address)
+            if tap is None or not tap.splice:
+                trace.scan = ResponseScan(route.chat)  # nothing of a failed attempt counts
             try:
                 try:
-                    upstream = await self.upstream.post(inst.url, route.path, payload, headers)
-                except UpstreamError as exc:
-                    failure = _transport_failure(DECODE, inst, exc)
-                else:
-                    trace.decode_headers(upstream.status)
-                    if upstream.status < 300:
-                        handed_over = True
-                        return upstream
-                    try:
-                        answer = await upstream.read()
-                    except UpstreamError:
-                        answer = b""
-                    finally:
-                        upstream.release()
-                    failure = _status_failure(DECODE, inst, upstream.status, upstream.headers, answer,
-                                              kv_sent=kv is not None)
+                    async with asyncio.timeout(timeout or None):
+                        outcome = await self._decode_once(inst, body, raw, handoff.params, route, trace, leg_headers,
+                                                          tap and tap.fresh())
+                except TimeoutError:
+                    outcome = _Failure(first_token_timeout(timeout))
+                handed_over = isinstance(outcome, Attempt)
             finally:
                 if not handed_over:
                     inst.inflight -= 1  # also when the client's disconnect cancels us here
-            if failure.reached and failure.outlier:
-                kv = None  # a busy answer (429, 503 + Retry-After) means it never started: those stay good
-            return failure
+            if isinstance(outcome, _Failure):
+                abandoned = handoff.spent(outcome.reached and outcome.outlier)
+                trace.decode_failed(inst.address, outcome.error.error_type, abandoned)
+            return outcome
 
-        upstream, instance, _ = await self._retrying(self.decode, instance, self.settings.decode_retries, attempt)
-        return upstream, instance
+        return (await self._retrying(self.decode, instance, budget, attempt))[0]
+
+    async def _decode_once(self, inst: Instance, body: dict[str, Any], raw: bytes | None,
+                           kv_params: dict[str, Any] | None, route: Route, trace: RequestTrace,
+                           headers: dict[str, str], tap: TokenTap | None) -> Attempt | _Failure:
+        """One decode attempt up to its commit point."""
+        try:
+            upstream = await self.upstream.post(inst.url, route.path, decode_payload(body, raw, kv_params), headers)
+        except UpstreamError as exc:
+            return _transport_failure(DECODE, inst, exc)
+        trace.decode_headers(upstream.status)
+        if upstream.status >= 300:
+            try:
+                answer = await upstream.read()
+            except UpstreamError:
+                answer = b""
+            finally:
+                upstream.release()
+            return _status_failure(DECODE, inst, upstream.status, upstream.headers, answer,
+                                   kv_sent=kv_params is not None)
+        streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        try:
+            head = await (read_head(upstream, trace.scan, tap) if streamed else self._whole(upstream, trace))
+        except ProxyError as err:
+            upstream.close()  # vLLM aborts the request and frees its KV
+            return _Failure(err, charged=err.error_type != "timeout")  # silence: as _transport_failure says
+        except BaseException:
+            upstream.close()
+            raise
+        return Attempt(inst, upstream, head, streamed, tap)
+
+    async def _reprefill(self, body: dict[str, Any], route: Route, trace: RequestTrace, spent: Handoff,
+                         headers: dict[str, str]) -> Handoff:
+        """Fresh KV coordinates for the next decode: the prefill again, on another instance where there is one."""
+        instance = self.prefill.choose(exclude=spent.prefill)
+        return Handoff(await self._prefill(body, route, trace, instance, headers, rerun=True), instance)
+
+    def _arm(self, body: dict[str, Any], route: Route,
+             trace: RequestTrace) -> tuple[Continuation | None, TokenTap | None]:
+        """With --migrate-mid-stream, a stream that can be continued exactly elsewhere gets its token ids
+        read as it goes; any other says why not (on its trace), and stays a plain relay."""
+        if not self.settings.migrate_mid_stream or not body.get("stream"):
+            return None, None
+        refusal = Continuation.refusal(body)
+        if refusal is not None:
+            trace.migration_refusal = refusal
+            return None, None
+        return Continuation(body, route.chat), TokenTap(route.chat, keep_ids=body.get("return_token_ids") is True)
+
+    async def _migrate(self, continuation: Continuation | None, broken: Attempt, failure: ProxyError,
+                       trace: RequestTrace, headers: dict[str, str], budget: Budget) -> Attempt:
+        """Continue a stream that broke after tokens reached the client on another decode instance:
+        prefill the prompt plus the tokens delivered, decode the rest. Raises `failure` when it cannot."""
+        if failure.error_type != "timeout":
+            self.decode.failed(broken.instance)
+        if continuation is None or broken.tap is None or not continuation.can_continue(broken.tap):
+            raise failure
+        if failure.error_type not in MIGRATABLE or not budget.take():
+            raise failure
+        trace.decode_failed(broken.instance.address, failure.error_type, abandoned=None)
+        body, tap = continuation.body_after(broken.tap), broken.tap.continued()
+        handoff = Handoff(None, None)
+        if self.prefill:  # the prompt and the tokens delivered, prefilled anew
+            prefill = self.prefill.choose()
+            handoff = Handoff(await self._prefill(body, COMPLETIONS, trace, prefill, headers, rerun=True), prefill)
+        instance = self.decode.choose(exclude=broken.instance)
+        return await self._decode(body, None, handoff, COMPLETIONS, trace, instance, headers, budget, tap)
+
+    async def _whole(self, upstream: Response, trace: RequestTrace) -> bytes:
+        """An unstreamed answer, read whole and checked before the client gets any of it."""
+        try:
+            raw = await upstream.read()
+        except TimeoutError:
+            raise ProxyError(504, "decode instance timed out sending its response", error_type="timeout",
+                             stage=DECODE) from None
+        except UpstreamError as exc:
+            raise ProxyError(502, f"decode instance broke its response ({type(exc).__name__})",
+                             error_type="stream_broken", stage=DECODE) from None
+        trace.scan.feed_whole(raw, now())
+        if trace.scan.malformed:
+            raise ProxyError(502, "decode instance sent a response that is not valid JSON",
+                             error_type="invalid_response", stage=DECODE)
+        return raw
 
     # -- retries ---------------------------------------------------------------------------
 
-    async def _retrying(self, pool: Pool, instance: Instance, retries: int,
+    async def _retrying(self, pool: Pool, instance: Instance, budget: Budget,
                         attempt: Callable[[Instance, int], Awaitable[T | _Failure]]) -> tuple[T, Instance, int]:
-        """Try `instance`, then others while the failure allows it: at most `retries` more attempts,
-        each after a jittered exponential backoff. An instance that answered 429/503 with Retry-After
-        is held for that long; when only held instances are left, the proxy waits for one if that is
-        at most --max-retry-wait, else the client gets the instance's answer and its Retry-After."""
+        """Try `instance`, then others while the failure allows it and the budget lasts (so many more
+        attempts, until a deadline), each after a jittered exponential backoff. An instance that
+        answered 429/503 with Retry-After is held for that long; when only held instances are left,
+        the proxy waits for one if that is at most --max-retry-wait, else the client gets the
+        instance's answer and its Retry-After."""
         tries = 0
         while True:
             tries += 1
@@ -247,7 +340,7 @@ class Proxy:
                 pool.hold(instance, outcome.hold)
             if outcome.charged:
                 pool.failed(instance)
-            if not outcome.retry or tries > retries:
+            if not outcome.retry or not budget.take():
                 raise outcome.error
             try:
                 instance = pool.choose(exclude=instance)
@@ -263,28 +356,18 @@ class Proxy:
         delay = self.settings.retry_backoff * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
         return min(delay, MAX_BACKOFF)
 
-    async def _respond(self, request: web.Request, upstream: Response, trace: RequestTrace,
+    async def _respond(self, request: web.Request, attempt: Attempt, resume: Resume, trace: RequestTrace,
                        reply_headers: dict[str, str]) -> web.StreamResponse:
-        """Give the client the decode instance's answer: relayed as it streams, or whole."""
-        content_type = upstream.headers.get("content-type", "application/json")
-        if not content_type.startswith("text/event-stream"):
-            try:
-                raw = await upstream.read()
-            except TimeoutError:
-                raise ProxyError(504, "decode instance timed out sending its response", error_type="timeout",
-                                 stage=DECODE) from None
-            except UpstreamError as exc:
-                raise ProxyError(502, f"decode instance broke its response ({type(exc).__name__})",
-                                 error_type="stream_broken", stage=DECODE) from None
-            malformed = trace.scan.malformed
-            trace.scan.feed_whole(raw, now())
-            if trace.scan.malformed > malformed and upstream.status < 300:
-                raise ProxyError(502, "decode instance sent a response that is not valid JSON",
-                                 error_type="invalid_response", stage=DECODE)
-            return web.Response(status=upstream.status, body=raw,
+        """Give the client the decode's answer: whole, or relayed as it streams; a stream that breaks
+        is continued on another decode when `resume` can (--migrate-mid-stream), else it ends with an
+        error event."""
+        status = attempt.response.status
+        content_type = attempt.response.headers.get("content-type", "application/json")
+        if not attempt.streamed:
+            return web.Response(status=status, body=attempt.head,
                                 headers={**reply_headers, "Content-Type": content_type})
 
-        response = web.StreamResponse(status=upstream.status,
+        response = web.StreamResponse(status=status,
                                       headers={**reply_headers, "Content-Type": content_type, "Cache-Control": "no-cache"})
         too_slow = f"client left streamed data unread for {self.settings.write_timeout:g}s"
         client = WholeEventWriter(request, response, trace.scan, on_delivered=trace.delivered,
@@ -292,15 +375,17 @@ class Proxy:
         self.slow_readers.writers.add(client)
         try:
             try:
-                await relay(upstream, client, trace.scan)
+                while True:
+                    await client.write(attempt.head)  # the status line goes out with the first token
+                    try:
+                        await relay(attempt.response, client, trace.scan, attempt.tap)
+                        break
+                    except ProxyError as err:
+                        attempt = await resume(err)  # raises when the stream cannot go on elsewhere
                 await client.flush()
             except ProxyError as err:
-                if not response.prepared:
-                    raise  # not one byte reached the client: it gets the error with its own status
                 trace.fail(response.status, err.error_type, err.message)  # the client already has its 200
                 await response.write(err.sse_event())
-            if not response.prepared:
-                await response.prepare(request)
             await response.write_eof()
         except (ClientGone, ConnectionError):
             trace.client_gone()  # unless it was cut off for reading too slowly: the first failure stands

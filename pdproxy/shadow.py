@@ -19,13 +19,13 @@ import aiohttp
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
 from pdproxy.errors import ProxyError, UpstreamResponse
+from pdproxy.migration import Attempt
 from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, Pool
 from pdproxy.protocol import Route
 from pdproxy.stream import relay
 from pdproxy.telemetry import Recorder, RequestTrace
-from pdproxy.telemetry.clock import now
-from pdproxy.upstream import Response, UpstreamClient
+from pdproxy.upstream import UpstreamClient
 
 log = logging.getLogger("pdproxy.shadow")
 
@@ -62,8 +62,8 @@ class Shadow:
                                deployment="shadow", parent_ids=primary.ids)
         trace.set_request(body)
         try:
-            await asyncio.wait_for(self.proxy.forward(body, route, trace, headers, lambda up: _drain(up, trace)),
-                                   self.timeout)
+            await asyncio.wait_for(self.proxy.forward(body, route, trace, headers,
+                                                      lambda attempt, resume: _drain(attempt, trace)), self.timeout)
         except (ProxyError, UpstreamResponse) as err:
             trace.fail(err.status, err.error_type, err.message)
         except TimeoutError:
@@ -85,9 +85,7 @@ class Shadow:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-async def _drain(upstream: Response, trace: RequestTrace) -> None:
-    """Read the shadow's answer for its timing, and discard it."""
-    if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-        await relay(upstream, None, trace.scan)
-    else:
-        trace.scan.feed_whole(await upstream.read(), now())
+async def _drain(attempt: Attempt, trace: RequestTrace) -> None:
+    """Read the rest of the shadow's answer for its timing (the proxy read its start), and discard it."""
+    if attempt.streamed:
+        await relay(attempt.response, None, trace.scan, attempt.tap)

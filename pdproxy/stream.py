@@ -256,27 +256,23 @@ class ResponseScan:
         return bool(part.get("content") or part.get("reasoning_content") or part.get("reasoning") or part.get("tool_calls"))
 
 
-async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: ResponseScan) -> None:
-    """Copy the upstream stream to the client (or nowhere, for shadow traffic), timing it on the way.
+async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: ResponseScan,
+                tap: Any = None) -> None:
+    """Copy the upstream stream to the client (or nowhere, for shadow traffic), timing it on the way;
+    through `tap` (`migration.TokenTap`) first when the stream is armed for mid-stream migration.
 
     Upstream failures, including a stream that ends without `[DONE]`, surface as
     `ProxyError(stage=decode)`; a client that went away as `ClientGone`.
     """
     clock = time.monotonic_ns
-    read = upstream.readany
     while True:
-        try:
-            data = await read()
-        except TimeoutError:  # the upstream client's read timeout
-            raise ProxyError(504, "decode instance went silent mid-stream (read timeout)",
-                             error_type="timeout", stage=DECODE) from None
-        except UpstreamError as exc:
-            raise ProxyError(502, f"decode instance broke the stream: {exc.__class__.__name__}",
-                             error_type="stream_broken", stage=DECODE) from None
+        data = await read_stream(upstream, "mid-stream")
         if not data:
             break
+        if tap is not None:
+            data = tap.feed(data)
         scan.feed(data, clock())
-        if downstream is not None:
+        if downstream is not None and data:
             try:
                 await downstream.write(data)
             except ConnectionError:
@@ -286,12 +282,26 @@ async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: R
                          stage=DECODE)
 
 
+async def read_stream(upstream: Response, when: str) -> bytes:
+    """The next bytes of a decode's stream (b"" at its end); transport failures as `ProxyError(stage=decode)`,
+    saying `when` they happened."""
+    try:
+        return await upstream.readany()
+    except TimeoutError:  # the upstream client's read timeout
+        raise ProxyError(504, f"decode instance went silent {when} (read timeout)", error_type="timeout",
+                         stage=DECODE) from None
+    except UpstreamError as exc:
+        raise ProxyError(502, f"decode instance broke the stream {when}: {exc.__class__.__name__}",
+                         error_type="stream_broken", stage=DECODE) from None
+
+
 class WholeEventWriter:
     """The client's end of the relay: it gets whole SSE events only, and none past a malformed one.
 
-    The status line goes out with the first whole event, not with the decode's headers: a decode that
-    fails before its first event (breaks, goes silent, ends at once) still gives the client an HTTP
-    error status rather than a 200 carrying an error event. `relay` feeds each read to the scanner
+    The status line goes out with the first write, which the proxy makes only once the decode sent its
+    first token (`migration.read_head`): a decode that fails before it (breaks, goes silent, ends at
+    once) is retried elsewhere, or gives the client an HTTP error status rather than a 200 carrying
+    an error event. `relay` feeds each read to the scanner
     before writing it here, so a read that brought a malformed event (a `data:` line that is not a
     JSON object) is refused whole and the stream ends with an error event instead: a client's SSE
     parser would otherwise choke on the broken line, or on our error event glued to its half.

@@ -4,6 +4,7 @@ thousands of such requests leave no task, socket, in-flight count or memory behi
 import asyncio
 import random
 import socket
+import threading
 import time
 
 import httpx
@@ -170,3 +171,80 @@ def test_thousands_of_cancelled_requests_leave_nothing_behind():
         proxy.stop()
         p.stop()
         d.stop()
+
+
+def test_a_thousand_migrated_requests_leave_nothing_behind():
+    """Every migration abandons an attempt (its connection closed, so vLLM aborts it): after 500 moved
+    before their first token and 500 continued mid-stream, no task, socket, fd, in-flight count or
+    memory is left in the proxy, and nothing is left running on the instances."""
+    from procs import start_sim
+
+    sims, proxy = [], None
+    try:
+        for role in ("prefill", "decode", "decode"):
+            sims.append(start_sim(role, "--preset", "instant"))
+        (_, purl), (_, d1), (_, d2) = sims
+        proxy, url = start_proxy("--prefill", purl, "--decode", d1, d2, "--health-check-interval", "0",
+                                 "--eject-after-failures", "0", "--decode-retries", "1", "--migrate-mid-stream",
+                                 "--retry-backoff", "0", "--debug-endpoints", "--no-tracing")
+        pid = proxy.popen.pid
+        body = {"model": "sim-model", "prompt": "move me along please", "max_tokens": 6, "stream": True,
+                "temperature": 0}
+
+        def one(client: httpx.Client) -> bool:
+            r = client.post(url + "/v1/completions", json=body)
+            return r.status_code == 200 and r.text.count("data: [DONE]") == 1 and '"error"' not in r.text
+
+        def load(seconds: float, until=lambda: False) -> list[bool]:
+            """Requests from 16 threads until `until()` or the time runs out."""
+            deadline = time.monotonic() + seconds
+            import concurrent.futures
+
+            def worker() -> list[bool]:
+                out = []
+                with httpx.Client(timeout=30) as client:
+                    while time.monotonic() < deadline and not until():
+                        out.append(one(client))
+                return out
+
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                return [ok for part in pool.map(lambda _: worker(), range(16)) for ok in part]
+
+        def migrations(stage: str) -> float:
+            from ledgers import counter
+            return counter(httpx.get(url + "/metrics").text, "pdproxy_migrations_total", stage=stage)
+
+        assert all(load(3))  # warm-up: pools, caches, allocator
+        time.sleep(0.5)
+        before = httpx.get(url + "/debug/runtime").json()
+        fds_before, rss_before = proc_fds(pid), proc_rss(pid)
+        started = time.monotonic()
+        for stage, kind in (("before_first_token", "die_before_first_token"), ("mid_stream", "die_mid_stream")):
+            httpx.post(d1 + "/sim/faults", json={"faults": [{"kind": kind, "times": 500, "after_chunks": 2}]})
+            done = threading.Event()  # set once the 500 faults are spent
+            watcher = threading.Thread(target=lambda: wait_until(lambda: migrations(stage) >= 500, 150) and done.set())
+            watcher.start()
+            results = load(150, until=done.is_set)
+            watcher.join()
+            assert all(results) and len(results) >= 1000, (stage, len(results), results.count(False))
+            assert migrations(stage) == 500  # the faults ran out: every one of them moved its request
+        assert wait_until(lambda: httpx.get(url + "/debug/runtime").json()["inflight_requests"] == 0, 15)
+        time.sleep(0.5)
+        after = httpx.get(url + "/debug/runtime").json()
+        fds_after, rss_after = proc_fds(pid), proc_rss(pid)
+        print(f"\n1000 migrated requests in {time.monotonic() - started:.1f}s: "
+              f"tasks {before['tasks']}->{after['tasks']}, "
+              f"fds {fds_before}->{fds_after}, sockets {before['sockets']}->{after['sockets']}, "
+              f"rss {rss_before / 2**20:.1f}->{rss_after / 2**20:.1f} MiB")
+        assert after["tasks"] <= before["tasks"] + 2
+        assert set(after["instance_inflight"].values()) == {0} and after["queued_requests"] == 0
+        assert fds_after <= fds_before + 60 and after["sockets"] <= before["sockets"] + 60  # idle pool, not a leak
+        assert rss_after - rss_before < 40 * 2**20
+        for d in (d1, d2):  # every abandoned attempt was aborted on its instance
+            state = httpx.get(d + "/sim/state").json()
+            assert state["running"] == 0 and state["waiting"] == 0 and state["kv_blocks_used"] == 0
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        for proc, _ in sims:
+            proc.stop()

@@ -205,17 +205,25 @@ def test_refused_connections_are_retried_with_the_same_kv_params(rig):
 # -- decode leg, before the first byte ---------------------------------------------------------
 
 
-def test_kv_load_failure_is_retried_on_another_decode_without_the_used_kv_params(rig):
+def test_kv_load_failure_is_retried_on_another_decode_with_fresh_kv_params(rig):
+    """A decode that got the hand-off may have pulled its KV (vLLM then frees the blocks): the retry
+    never reuses those parameters, the prefill runs again and the new ones go to the other decode."""
     script(rig, decode=[KV_FAILURE])
     c = Counters(rig["url"])
     r, rid = post(rig["url"])
     assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
     first, second = rig["d"].journal()
     assert first["port"] != second["port"]
-    assert "kv_transfer_params" in first["body"] and "kv_transfer_params" not in second["body"]  # recomputed
+    prefills = rig["p"].journal()
+    assert len(prefills) == 2 and prefills[0]["port"] != prefills[1]["port"]  # on the other prefill instance
+    assert "kv_transfer_params" in first["body"] and "kv_transfer_params" in second["body"]
     spans = assert_ok(rig, c, rid)
-    assert attrs(spans["root"])["pd.kv_transfer_params"] == "recomputed"
+    root = attrs(spans["root"])
+    assert root["pd.kv_transfer_params"] == "received" and root["pd.prefill.reruns"] == 1
+    assert root["pd.migrations"] == 1 and root["pd.handoffs.abandoned"] == 1
     assert attrs(spans["pd.decode"])["pd.decode.attempts"] == 2
+    assert c.delta("pdproxy_migrations_total", stage="before_first_token", reason="kv_load_failed") == 1
+    assert c.delta("pdproxy_abandoned_handoffs_total", instance=f"{HOST}:{prefills[0]['port']}") == 1
 
     script(rig, decode=[KV_FAILURE, KV_FAILURE])
     c = Counters(rig["url"])
@@ -232,9 +240,11 @@ def test_decode_busy_timeout_and_dropped_connection_before_headers(rig):
     assert r.status_code == 200 and len(rig["d"].journal()) == 2
     assert "kv_transfer_params" in rig["d"].journal()[1]["body"]  # busy, not broken: its KV was never touched
 
+    assert len(rig["p"].journal()) == 1  # the same hand-off, no second prefill
+
     script(rig, decode=[{"drop": True}])
     r, _ = post(rig["url"])
-    assert r.status_code == 200 and "kv_transfer_params" not in rig["d"].journal()[1]["body"]
+    assert r.status_code == 200 and len(rig["p"].journal()) == 2  # dropped after receiving it: prefill again
 
     script(rig, decode=[{"delay": 1.6}, {"delay": 1.6}])
     c = Counters(rig["url"])
@@ -243,16 +253,25 @@ def test_decode_busy_timeout_and_dropped_connection_before_headers(rig):
     assert_accounted(rig, c, rid, code=504, stage="kv_transfer", error_type="timeout")
 
 
-def test_decode_failing_before_its_first_event_keeps_an_http_status(rig):
-    """The client's status line waits for the first whole event, so these are real HTTP errors."""
-    for step, error_type in (({"abort_after": 0}, "stream_broken"), ({"chunks": ["data: {\"id\": \"cmpl-"]}, "stream_truncated")):
+def test_decode_failing_before_its_first_token_is_retried_then_keeps_an_http_status(rig):
+    """The client's status line waits for the first token: a decode that fails before it is retried on
+    the other decode, invisibly; when the retry fails too, the client gets a real HTTP error."""
+    role = 'data: {"id": "x", "choices": [{"index": 0, "text": "", "finish_reason": null}]}\n\n'
+    for step, error_type in (({"abort_after": 0}, "stream_broken"), ({"chunks": ["data: {\"id\": \"cmpl-"]}, "stream_truncated"),
+                             ({"chunks": [role, role, role], "abort_after": 2}, "stream_broken"),
+                             ({"chunks": [role, 'data: {"error": {"message": "boom"}}\n\n', "data: [DONE]\n\n"]},
+                              "stream_error")):
         script(rig, decode=[step])
+        r, rid = post(rig["url"])
+        assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text, r.text
+        assert len(rig["d"].journal()) == 2
+        script(rig, decode=[step, step])
         c = Counters(rig["url"])
         r, rid = post(rig["url"])
         assert r.status_code == 502 and error_of(r)["code"] == error_type, r.text
         assert_accounted(rig, c, rid, code=502, stage="kv_transfer", error_type=error_type)
 
-    script(rig, decode=[{"body": "{broken"}])
+    script(rig, decode=[{"body": "{broken"}, {"body": "{broken"}])
     c = Counters(rig["url"])
     r, rid = post(rig["url"], {**BODY, "stream": False})
     assert r.status_code == 502 and error_of(r)["code"] == "invalid_response"
@@ -418,7 +437,12 @@ def test_llmock_judges_the_proxys_retries(llmock):
             behave({"type": "stream_fault", "kind": kind, "after_chunks": 2})
             r = ask()
             events = sse_events(r.text)
-            assert r.status_code == 200 and events[-1] == "data: [DONE]" and '"error"' in events[-2], (kind, r.text)
+            assert r.status_code == 200 and events[-1] == "data: [DONE]", (kind, r.text)
+            calls = httpx.get(llmock + "/_llmock/requests").json()["count"]
+            if '"error"' in events[-2]:  # the fault came after the first token reached the client
+                assert calls == 1, (kind, r.text)
+            else:  # it came in the same read as the first token: nothing was sent yet, so it was retried
+                assert kind == "malformed" and calls == 2, (kind, r.text)
     finally:
         proxy.stop()
 
@@ -426,9 +450,9 @@ def test_llmock_judges_the_proxys_retries(llmock):
 # -- the simulator: a decode that really pulls the KV from the prefill ---------------------------------
 
 
-def test_sim_kv_load_failure_recompute_and_other_faults_end_to_end(tmp_path):
+def test_sim_kv_load_failure_prefills_again_and_other_faults_end_to_end(tmp_path):
     """On `pdproxy sim` the decode pulls the prompt's KV from the prefill: a failed pull is retried on
-    the other decode without the used parameters, and that decode really computes the prompt itself."""
+    the other decode with the parameters of a new prefill, never the used ones."""
     from procs import start_sim
 
     procs, trace_file = [], tmp_path / "spans.jsonl"
@@ -438,7 +462,7 @@ def test_sim_kv_load_failure_recompute_and_other_faults_end_to_end(tmp_path):
                                                 start_sim("decode", "--preset", "instant"))
         procs += [pp, d1, d2]
         proxy, url = start_proxy("--prefill", purl, "--decode", d1url, d2url, "--trace-file", str(trace_file),
-                                 "--prefill-retries", "1", "--decode-retries", "1", *FAST, *FRESH, env=ENV)
+                                 "--prefill-retries", "1", "--decode-retries", "2", *FAST, *FRESH, env=ENV)
         procs.append(proxy)
         body = {"model": "sim-model", "prompt": "one two three four five six", "max_tokens": 6, "stream": True}
 
@@ -455,8 +479,10 @@ def test_sim_kv_load_failure_recompute_and_other_faults_end_to_end(tmp_path):
         r, rid = post(url, body)
         assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n") and '"error"' not in r.text
         decode_bodies = sent(d1url) + sent(d2url)
-        assert len(decode_bodies) == 2 and sum("kv_transfer_params" in b for b in decode_bodies) == 1
-        assert attrs(trace_of(trace_file, rid)["root"])["pd.kv_transfer_params"] == "recomputed"
+        assert len(decode_bodies) == 3 and all("kv_transfer_params" in b for b in decode_bodies)
+        # each decode got its own prefill's coordinates: never ones another decode may have pulled
+        assert len({b["kv_transfer_params"]["remote_request_id"] for b in decode_bodies}) == 3
+        assert attrs(trace_of(trace_file, rid)["root"])["pd.prefill.reruns"] == 2
 
         fault(purl, {"kind": "refuse"})  # a TCP reset: retried (here on the same, only, prefill)
         r, rid = post(url, body)

@@ -151,8 +151,9 @@ def assert_no_client_params(entries: list[dict], what: str) -> None:
 
 
 def test_client_kv_params_never_reach_the_decode_in_any_spelling_or_encoding():
-    """Single mode, P/D with a prefill that returns no params, and the recompute retry: in `strip`
-    mode the decode gets the checked object without the client's key; in `reject` mode a 400."""
+    """Single mode, P/D with a prefill that returns no params, and a decode retry (fresh params from a
+    second prefill): in `strip` mode the decode gets the checked object without the client's key, and
+    only ever a prefill's coordinates; in `reject` mode a 400."""
     p, d = ScriptedGroup("prefill", 1), ScriptedGroup("decode", 2)
     common = ("--health-check-interval", "0", "--prefill-retries", "0", "--decode-retries", "1",
               "--eject-after-failures", "0")
@@ -165,7 +166,7 @@ def test_client_kv_params_never_reach_the_decode_in_any_spelling_or_encoding():
             for (mode, shape), (_, url) in proxies.items():
                 cases = {"direct": ([], [])} if shape == "single" else {
                     "prefill without params": ([no_params], []),
-                    "recompute retry": ([], [{"status": 500, "body": {"error": {"message": "engine died"}}}]),
+                    "decode retry": ([], [{"status": 500, "body": {"error": {"message": "engine died"}}}]),
                 }
                 for case, (prefill_steps, decode_steps) in cases.items():
                     what = f"{name}, {mode}, {shape}, {case}"
@@ -178,10 +179,13 @@ def test_client_kv_params_never_reach_the_decode_in_any_spelling_or_encoding():
                         continue
                     assert r.status_code == 200, (what, r.text)
                     sent = d.journal()
-                    assert len(sent) == (2 if case == "recompute retry" else 1), what
+                    assert len(sent) == (2 if case == "decode retry" else 1), what
                     assert_no_client_params(sent + p.journal(), what)
-                    # no prefill params, or a retry that recomputes: no coordinates at all, the client's least of all
-                    assert "kv_transfer_params" not in sent[-1]["body"], what
+                    if case == "decode retry":  # the second prefill's coordinates, never the client's
+                        assert sent[-1]["body"]["kv_transfer_params"]["remote_engine_id"] == "engine-p", what
+                        assert len(p.journal()) == 2, what
+                    else:  # no prefill params: no coordinates at all, the client's least of all
+                        assert "kv_transfer_params" not in sent[-1]["body"], what
     finally:
         for proc, _ in proxies.values():
             proc.stop()

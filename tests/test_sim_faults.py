@@ -184,3 +184,42 @@ def test_refuse_connections_flag_keeps_health_and_controls():
         proc.stop()
     assert t.status == 0 and t.error
     assert status == 200 and state["requests_total"] == 0
+
+
+async def head_then_body(url: str, body: dict[str, Any]) -> tuple[int, float, float, bytes, str | None]:
+    """(status, seconds to the status line, seconds to the first body bytes, the body, the read error)."""
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as s:
+        start = loop.time()
+        async with s.post(url + COMPLETIONS, json=body) as r:
+            head = loop.time() - start
+            data, first, error = b"", None, None
+            try:
+                async for chunk in r.content.iter_any():
+                    first = first if first is not None else loop.time() - start
+                    data += chunk
+            except aiohttp.ClientError as exc:
+                error = type(exc).__name__
+            return r.status, head, first if first is not None else -1.0, data, error
+
+
+def test_die_before_first_token_sends_the_status_line_then_resets(sim):
+    queue(sim, {"kind": "die_before_first_token"})
+    status, _, first, data, error = run(head_then_body(sim, STREAM))
+    assert status == 200 and data == b"" and error is not None  # a 200, then nothing but a reset
+    assert run(head_then_body(sim, STREAM))[3].endswith(b"data: [DONE]\n\n")  # one-shot
+    _, state = run(call("GET", sim + "/sim/state"))
+    assert state["running"] == 0 and state["kv_blocks_used"] == 0
+
+
+def test_stall_before_first_token_sends_the_status_line_at_once(sim):
+    queue(sim, {"kind": "stall_before_first_token", "seconds": 0.6})
+    status, head, first, data, error = run(head_then_body(sim, STREAM))
+    assert status == 200 and error is None and data.endswith(b"data: [DONE]\n\n")
+    assert head < 0.4 and first >= 0.6  # the status line, then silence until the first token
+
+
+def test_die_mid_stream_resets_after_some_chunks(sim):
+    queue(sim, {"kind": "die_mid_stream", "after_chunks": 2})
+    t = run(send(sim, STREAM))
+    assert t.status == 200 and not t.done and len(t.chunk_times) == 2 and t.error

@@ -384,3 +384,46 @@ def test_single_ignores_kv_transfer_params(instant):
     _, _, out = run(post(instant + "/v1/completions", {"prompt": "a b c", "max_tokens": 3,
                                                        "kv_transfer_params": {"do_remote_decode": True}}))
     assert out["kv_transfer_params"] is None and out["usage"]["completion_tokens"] == 3
+
+
+def _events(raw: str) -> list[dict]:
+    return [json.loads(e[6:]) for e in raw.strip().split("\n\n") if e.startswith("data: {")]
+
+
+async def _stream_text(url: str, path: str, body: dict) -> str:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + path, json=body) as r:
+            assert r.status == 200
+            return await r.text()
+
+
+def test_return_token_ids_as_vllm_023(instant):
+    body = {"prompt": list(range(1000, 1008)), "max_tokens": 6, "stream": True}
+    plain = _events(run(_stream_text(instant, "/v1/completions", body)))
+    assert all(c["choices"][0]["token_ids"] is None and c["choices"][0]["prompt_token_ids"] is None for c in plain)
+    chunks = _events(run(_stream_text(instant, "/v1/completions", dict(body, return_token_ids=True))))
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == list(range(1000, 1008))
+    assert all(c["choices"][0]["prompt_token_ids"] is None for c in chunks[1:])
+    ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert len(ids) == 6 and "".join(c["choices"][0]["text"] for c in chunks) == \
+        "".join(c["choices"][0]["text"] for c in plain)
+    # greedy continuation: the prompt plus the first k ids, max_tokens - k, gives exactly the rest
+    for k in (1, 3, 5):
+        rest = _events(run(_stream_text(instant, "/v1/completions",
+                                        dict(body, prompt=body["prompt"] + ids[:k], max_tokens=6 - k,
+                                             return_token_ids=True))))
+        assert [t for c in rest for t in c["choices"][0]["token_ids"]] == ids[k:]
+    chat = {"messages": [{"role": "user", "content": "say something"}], "max_tokens": 4, "stream": True,
+            "return_token_ids": True}
+    events = _events(run(_stream_text(instant, "/v1/chat/completions", chat)))
+    prompt_ids = events[0]["prompt_token_ids"]
+    status, _, tokenized = run(post(instant + "/tokenize", {"messages": chat["messages"]}))
+    assert prompt_ids == tokenized["tokens"] and "token_ids" not in events[0]["choices"][0]  # the role chunk
+    chat_ids = [t for c in events[1:] for t in c["choices"][0]["token_ids"]]
+    # the chat prompt's ids continue through the completions form exactly
+    rest = _events(run(_stream_text(instant, "/v1/completions", {"prompt": prompt_ids + chat_ids[:2],
+                                                                 "max_tokens": 2, "stream": True,
+                                                                 "return_token_ids": True})))
+    assert [t for c in rest for t in c["choices"][0]["token_ids"]] == chat_ids[2:]
+    no_flag = _events(run(_stream_text(instant, "/v1/chat/completions", dict(chat, return_token_ids=False))))
+    assert "prompt_token_ids" not in no_flag[0] and all("token_ids" not in c["choices"][0] for c in no_flag)

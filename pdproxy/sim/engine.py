@@ -478,6 +478,7 @@ class Engine:
             "kv_cache_usage": self.pool.usage,
             "leases_held": len(leases.held) if leases else 0,
             "leases_expired_total": leases.expired_total if leases else 0,
+            "stale_kv_reads_total": leases.stale_reads if leases else 0,
             "kv_pulls_active": self.puller.active if self.puller else 0,
             "steps": self.steps,
             "busy_seconds": round(self.busy_seconds, 6),

@@ -3,6 +3,12 @@
 Each inference request draws a `RequestFaults` when it arrives: at most one queued fault of
 each kind that matches the request (consuming one of its `times`), plus the random faults
 the command line asked for. The server applies them at the point where each kind belongs.
+
+Three kinds play an instance that dies or hangs the way a real vLLM decode does (it sends a
+stream's status line at once, then waits for its KV): `die_before_first_token` (status line,
+then a TCP reset once the first token exists, so a decode has pulled its KV before it dies),
+`stall_before_first_token` (status line, then `seconds` of silence before the first token) and
+`die_mid_stream` (a reset after `after_chunks` content chunks).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 KINDS = ("error", "slow_start", "stall", "disconnect", "kv_load_failure", "malformed_chunk", "no_kv_params",
-         "refuse")
+         "refuse", "die_before_first_token", "stall_before_first_token", "die_mid_stream")
 
 
 class FaultSpecError(ValueError):
@@ -91,11 +97,20 @@ class RequestFaults:
     kv_load_failure: bool = False
     malformed: Fault | None = None
     no_kv_params: bool = False
+    die_before_first_token: bool = False
+    stall_before_first_token: float = 0.0
+    die_mid_stream: Fault | None = None
 
     @property
     def any(self) -> bool:
         return bool(self.refuse or self.error or self.slow_start or self.stall or self.disconnect
-                     or self.kv_load_failure or self.malformed or self.no_kv_params)
+                     or self.kv_load_failure or self.malformed or self.no_kv_params or self.early_headers
+                     or self.die_mid_stream)
+
+    @property
+    def early_headers(self) -> bool:
+        """The stream's status line goes out before its first token, as real vLLM's does."""
+        return self.die_before_first_token or bool(self.stall_before_first_token)
 
 
 NO_FAULTS = RequestFaults()
@@ -177,6 +192,12 @@ class FaultBook:
             out.malformed = fault
         elif kind == "no_kv_params":
             out.no_kv_params = True
+        elif kind == "die_before_first_token":
+            out.die_before_first_token = True
+        elif kind == "stall_before_first_token":
+            out.stall_before_first_token = fault.seconds
+        elif kind == "die_mid_stream":
+            out.die_mid_stream = fault
 
     def _draw_random(self, out: RequestFaults, taken: set[str]) -> None:
         r, rng = self.rates, self.rng

@@ -13,6 +13,9 @@ The protocol imitates vLLM's NixlConnector in pull mode:
   outgoing link, which carries one transfer at a time (FIFO), so concurrent pulls queue and
   the link saturates when the offered KV bytes exceed its bandwidth. When the transfer is done
   the prefill frees the blocks (NIXL's "done reading" notification).
+* A second read of blocks that were already read and freed succeeds, as on vLLM 0.23 (facts file,
+  fact 2): the prefill only logs "Potentially invalid KV blocks for unrecognized request … may have
+  expired", and the decode generates from whatever the blocks hold now (a corrupted context).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import logging
+
 import aiohttp
 
 from pdproxy.sim.metrics import SimMetrics
@@ -31,6 +36,7 @@ from pdproxy.sim.timing import PreciseClock
 
 PULL_PATH = "/sim/kv/pull"
 HEARTBEAT_PATH = "/sim/kv/heartbeat"
+log = logging.getLogger("pdproxy.sim.kv")
 REQUIRED_REMOTE_FIELDS = ("remote_engine_id", "remote_block_ids", "remote_request_id", "remote_host", "remote_port")
 
 
@@ -80,6 +86,7 @@ class Lease:
     expires_at: float  # time.monotonic()
     handle: asyncio.TimerHandle | None = None
     pulling: bool = False
+    stale: bool = False  # its blocks were already read and freed: whatever they hold now is read
 
 
 class PullRejected(Exception):
@@ -103,6 +110,8 @@ class KVLeases:
         self.held: dict[str, Lease] = {}
         self.expired: collections.OrderedDict[str, float] = collections.OrderedDict()
         self.expired_total = 0
+        self.pulled: collections.OrderedDict[str, None] = collections.OrderedDict()  # read, then freed
+        self.stale_reads = 0
 
     def hold(self, request_id: str, blocks: list[int], num_tokens: int) -> None:
         lease = Lease(request_id, blocks, num_tokens, time.monotonic() + self.lease_seconds)
@@ -125,6 +134,11 @@ class KVLeases:
             raise PullRejected(404, "unknown_engine",
                                f"engine {engine_id!r} is not served here (this is {self.engine_id!r})")
         lease = self.held.get(request_id)
+        if lease is None and request_id in self.pulled:
+            self.stale_reads += 1
+            log.error("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. "
+                      "They may have expired.", request_id)
+            return Lease(request_id, list(block_ids), 0, 0.0, pulling=True, stale=True)
         if lease is None:
             if request_id in self.expired:
                 raise PullRejected(410, "lease_expired",
@@ -143,6 +157,10 @@ class KVLeases:
 
     def release(self, request_id: str) -> None:
         lease = self.held.pop(request_id, None)
+        if lease is not None and lease.pulling:
+            self.pulled[request_id] = None
+            while len(self.pulled) > self.EXPIRED_MEMORY:
+                self.pulled.popitem(last=False)
         if lease is not None:
             if lease.handle:
                 lease.handle.cancel()
@@ -245,6 +263,7 @@ class PullOutcome:
     seconds: float = 0.0
     reason: str = ""
     message: str = ""
+    stale: bool = False  # read blocks that no longer held this prompt (see the module docstring)
 
 
 class KVPuller:
@@ -303,7 +322,7 @@ class KVPuller:
             nbytes = int(answer.get("bytes", 0))
             self.metrics.nixl_xfer_time.observe(seconds)
             self.metrics.nixl_bytes.observe(nbytes)
-            return PullOutcome(True, nbytes=nbytes, seconds=seconds)
+            return PullOutcome(True, nbytes=nbytes, seconds=seconds, stale=bool(answer.get("stale")))
         finally:
             self.active -= 1
 

@@ -68,6 +68,8 @@ class GenerationRequest:
     external_id: str  # the response id: cmpl-<X-Request-Id> / chatcmpl-<X-Request-Id>
     internal_id: str  # the engine's id: external id (+ "-0" for completions) + "-<8 hex>"
     prompt_ids: list[int] | None = None  # the prompt as the model sees it (template and BOS included)
+    sampling_seed: int | None = None  # the request's `seed` field (pdproxy/sim/generation.py)
+    return_token_ids: bool = False  # vLLM 0.23: ids on every choice, the prompt's on the first chunk
 
     @property
     def do_remote_decode(self) -> bool:
@@ -113,6 +115,7 @@ def parse_generation(kind: str, body: Any, headers: Mapping[str, str], served_mo
     include_usage = _optional_bool(options, "include_usage", False, "stream_options.")
     continuous_usage = _optional_bool(options, "continuous_usage_stats", False, "stream_options.")
     ignore_eos = _optional_bool(body, "ignore_eos", False)
+    return_token_ids = _optional_bool(body, "return_token_ids", False)
 
     max_tokens = _optional_int(body, "max_tokens", minimum=1)
     if kind == "chat":
@@ -165,7 +168,8 @@ def parse_generation(kind: str, body: Any, headers: Mapping[str, str], served_mo
         kind=kind, model=model, prompt_tokens=prompt_tokens, seed=prompt_seed(material, seed_field),
         max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos, stream=stream,
         include_usage=include_usage, continuous_usage=continuous_usage, kv_transfer_params=kv,
-        external_id=external, internal_id=internal, prompt_ids=prompt_ids,
+        external_id=external, internal_id=internal, prompt_ids=prompt_ids, sampling_seed=seed_field,
+        return_token_ids=return_token_ids,
     )
     return req, target, reason
 

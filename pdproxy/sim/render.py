@@ -55,31 +55,45 @@ class Renderer:
                            "model": req.model}, separators=(",", ":"))[:-1]
         if self.chat:
             self._head = "data: " + head + ',"choices":[{"index":0,"delta":{"content":'
-            self._tail = '},"logprobs":null,"finish_reason":null}]'
+            self._tail = '},"logprobs":null,"finish_reason":null'
         else:
             self._head = "data: " + head + ',"choices":[{"index":0,"text":'
-            self._tail = ',"logprobs":null,"finish_reason":null,"stop_reason":null}]'
+            self._tail = ',"logprobs":null,"finish_reason":null,"stop_reason":null'
+
+    def _ids(self, token_ids: list[int] | None, prompt_ids: list[int] | None = None) -> dict[str, Any]:
+        """vLLM 0.23's `return_token_ids` fields of a choice: completions always carry both keys (null
+        without the flag), chat carries `token_ids` only with the flag (the prompt's go top-level)."""
+        if self.chat:
+            return {} if token_ids is None else {"token_ids": token_ids}
+        return {"prompt_token_ids": prompt_ids, "token_ids": token_ids}
 
     # ---- streaming -------------------------------------------------------------------------
-    def content_chunk(self, text: str, usage_obj: dict[str, Any] | None = None) -> bytes:
+    def content_chunk(self, text: str, usage_obj: dict[str, Any] | None = None, token_ids: list[int] | None = None,
+                      prompt_ids: list[int] | None = None) -> bytes:
         extra = "" if usage_obj is None else ',"usage":' + json.dumps(usage_obj, separators=(",", ":"))
-        return (self._head + json.dumps(text) + self._tail + extra + "}\n\n").encode()
+        ids = "".join(f',"{k}":{json.dumps(v, separators=(",", ":"))}'
+                      for k, v in self._ids(token_ids, prompt_ids).items())
+        return (self._head + json.dumps(text) + self._tail + ids + "}]" + extra + "}\n\n").encode()
 
-    def role_chunk(self, usage_obj: dict[str, Any] | None = None) -> bytes:
+    def role_chunk(self, usage_obj: dict[str, Any] | None = None, prompt_ids: list[int] | None = None) -> bytes:
         chunk = self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
+        if prompt_ids is not None:
+            chunk["prompt_token_ids"], chunk["prompt_text"] = prompt_ids, None
         if usage_obj is not None:
             chunk["usage"] = usage_obj
         return _sse(chunk)
 
     def final_chunk(self, text: str, finish_reason: str, usage_obj: dict[str, Any] | None,
-                    kv_params: dict[str, Any] | None, metrics: dict[str, Any] | None = None) -> bytes:
+                    kv_params: dict[str, Any] | None, metrics: dict[str, Any] | None = None,
+                    token_ids: list[int] | None = None, prompt_ids: list[int] | None = None) -> bytes:
         if self.chat:
             choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason,
                       "stop_reason": None}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
                       "stop_reason": None}
+        choice.update(self._ids(token_ids, prompt_ids))
         chunk = self._chunk([choice])
         if usage_obj is not None:
             chunk["usage"] = usage_obj
@@ -102,7 +116,8 @@ class Renderer:
 
     # ---- non-streaming ---------------------------------------------------------------------------
     def body(self, text: str, finish_reason: str, usage_obj: dict[str, Any], kv_params: dict[str, Any] | None,
-             metrics: dict[str, Any] | None) -> dict[str, Any]:
+             metrics: dict[str, Any] | None, token_ids: list[int] | None = None,
+             prompt_ids: list[int] | None = None) -> dict[str, Any]:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None,
                                               "tool_calls": [], "reasoning_content": None},
@@ -110,11 +125,16 @@ class Renderer:
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                      "stop_reason": None, "prompt_logprobs": None}
+                      "stop_reason": None, "token_ids": token_ids, "prompt_logprobs": None,
+                      "prompt_token_ids": prompt_ids}
             obj = "text_completion"
+        if self.chat and token_ids is not None:
+            choice["token_ids"] = token_ids
         out: dict[str, Any] = {"id": self.req.external_id, "object": obj, "created": self.created,
                                "model": self.req.model, "choices": [choice], "usage": usage_obj,
                                "system_fingerprint": None, "kv_transfer_params": kv_params}
+        if self.chat and prompt_ids is not None:
+            out["prompt_token_ids"] = prompt_ids
         if metrics is not None:
             out["metrics"] = metrics
         return out

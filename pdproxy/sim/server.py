@@ -32,7 +32,7 @@ from pdproxy.sim.render import DONE, Renderer, request_metrics, usage
 from pdproxy.sim.settings import SimSettings
 from pdproxy.sim.timing import PreciseClock
 from pdproxy.sim import tokens
-from pdproxy.sim.tokens import OutputText
+from pdproxy.sim.generation import Generation
 
 log = logging.getLogger("pdproxy.sim")
 
@@ -239,35 +239,53 @@ class SimServer:
             await self.clock.sleep(faults.stall.seconds)
         if faults.disconnect is not None:
             return self._drop(request)
+        if faults.die_before_first_token:
+            return self._reset(request)
         if faults.malformed is not None:
             return web.Response(body=b'{"id": "cmpl-broken", "choices": [{"text": ', content_type="application/json")
-        text = OutputText(req.seed).text(0, seq.num_generated)
+        output = self._generation(req, seq)
+        text = output.text(0, seq.num_generated)
+        ids = (output.token_ids(0, seq.num_generated), req.prompt_ids) if req.return_token_ids else (None, None)
         metrics = request_metrics(seq) if self.settings.enable_per_request_metrics else None
         body = Renderer(req, int(time.time())).body(text, seq.finish_reason or "length",
                                                     usage(req.prompt_tokens, seq.num_generated),
-                                                    self._kv_params(seq), metrics)
+                                                    self._kv_params(seq), metrics, *ids)
         return _json(body, 200, self._headers(request, req))
+
+    def _generation(self, req: GenerationRequest, seq: Sequence) -> Generation:
+        stale = seq.pull is not None and seq.pull.stale  # read freed blocks: the context is garbage
+        return Generation(req.prompt_ids, req.sampling_seed, stale_kv=stale)
 
     async def _stream(self, request: web.Request, req: GenerationRequest, seq: Sequence,
                       faults: RequestFaults) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, **self._headers(request, req)})
+        if faults.early_headers:
+            await resp.prepare(request)  # real vLLM's order: the status line first, then the KV pull
         waiter = seq.wait(1)
         if waiter is not None:
             await waiter
         failed = self._failure(seq)
-        if failed is not None:
+        if failed is not None and not resp.prepared:
             return failed
-        resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, **self._headers(request, req)})
-        await resp.prepare(request)
+        if faults.die_before_first_token:
+            return self._reset(request)
+        if faults.stall_before_first_token:
+            await self.clock.sleep(faults.stall_before_first_token)
+        if not resp.prepared:
+            await resp.prepare(request)
 
         render = Renderer(req, int(time.time()))
-        words = OutputText(req.seed)
+        words = self._generation(req, seq)
+        with_ids = req.return_token_ids
+        prompt_ids = req.prompt_ids if with_ids else None  # on the first chunk only
         prompt = req.prompt_tokens
         continuous = req.continuous_usage
         per_request = self.settings.enable_per_request_metrics
         interval = self.settings.stream_interval
         split = self.settings.instant  # instant: one chunk per `interval` tokens, as if each were a step
         if render.chat:
-            await resp.write(render.role_chunk(usage(prompt, 0) if continuous else None))
+            await resp.write(render.role_chunk(usage(prompt, 0) if continuous else None, prompt_ids))
+            prompt_ids = None
         if faults.any and await self._chunk_faults(request, resp, seq, faults, 0):
             return resp
 
@@ -278,14 +296,17 @@ class SimServer:
             if available > sent:
                 upto = min(available, sent + interval) if split else available
                 text = words.text(sent, upto)
+                ids = words.token_ids(sent, upto) if with_ids else None
                 sent = upto
                 use = usage(prompt, sent) if continuous else None
                 if finished and sent == available and seq.finish_reason in ("length", "stop"):
                     metrics = request_metrics(seq) if per_request and not req.include_usage else None
-                    data = render.final_chunk(text, seq.finish_reason, use, self._kv_params(seq), metrics)
+                    data = render.final_chunk(text, seq.finish_reason, use, self._kv_params(seq), metrics, ids,
+                                              prompt_ids)
                     final_sent = True
                 else:
-                    data = render.content_chunk(text, use)
+                    data = render.content_chunk(text, use, ids, prompt_ids)
+                prompt_ids = None
                 await resp.write(data)
                 chunks += 1
                 if faults.any and await self._chunk_faults(request, resp, seq, faults, chunks):
@@ -316,6 +337,10 @@ class SimServer:
         if faults.disconnect is not None and faults.disconnect.after_chunks == chunks:
             self.engine.abort(seq)
             self._drop(request)
+            return True
+        if faults.die_mid_stream is not None and faults.die_mid_stream.after_chunks == chunks:
+            self.engine.abort(seq)
+            self._reset(request)
             return True
         return False
 
@@ -438,9 +463,10 @@ class SimServer:
         try:
             queued, total = await self.link.transfer(nbytes)
         finally:
-            leases.release(lease.request_id)  # read (or abandoned): NIXL frees the blocks either way
+            if not lease.stale:
+                leases.release(lease.request_id)  # read (or abandoned): NIXL frees the blocks either way
         return _json({"bytes": nbytes, "blocks": len(lease.blocks), "tokens": lease.num_tokens,
-                      "queued_seconds": round(queued, 6), "transfer_seconds": round(total, 6)})
+                      "queued_seconds": round(queued, 6), "transfer_seconds": round(total, 6), "stale": lease.stale})
 
     async def kv_heartbeat(self, request: web.Request) -> web.Response:
         leases = self.engine.leases

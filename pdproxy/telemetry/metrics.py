@@ -190,6 +190,12 @@ class Metrics:
                                        "(reasons: docs/telemetry.md)", ("role", "policy", "reason"), registry=r)
         self._route_series: dict[tuple[str, str, str], Any] = {}
         self.shadow = Counter("pdproxy_shadow_requests", "Shadow mirroring outcomes", ("outcome",), registry=r)
+        self.migrations = Counter("pdproxy_migrations", "Decode attempts that replaced a failed one, by when the "
+                                  "failure came (before_first_token, mid_stream) and its error type",
+                                  ("stage", "reason"), registry=r)
+        self.abandoned_handoffs = Counter("pdproxy_abandoned_handoffs", "KV hand-offs given up after a decode failed, "
+                                          "by the prefill instance whose blocks stay held until its "
+                                          "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", ("instance",), registry=r)
         self.tracestate_cut = Counter("pdproxy_tracestate_cut", "Client tracestate headers not carried on whole: "
                                       "too_long (cut to 512 characters), invalid (discarded)", ("reason",), registry=r)
         self.untraced_refusals = Counter("pdproxy_untraced_refusals",
@@ -253,6 +259,14 @@ class Metrics:
             s.input_tokens.inc(m.input_tokens)
         if m.output_tokens:
             s.output_tokens.inc(m.output_tokens)
+
+    def migrated(self, migrations: list[tuple[str, str]], abandoned: list[str]) -> None:
+        """One request's migrations (stage and reason are bounded: fixed stages, the proxy's error types)
+        and the prefill instances it left holding KV blocks."""
+        for stage, reason in migrations:
+            self.migrations.labels(stage, reason).inc()
+        for instance in abandoned:
+            self.abandoned_handoffs.labels(instance).inc()
 
     def exposition(self, accept: str) -> tuple[bytes, str]:
         if "application/openmetrics-text" in accept:

@@ -19,16 +19,29 @@ FAILED_STAGE = "pd.failed_stage"
 PREFILL_INSTANCE, DECODE_INSTANCE = "pd.prefill.instance", "pd.decode.instance"
 PREFILL_ATTEMPTS, DECODE_ATTEMPTS = "pd.prefill.attempts", "pd.decode.attempts"
 REQUESTED_MODEL = "pd.request.model"  # the client's model name when it is not a known one (bounded: see models.py)
-KV_PARAMS = "pd.kv_transfer_params"
+KV_PARAMS = "pd.kv_transfer_params"  # "received" | "missing": did prefill hand over KV coordinates
+MIGRATIONS = "pd.migrations"  # decode attempts that replaced a failed one (pdproxy/migration.py)
+PREFILL_RERUNS = "pd.prefill.reruns"  # prefills run again for fresh KV coordinates
+HANDOFFS_ABANDONED = "pd.handoffs.abandoned"  # KV hand-offs left to the prefill's abort timeout
+MIGRATION_INELIGIBLE = "pd.migration.ineligible"  # why a stream could not be continued elsewhere
+
+# pd.decode span events: each failed decode attempt, and each prefill run again for a migration
+ATTEMPT_EVENT = "pd.decode.attempt_failed"
+ATTEMPT_NUMBER = "pd.decode.attempt"
+MIGRATION_REASON = "pd.migration.reason"  # the failed attempt's error type
+MIGRATION_STAGE = "pd.migration.stage"  # before_first_token | mid_stream
+ABANDONED = "pd.handoff.abandoned"  # its KV coordinates may have been read: never given out again
+PREFILL_RERUN_EVENT = "pd.prefill.rerun"
 # leg-span attributes: the routing decision that chose the leg's instance (pdproxy/policies/)
 ROUTE_POLICY, ROUTE_REASON = "pd.route.policy", "pd.route.reason"
 ROUTE_MATCHED, ROUTE_MATCHED_UNIT = "pd.route.matched_prefix", "pd.route.matched_prefix.unit"
-ROUTE_SCORES = "pd.route.scores"  # ["host:port=score", ...] of the instances the policy compared  # "received" | "missing": did prefill hand over KV coordinates
+ROUTE_SCORES = "pd.route.scores"  # ["host:port=score", ...] of the instances the policy compared
 
 # pd.decode span events: each stall (a gap above the stall threshold), at the gap's start
 STALL_EVENT = "pd.stall"
 STALL_DURATION = "pd.stall.duration"  # seconds
 STALL_TOKENS = "pd.stall.tokens"  # tokens the late event carried
+STALL_CAUSE = "pd.stall.cause"  # "migration": the gap where a continuation was spliced in
 MAX_STALL_EVENTS = 16  # per request: the longest ones
 
 # kv_transfer span attributes

@@ -105,6 +105,14 @@ class RequestTrace:
         self.failed_stage: str | None = None
         self._delivered = False  # the client has been given the whole answer
         self.finished: Measurement | None = None
+        # migration (pdproxy/migration.py): failed decode attempts, the moves they caused
+        self.attempt_events: list[tuple[int, str, dict[str, Any]]] = []
+        self.migrations: list[tuple[str, str]] = []  # (stage, reason)
+        self.splices: list[int] = []  # index in scan.chunk_times of the first event after each splice
+        self.prefill_reruns = 0
+        self.abandoned_handoffs: list[str] = []  # the prefill instance of each
+        self.migration_refusal: str | None = None
+        self._last_failure = "unknown"
 
     # -- what the flow reports --------------------------------------------------------------
 
@@ -157,6 +165,27 @@ class RequestTrace:
         self.t.decode_headers = now()
         self.decode_status = status
 
+    def decode_failed(self, address: str, reason: str, abandoned: str | None) -> None:
+        """A decode attempt failed (`reason`: its error type); `abandoned`: the prefill instance whose
+        hand-off it had and that is now given up."""
+        self._last_failure = reason
+        if abandoned:
+            self.abandoned_handoffs.append(abandoned)
+        stage = "mid_stream" if self.scan.first_token_ns is not None else "before_first_token"
+        self.attempt_events.append((now(), n.ATTEMPT_EVENT, {
+            n.ATTEMPT_NUMBER: self.decode_attempts, **_leg_attributes(address, "decode", None),
+            n.MIGRATION_REASON: reason, n.MIGRATION_STAGE: stage, n.ABANDONED: abandoned is not None}))
+
+    def migrating(self, stage: str, address: str) -> None:
+        """Another decode attempt starts in place of the last failed one."""
+        self.migrations.append((stage, self._last_failure))
+        if stage == "mid_stream":
+            self.splices.append(len(self.scan.chunk_times))
+
+    def prefill_rerun(self, address: str) -> None:
+        self.prefill_reruns += 1
+        self.attempt_events.append((now(), n.PREFILL_RERUN_EVENT, _leg_attributes(address, "prefill", None)))
+
     def fail(self, status: int, error_type: str, message: str) -> None:
         """The request failed in whichever stage is open now; the first failure is the one reported."""
         if self.error_type is not None:
@@ -200,6 +229,8 @@ class RequestTrace:
                 log.exception("could not record spans for request %s", self.request_id)
         self.recorder.metrics.record(m, self.route, self.model_label, "pd" if self.pd_mode else "single",
                                      self.deployment, trace_id)
+        if self.migrations or self.abandoned_handoffs:
+            self.recorder.metrics.migrated(self.migrations, self.abandoned_handoffs)
         return m
 
     # -- internals ----------------------------------------------------------------------
@@ -245,8 +276,9 @@ class RequestTrace:
             attributes.update(_route_attributes(self.routes.get(leg)))
             span = SpanData(name, kind, ids.trace_id, span_id or random.getrandbits(64), ids.root, to_unix_ns(start),
                             to_unix_ns(end), attributes, trace_state=ids.tracestate, repeating=repeating)
-            if stage == DECODE and m.stalls:
-                span.events = self._stall_events()
+            if stage == DECODE:
+                attempts = [(to_unix_ns(at), name, attributes) for at, name, attributes in self.attempt_events]
+                span.events = attempts + (self._stall_events() if m.stalls else [])
             if stage == m.failed_stage:
                 span.error = self.error_message
                 span.attributes["error.type"] = m.error_type
@@ -255,9 +287,11 @@ class RequestTrace:
 
     def _stall_events(self) -> list[tuple[int, str, dict[str, Any]]]:
         """Each stall's time and length on pd.decode, so a report can ask what else ran then."""
-        gaps = stall_gaps(self.scan.chunk_times, self.scan.chunk_tokens, self.recorder.stall_threshold,
-                          n.MAX_STALL_EVENTS)
-        return [(to_unix_ns(start), n.STALL_EVENT, {n.STALL_DURATION: gap, n.STALL_TOKENS: k})
+        times = self.scan.chunk_times
+        gaps = stall_gaps(times, self.scan.chunk_tokens, self.recorder.stall_threshold, n.MAX_STALL_EVENTS)
+        spliced = {times[i - 1] for i in self.splices if 0 < i <= len(times)}  # the gap a migration left
+        return [(to_unix_ns(start), n.STALL_EVENT, {n.STALL_DURATION: gap, n.STALL_TOKENS: k,
+                                                    **({n.STALL_CAUSE: "migration"} if start in spliced else {})})
                 for start, gap, k in gaps]
 
     def _root_attributes(self, m: Measurement) -> tuple[dict[str, Any], int]:
@@ -282,6 +316,11 @@ class RequestTrace:
         a.update({k: v for k, v in repeating.items() if v is not None})
         count = len(a)
         a.update({n.REQUEST_ID: self.request_id, n.E2E: m.e2e, n.CHUNKS: m.chunks, **self.request_attrs})
+        if self.decode_attempts:
+            a[n.MIGRATIONS] = len(self.migrations)
+        migration = {n.PREFILL_RERUNS: self.prefill_reruns, n.HANDOFFS_ABANDONED: len(self.abandoned_handoffs),
+                     n.MIGRATION_INELIGIBLE: self.migration_refusal}
+        a.update({k: v for k, v in migration.items() if v})
         if self.model is not None and self.model != self.model_label:
             a[n.REQUESTED_MODEL] = self.model[:MAX_NAME_LENGTH]  # for reading the trace; no collector keys on it
         optional = {
