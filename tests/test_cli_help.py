@@ -59,7 +59,7 @@ SAMPLES = {
     "write_timeout": "5", "keep_alive_timeout": "5", "client_kv_params": "strip", "workers": "2",
     "api_key": "k", "upstream_api_key": "u", "debug_endpoints": "1", "no_tracing": "1",
     "otlp_endpoint": "http://collector:4317", "otlp_protocol": "http/protobuf", "trace_file": "/tmp/t.jsonl",
-    "span_queue_size": "16", "stall_threshold": "0.2", "run_label": "r", "resource_attr": "gpu.kind=H200",
+    "span_queue_size": "16", "stall_threshold": "0.2", "no_stall_attribution": "1", "run_label": "r", "resource_attr": "gpu.kind=H200",
     "served_model_name": "a,b", "capture_content": "1", "log_level": "debug", "shadow_url": "http://10.0.0.5:8000",
     "shadow_prefill": "http://10.0.0.6:8100", "shadow_sample_rate": "0.5", "shadow_max_inflight": "4",
     "shadow_timeout": "5",

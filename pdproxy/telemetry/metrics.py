@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -29,8 +30,10 @@ from prometheus_client.utils import floatToGoString
 from pdproxy import __version__
 from pdproxy.telemetry.measure import Measurement
 from pdproxy.telemetry.names import GAP_BUCKETS, LATENCY_BUCKETS
+from pdproxy.telemetry.stalls import LIVE_CAUSES, Attributed
 
 BASE_LABELS = ("route", "model", "mode", "deployment", "run")
+STALL_LABELS = ("mode", "deployment", "run", "cause")  # cause: one of stalls.LIVE_CAUSES
 # status codes with their own `code` label; any other is labelled by its class (`2xx`, `4xx`, `5xx`), so an
 # instance (or whatever answers in its place) relaying odd statuses cannot widen the label
 STATUS_CODES = frozenset({200, 400, 401, 403, 404, 405, 408, 413, 415, 422, 429, 431, 499, 500, 502, 503, 504})
@@ -179,6 +182,16 @@ class Metrics:
                                      LATENCY_BUCKETS, r)
         self.stalled = Counter("pdproxy_requests_with_stall", "Requests with at least one gap above the stall threshold",
                                BASE_LABELS, registry=r)
+        self.stall_seconds = Counter("pdproxy_stall_seconds", "Stall time (gaps above the stall threshold) by cause, "
+                                     "attributed live: see docs/telemetry.md", STALL_LABELS, registry=r)
+        self.stalls = Counter("pdproxy_stalls", "Stalls (gaps above the stall threshold) by cause, attributed live",
+                              STALL_LABELS, registry=r)
+        self.instance_stall_seconds = Counter("pdproxy_instance_stall_seconds",
+                                              "Stall time by cause per instance that streamed (the decode in P/D)",
+                                              ("instance", "cause"), registry=r)
+        self.instance_stalls = Counter("pdproxy_instance_stalls", "Stalls by cause per instance that streamed",
+                                       ("instance", "cause"), registry=r)
+        self._stall_series: dict[tuple, tuple[Any, Any]] = {}
         self.tokens = Counter("pdproxy_tokens", "Tokens reported by the instances' usage", BASE_LABELS + ("type",),
                               registry=r)
         self.spans_dropped = Counter("pdproxy_spans_dropped", "Spans lost before reaching the collector", ("reason",),
@@ -228,6 +241,26 @@ class Metrics:
             s.input_tokens.inc(m.input_tokens)
         if m.output_tokens:
             s.output_tokens.inc(m.output_tokens)
+
+    def record_stalls(self, stalls: list[Attributed], mode: str, deployment: str, instance: str | None,
+                      trace_id: str | None) -> None:
+        """Each attributed stall, by cause; the exemplar is the stalled request's trace (the victim's)."""
+        ex = {"trace_id": trace_id} if trace_id else None
+        for s in stalls:
+            cause = s.cause if s.cause in LIVE_CAUSES else "none"
+            for seconds, count in (self._stall_counters(False, (mode, deployment, self.run, cause)),
+                                   self._stall_counters(True, (instance or "unknown", cause))):
+                seconds.inc(s.duration, exemplar=ex)
+                count.inc(exemplar=ex)
+
+    def _stall_counters(self, per_instance: bool, labels: tuple[str, ...]) -> tuple[Any, Any]:
+        key = (per_instance, *labels)
+        pair = self._stall_series.get(key)
+        if pair is None:
+            families = (self.instance_stall_seconds, self.instance_stalls) if per_instance else (self.stall_seconds,
+                                                                                                 self.stalls)
+            pair = self._stall_series[key] = (families[0].labels(*labels), families[1].labels(*labels))
+        return pair
 
     def exposition(self, accept: str) -> tuple[bytes, str]:
         if "application/openmetrics-text" in accept:
