@@ -47,8 +47,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pdproxy.sim.presets import (REAL_DECODE_ITL_MS, REAL_NIXL_XFER_MS, REAL_PD_TTFT_MS,  # noqa: E402
-                                 REAL_PREFILL_TTFT_MS)
+from pdproxy.sim.presets import (REAL_DECODE_ITL_MS, REAL_KV_ARRIVAL_STALL_MS, REAL_NIXL_XFER_2GPU_MS,  # noqa: E402
+                                 REAL_NIXL_XFER_MS, REAL_PD_TTFT_MS, REAL_PREFILL_TTFT_MS)
 from pdproxy.sim.probe import Timed, pd_request, timed_request  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -218,6 +218,28 @@ async def pd_curve(sims: Sims, report: Report, rng: random.Random) -> None:
     sims.stop_all()
 
 
+async def pd_2gpu_curve(sims: Sims, report: Report, rng: random.Random) -> None:
+    p = sims.start("prefill", "--preset", "h200-llama8b-2gpu")
+    d = sims.start("decode", "--preset", "h200-llama8b-2gpu")
+    print("\nNIXL transfer on the two-GPU preset (P and D on two H200s): median of 3")
+    print(f"{'tokens':>8} {'xfer sim':>9} {'real':>9} {'dev':>8}")
+    async with aiohttp.ClientSession() as s:
+        for i in range(3):
+            await pd_request(s, p.url, d.url, COMPLETIONS, {"prompt": token_prompt(64, rng), "max_tokens": 2,
+                                                            "stream": True}, f"warm2-{i}")
+        for n, real in REAL_NIXL_XFER_2GPU_MS.items():
+            xfers = []
+            for i in range(3):
+                before = await metric_sum(s, d.url, "vllm:nixl_xfer_time_seconds_sum")
+                r = await pd_request(s, p.url, d.url, COMPLETIONS,
+                                     {"prompt": token_prompt(n, rng), "max_tokens": 2, "stream": True},
+                                     f"cal2-{n}-{i}")
+                assert r.ok, (r.prefill.error, r.decode and r.decode.error)
+                xfers.append((await metric_sum(s, d.url, "vllm:nixl_xfer_time_seconds_sum") - before) * 1000)
+            print(f"{n:>8} " + report.compare(f"NIXL transfer 2 GPUs {n}", float(np.median(xfers)), real))
+    sims.stop_all()
+
+
 # ---- 2. mixed load -----------------------------------------------------------------------------------
 @dataclass
 class MixedResult:
@@ -235,9 +257,9 @@ class MixedResult:
 
 async def mixed_load(name: str, gpus: int, single_url: str | None, pd_urls: tuple[str, str] | None,
                      seconds: float, warmup: float, rng: random.Random, streams: int = 24,
-                     long_tokens: int = 3000) -> MixedResult:
-    """Closed-loop streams plus one long prompt per second; stats over requests started after warm-up
-    and finished before the end; chunks/s and tokens/s over the measured window."""
+                     long_tokens: int = 3000, stream_tokens: int = 200, long_every: float = 1.0) -> MixedResult:
+    """Closed-loop streams plus one long prompt every `long_every` s; stats over requests started after
+    warm-up and finished before the end; chunks/s and tokens/s over the measured window."""
     res = MixedResult(name, gpus)
     start = time.perf_counter()
     t_measure, t_end = start + warmup, start + warmup + seconds
@@ -275,14 +297,14 @@ async def mixed_load(name: str, gpus: int, single_url: str | None, pd_urls: tupl
         await asyncio.sleep(offset)
         while time.perf_counter() < t_end:
             sent = time.perf_counter()
-            t, ttft = await one(session, 200, 256)
+            t, ttft = await one(session, stream_tokens, 256)
             account(t, ttft, sent, False)
 
     async def long_worker(session: aiohttp.ClientSession) -> None:
         tasks = []
         k = 0
         while True:
-            at = start + 0.5 + k
+            at = start + 0.5 + k * long_every
             if at >= t_end - 1.0:
                 break
             await asyncio.sleep(max(0.0, at - time.perf_counter()))
@@ -392,6 +414,44 @@ async def mixed_section(sims: Sims, report: Report, rng: random.Random, seconds:
                  f"p50 {pd['long_ttft'][0]:.0f} vs {big['long_ttft'][0]:.0f} ms")
 
 
+def kv_arrival_overlap(r: MixedResult) -> tuple[list[float], list[float]]:
+    """Per-request max gap (ms) of the streams whose decode window (first to last token) held a long
+    prompt's KV arrival (its first token), and of the others: the recording's request-level view."""
+    arrivals = sorted(t.chunk_times[0] for t in r.longs if t.chunk_times)
+    with_, others = [], []
+    for t in r.streams:
+        if t.max_gap is None or len(t.chunk_times) < 2:
+            continue
+        a, b = t.chunk_times[0], t.chunk_times[-1]
+        hit = any(a <= x <= b for x in arrivals)
+        (with_ if hit else others).append(t.max_gap * 1000)
+    return with_, others
+
+
+async def kv_stall_section(sims: Sims, report: Report, rng: random.Random, seconds: float, warmup: float) -> None:
+    print(f"\nKV-arrival stall: P/D on the two-GPU preset, the recorded workload (16 streams of 453-token prompts "
+          f"x 256 tokens, one 4520-token prompt x 16 every 2 s), {seconds:.0f} s after {warmup:.0f} s warm-up")
+    p = sims.start("prefill", "--preset", "h200-llama8b-2gpu")
+    d = sims.start("decode", "--preset", "h200-llama8b-2gpu")
+    res = await mixed_load("P/D (2 GPUs), recorded workload", 2, None, (p.url, d.url), seconds, warmup, rng,
+                           streams=16, long_tokens=4520, stream_tokens=453, long_every=2.0)
+    sims.stop_all()
+    with_, others = kv_arrival_overlap(res)
+    real = REAL_KV_ARRIVAL_STALL_MS
+    print(f"  streams with a long KV arrival in their decode window: {len(with_)}, others: {len(others)}; "
+          f"max gap p50 {pct(with_, 50):.1f} vs {pct(others, 50):.1f} ms (real {real['with_large_kv_arrival']} vs "
+          f"{real['others']})")
+    enough = len(with_) >= 20 and len(others) >= 5
+    report.check("enough streams on both sides of the split", enough, f"{len(with_)} with, {len(others)} without")
+    if enough:
+        print("  with a KV arrival, max gap p50 " + report.compare("KV-arrival stall (max gap p50)", pct(with_, 50),
+                                                                    real["with_large_kv_arrival"]))
+        report.check("streams that saw a long prompt's KV arrive stall longer than the others (> 1.5x)",
+                     pct(with_, 50) > 1.5 * pct(others, 50),
+                     f"p50 {pct(with_, 50):.1f} vs {pct(others, 50):.1f} ms (real x"
+                     f"{real['with_large_kv_arrival'] / real['others']:.1f})")
+
+
 async def collapse_section(sims: Sims, report: Report, rng: random.Random, seconds: float) -> None:
     print(f"\nTransfer-link collapse: P/D on the one-GPU preset (0.341 GB/s), 24 streams + one 2000-token prompt "
           f"per second, {seconds:.0f} s (offered KV ~0.7 GB/s > link)")
@@ -425,6 +485,9 @@ async def main() -> int:
     ap.add_argument("--mixed-seconds", type=float, default=24.0, help="measured seconds per mixed-load set-up")
     ap.add_argument("--warmup-seconds", type=float, default=5.0, help="warm-up excluded from mixed-load stats")
     ap.add_argument("--collapse-seconds", type=float, default=10.0, help="length of the link-collapse run (0: skip)")
+    ap.add_argument("--kv-stall-seconds", type=float, default=20.0,
+                    help="length of the KV-arrival stall run on the recorded 2-GPU workload (0: skip)")
+    ap.add_argument("--only-kv-stall", action="store_true", help="only the 2-GPU link curve and the KV-arrival stall")
     ap.add_argument("--skip-mixed", action="store_true", help="only the calibration curves")
     ap.add_argument("--skip-curves", action="store_true", help="only the mixed load")
     args = ap.parse_args()
@@ -433,12 +496,19 @@ async def main() -> int:
     sims = Sims()
     t0 = time.monotonic()
     try:
+        if args.only_kv_stall:
+            args.skip_curves = args.skip_mixed = True
+            await pd_2gpu_curve(sims, report, rng)
+            await kv_stall_section(sims, report, rng, args.kv_stall_seconds, args.warmup_seconds)
         if not args.skip_curves:
             await prefill_curve(sims, report, rng)
             await itl_curve(sims, report, rng)
             await pd_curve(sims, report, rng)
+            await pd_2gpu_curve(sims, report, rng)
         if not args.skip_mixed:
             await mixed_section(sims, report, rng, args.mixed_seconds, args.warmup_seconds)
+            if args.kv_stall_seconds > 0:
+                await kv_stall_section(sims, report, rng, args.kv_stall_seconds, args.warmup_seconds)
             if args.collapse_seconds > 0:
                 await collapse_section(sims, report, rng, args.collapse_seconds)
     finally:
