@@ -125,7 +125,8 @@ class RequestTrace:
         self.t.decode_sent = now()
         self.decode_instance = address
         self.decode_attempts += 1
-        self._activity_started("kv_arrival", address, self.t.prefill_done or self.t.decode_sent)
+        if self.pd_mode:
+            self._activity_started("kv_arrival", address, self.t.prefill_done or self.t.decode_sent)
 
     def decode_headers(self, status: int) -> None:
         self.t.decode_headers = now()
