@@ -191,7 +191,7 @@ class Metrics:
                                               ("instance", "cause"), registry=r)
         self.instance_stalls = Counter("pdproxy_instance_stalls", "Stalls by cause per instance that streamed",
                                        ("instance", "cause"), registry=r)
-        self._stall_series: dict[tuple, tuple[Any, Any]] = {}
+        self._stall_series: dict[tuple[str, ...], tuple[Any, ...]] = {}
         self.tokens = Counter("pdproxy_tokens", "Tokens reported by the instances' usage", BASE_LABELS + ("type",),
                               registry=r)
         self.spans_dropped = Counter("pdproxy_spans_dropped", "Spans lost before reaching the collector", ("reason",),
@@ -244,23 +244,28 @@ class Metrics:
 
     def record_stalls(self, stalls: list[Attributed], mode: str, deployment: str, instance: str | None,
                       trace_id: str | None) -> None:
-        """Each attributed stall, by cause; the exemplar is the stalled request's trace (the victim's)."""
-        ex = {"trace_id": trace_id} if trace_id else None
+        """A request's attributed stalls, by cause (one increment per cause and request); the stall-seconds
+        exemplar is the stalled request's trace (the victim's)."""
+        by_cause: dict[str, list[float]] = {}
         for s in stalls:
             cause = s.cause if s.cause in LIVE_CAUSES else "none"
-            for seconds, count in (self._stall_counters(False, (mode, deployment, self.run, cause)),
-                                   self._stall_counters(True, (instance or "unknown", cause))):
-                seconds.inc(s.duration, exemplar=ex)
-                count.inc(exemplar=ex)
-
-    def _stall_counters(self, per_instance: bool, labels: tuple[str, ...]) -> tuple[Any, Any]:
-        key = (per_instance, *labels)
-        pair = self._stall_series.get(key)
-        if pair is None:
-            families = (self.instance_stall_seconds, self.instance_stalls) if per_instance else (self.stall_seconds,
-                                                                                                 self.stalls)
-            pair = self._stall_series[key] = (families[0].labels(*labels), families[1].labels(*labels))
-        return pair
+            seconds_count = by_cause.setdefault(cause, [0.0, 0])
+            seconds_count[0] += s.duration
+            seconds_count[1] += 1
+        ex = {"trace_id": trace_id} if trace_id else None
+        where = instance or "unknown"
+        for cause, (seconds, count) in by_cause.items():
+            key = (mode, deployment, where, cause)
+            series = self._stall_series.get(key)
+            if series is None:
+                series = self._stall_series[key] = (
+                    self.stall_seconds.labels(mode, deployment, self.run, cause),
+                    self.stalls.labels(mode, deployment, self.run, cause),
+                    self.instance_stall_seconds.labels(where, cause), self.instance_stalls.labels(where, cause))
+            series[0].inc(seconds, exemplar=ex)
+            series[1].inc(count)
+            series[2].inc(seconds)
+            series[3].inc(count)
 
     def exposition(self, accept: str) -> tuple[bytes, str]:
         if "application/openmetrics-text" in accept:

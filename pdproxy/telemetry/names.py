@@ -31,7 +31,7 @@ STALL_CAUSE = "pd.stall.cause"
 STALL_CULPRITS = "pd.stall.culprits"  # how many other requests' activities coincided
 STALL_CULPRIT_IDS = "pd.stall.culprit_ids"  # their request ids, largest prompt first
 MAX_STALL_CULPRIT_IDS = 4
-MAX_STALL_LINKS = 16  # per pd.decode span: links to the culprits' pd.decode (P/D) or pd.prefill (single)
+MAX_STALL_LINKS = 8  # per pd.decode span: links to the culprits' pd.decode (P/D) or pd.prefill (single)
 MAX_ATTRIBUTED_STALLS = 256  # per request, the longest: what the by-cause metrics count
 # pd.decode attributes: the request's stall seconds per cause (the collector's by-cause sums read them)
 STALL_TIME = "pd.stall.time."  # + cause

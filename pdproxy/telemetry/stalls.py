@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Iterable, Protocol, Sequence, TypeVar
 
-from pdproxy.telemetry import names as n
 
 # -- the rule -----------------------------------------------------------------------------------
 
@@ -59,12 +58,22 @@ def pick(found: Iterable[C], request_id: str) -> tuple[str, list[C]]:
     Another request's activity only (a request's own KV arrival or prefill precedes its stream);
     a preemption counts whoever it hit.
     """
-    found = list(found)
-    for kind in PRIORITY:
-        hits = [a for a in found if a.kind == kind and (a.request_id != request_id or kind == "preemption")]
-        if hits:
-            return kind, sorted(hits, key=lambda a: -a.tokens)
-    return "none", []
+    best, hits = len(PRIORITY), []
+    for a in found:
+        rank = _RANK.get(a.kind, best + 1)
+        if rank > best or (a.request_id == request_id and a.kind != "preemption"):
+            continue
+        if rank < best:
+            best, hits = rank, [a]
+        else:
+            hits.append(a)
+    if not hits:
+        return "none", []
+    hits.sort(key=lambda a: -a.tokens)
+    return PRIORITY[best], hits
+
+
+_RANK = {kind: i for i, kind in enumerate(PRIORITY)}
 
 
 # -- the live record ----------------------------------------------------------------------------
@@ -210,7 +219,8 @@ class StallRecords:
 
 
 def span_links(stalls: Iterable[Attributed], limit: int) -> list[tuple[int, int, dict[str, str]]]:
-    """OTel links from the stalled request's pd.decode to its culprits' spans, each culprit once."""
+    """OTel links from the stalled request's pd.decode to its culprits' spans, each culprit once (the
+    culprits' ids and the cause are on the pd.stall events; links carry only where to jump)."""
     out: list[tuple[int, int, dict[str, str]]] = []
     seen: set[int] = set()
     for s in stalls:
@@ -218,7 +228,7 @@ def span_links(stalls: Iterable[Attributed], limit: int) -> list[tuple[int, int,
             if a.trace_id is None or a.span_id is None or a.span_id in seen:
                 continue
             seen.add(a.span_id)
-            out.append((a.trace_id, a.span_id, {n.STALL_CAUSE: s.cause, n.REQUEST_ID: a.request_id}))
+            out.append((a.trace_id, a.span_id, {}))
             if len(out) >= limit:
                 return out
     return out
