@@ -618,12 +618,11 @@ def from_traces() -> dict:
                      [prom(TRACE.rate("pdproxy_trace_stall_time_seconds_total", by="pd_stall_cause"),
                            "traces {{pd_stall_cause}}"),
                       prom(STALLS.rate("pdproxy_stall_seconds_total", by="cause"), "proxy {{cause}}")]), w=12)
-    L.add(timeseries("Stall events by cause and decode instance (span_metrics) [stall]",
-                     ITL_DEFINITIONS["stall"] + " pd.stall span events on pd.decode counted by the span_metrics "
-                     "connector, by pd.stall.cause and the decode instance (server.address).",
-                     [prom(SPANS.rate("traces_span_metrics_events_total", 'span_name="pd.decode"', 'pd_stall_cause!=""',
-                                      by="pd_stall_cause, server_address"), "{{pd_stall_cause}} {{server_address}}")],
-                     "short"), w=12)
+    L.add(timeseries("Stalls by cause and decode instance from traces [stall]",
+                     ITL_DEFINITIONS["stall"] + " The collector sums pd.decode's pd.stall.count.<cause> by cause "
+                     "and by the instance that streamed (server.address: the decode in P/D).",
+                     [prom(TRACE.rate("pdproxy_trace_stalls_total", by="pd_stall_cause, server_address"),
+                           "{{pd_stall_cause}} {{server_address}}")], "short"), w=12)
 
     L.row("TraceQL metrics (Tempo 3: any numeric span attribute)")
     L.add(timeseries("Tail ITL quantiles from stored traces [per-request max gap]",

@@ -389,9 +389,6 @@ def collector_prometheus_names() -> tuple[set[str], set[str]]:
     assert sm["histogram"]["unit"] == "s"
     series |= {f"{ns}_duration_seconds{s}" for s in ("_bucket", "_sum", "_count")} | {f"{ns}_calls_total"}
     labels |= {"service_name", "span_name", "span_kind", "status_code"} | {label(d["name"]) for d in sm["dimensions"]}
-    if sm.get("events", {}).get("enabled"):  # span events counted by their attributes (the pd.stall causes)
-        series.add(f"{ns}_events_total")
-        labels |= {label(d["name"]) for d in sm["events"]["dimensions"]}
     return series, labels
 
 

@@ -161,8 +161,9 @@ def test_every_stalled_decode_span_names_causes_and_links_its_culprits(which, re
         causes = [attrs(e).get("pd.stall.cause") for e in events]
         assert all(c in CAUSES for c in causes), causes
         span_attrs = attrs(sp)
-        for cause in set(causes):  # the per-cause seconds the collector sums
+        for cause in set(causes):  # the per-cause seconds and stalls the collector sums
             assert span_attrs[f"pd.stall.time.{cause}"] > 0
+            assert int(span_attrs[f"pd.stall.count.{cause}"]) >= causes.count(cause)
         if any(c != "none" for c in causes):
             links = sp.get("links", [])
             assert links, f"{rid}: stalls put down to others but no links"

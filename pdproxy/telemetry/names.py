@@ -33,8 +33,9 @@ STALL_CULPRIT_IDS = "pd.stall.culprit_ids"  # their request ids, largest prompt 
 MAX_STALL_CULPRIT_IDS = 4
 MAX_STALL_LINKS = 8  # per pd.decode span: links to the culprits' pd.decode (P/D) or pd.prefill (single)
 MAX_ATTRIBUTED_STALLS = 256  # per request, the longest: what the by-cause metrics count
-# pd.decode attributes: the request's stall seconds per cause (the collector's by-cause sums read them)
+# pd.decode attributes: the request's stall seconds and stalls per cause (the collector sums them by cause)
 STALL_TIME = "pd.stall.time."  # + cause
+STALL_COUNT = "pd.stall.count."  # + cause
 
 # kv_transfer span attributes
 HANDOFF_GAP = "pd.handoff.gap"

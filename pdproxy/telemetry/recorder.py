@@ -334,12 +334,13 @@ def _culprit_ids(stall: Attributed) -> dict[str, list[str]]:
     return {n.STALL_CULPRIT_IDS: ids} if ids else {}
 
 
-def _stall_times(stalls: list[Attributed]) -> dict[str, float]:
-    """The request's stall seconds per cause: what the collector sums by cause."""
-    out: dict[str, float] = {}
+def _stall_times(stalls: list[Attributed]) -> dict[str, float | int]:
+    """The request's stall seconds and stalls per cause: what the collector sums by cause."""
+    out: dict[str, float | int] = {}
     for s in stalls:
-        key = n.STALL_TIME + s.cause
-        out[key] = out.get(key, 0.0) + s.duration
+        seconds, count = n.STALL_TIME + s.cause, n.STALL_COUNT + s.cause
+        out[seconds] = out.get(seconds, 0.0) + s.duration
+        out[count] = out.get(count, 0) + 1
     return out
 
 
