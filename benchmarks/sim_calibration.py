@@ -15,7 +15,9 @@ Starts simulated instances as processes on 127.0.0.1 and compares with
    prompt x 16 tokens per second) against single (max-num-batched-tokens 16384), single with
    2048-token chunked prefill, and P/D over the two-GPU link, with the real table beside it and
    the orderings checked: big-step single has the worst per-request tail ITL, chunked prefill
-   bounds it, P/D removes the stall but does not raise throughput. A last short run shows the
+   bounds it, P/D's tail sits between them (no prefill on the decode, but KV arrivals stall it) and
+   P/D does not raise throughput; then the recorded 2-GPU workload's KV-arrival stall (streams whose
+   decode window held a long prompt's KV arrival against the others). A last short run shows the
    transfer-link collapse of the one-GPU preset (offered KV bytes above the link bandwidth).
 
 Percentiles: numpy linear. Exit status 0 when every check passes. Run it on a quiet machine: the
@@ -188,6 +190,22 @@ async def itl_curve(sims: Sims, report: Report, rng: random.Random) -> None:
     sims.stop_all()
 
 
+async def warm_pd(s: aiohttp.ClientSession, p: Sim, d: Sim, rng: random.Random, name: str) -> None:
+    for i in range(3):
+        await pd_request(s, p.url, d.url, COMPLETIONS, {"prompt": token_prompt(64, rng), "max_tokens": 2,
+                                                        "stream": True}, f"{name}-{i}")
+
+
+async def transfer(s: aiohttp.ClientSession, p: Sim, d: Sim, tokens: int, rng: random.Random,
+                   name: str) -> tuple[float, Any]:
+    """One P/D request of `tokens` prompt tokens: its KV transfer (ms, the decode's own metric) and result."""
+    before = await metric_sum(s, d.url, "vllm:nixl_xfer_time_seconds_sum")
+    r = await pd_request(s, p.url, d.url, COMPLETIONS, {"prompt": token_prompt(tokens, rng), "max_tokens": 2,
+                                                        "stream": True}, name)
+    assert r.ok, (r.prefill.error, r.decode and r.decode.error)
+    return (await metric_sum(s, d.url, "vllm:nixl_xfer_time_seconds_sum") - before) * 1000, r
+
+
 async def pd_curve(sims: Sims, report: Report, rng: random.Random) -> None:
     p = sims.start("prefill")
     d = sims.start("decode")
@@ -195,19 +213,13 @@ async def pd_curve(sims: Sims, report: Report, rng: random.Random) -> None:
     print(f"{'tokens':>8} {'MB':>7} | {'xfer sim':>9} {'real':>9} {'dev':>8}      | {'P/D TTFT':>9} {'real':>9} "
           f"{'dev':>8}      | prefill  hand-off")
     async with aiohttp.ClientSession() as s:
-        for i in range(3):
-            await pd_request(s, p.url, d.url, COMPLETIONS, {"prompt": token_prompt(64, rng), "max_tokens": 2,
-                                                            "stream": True}, f"warm-{i}")
+        await warm_pd(s, p, d, rng, "warm")
         for n in REAL_NIXL_XFER_MS:
             xfers, ttfts, prefills, mbs = [], [], [], []
             for i in range(3):
-                before = await metric_sum(s, d.url, "vllm:nixl_xfer_time_seconds_sum")
                 bytes_before = await metric_sum(s, d.url, "vllm:nixl_bytes_transferred_sum")
-                r = await pd_request(s, p.url, d.url, COMPLETIONS,
-                                     {"prompt": token_prompt(n, rng), "max_tokens": 2, "stream": True},
-                                     f"cal-{n}-{i}")
-                assert r.ok, (r.prefill.error, r.decode and r.decode.error)
-                xfers.append((await metric_sum(s, d.url, "vllm:nixl_xfer_time_seconds_sum") - before) * 1000)
+                xfer, r = await transfer(s, p, d, n, rng, f"cal-{n}-{i}")
+                xfers.append(xfer)
                 mbs.append((await metric_sum(s, d.url, "vllm:nixl_bytes_transferred_sum") - bytes_before) / 1e6)
                 ttfts.append(r.ttft * 1000)
                 prefills.append((r.prefill.done_at - r.prefill.sent_at) * 1000)
@@ -224,18 +236,9 @@ async def pd_2gpu_curve(sims: Sims, report: Report, rng: random.Random) -> None:
     print("\nNIXL transfer on the two-GPU preset (P and D on two H200s): median of 3")
     print(f"{'tokens':>8} {'xfer sim':>9} {'real':>9} {'dev':>8}")
     async with aiohttp.ClientSession() as s:
-        for i in range(3):
-            await pd_request(s, p.url, d.url, COMPLETIONS, {"prompt": token_prompt(64, rng), "max_tokens": 2,
-                                                            "stream": True}, f"warm2-{i}")
+        await warm_pd(s, p, d, rng, "warm2")
         for n, real in REAL_NIXL_XFER_2GPU_MS.items():
-            xfers = []
-            for i in range(3):
-                before = await metric_sum(s, d.url, "vllm:nixl_xfer_time_seconds_sum")
-                r = await pd_request(s, p.url, d.url, COMPLETIONS,
-                                     {"prompt": token_prompt(n, rng), "max_tokens": 2, "stream": True},
-                                     f"cal2-{n}-{i}")
-                assert r.ok, (r.prefill.error, r.decode and r.decode.error)
-                xfers.append((await metric_sum(s, d.url, "vllm:nixl_xfer_time_seconds_sum") - before) * 1000)
+            xfers = [(await transfer(s, p, d, n, rng, f"cal2-{n}-{i}"))[0] for i in range(3)]
             print(f"{n:>8} " + report.compare(f"NIXL transfer 2 GPUs {n}", float(np.median(xfers)), real))
     sims.stop_all()
 
@@ -401,10 +404,12 @@ async def mixed_section(sims: Sims, report: Report, rng: random.Random, seconds:
                  chunked["max_itl"][1] < 100 and chunked["gap100"] <= 2.0,
                  f"p90 max ITL {chunked['max_itl'][1]:.0f} ms, gap>100ms {chunked['gap100']:.1f} % "
                  f"(single: {big['max_itl'][1]:.0f} ms, {big['gap100']:.1f} %)")
-    report.check("P/D removes prefill from the decode steps (tail ITL below chunked)",
-                 pd["max_itl"][0] < chunked["max_itl"][0] and pd["max_itl"][1] < chunked["max_itl"][1],
-                 f"p50/p90 max ITL {pd['max_itl'][0]:.0f}/{pd['max_itl'][1]:.0f} ms vs chunked "
-                 f"{chunked['max_itl'][0]:.0f}/{chunked['max_itl'][1]:.0f} ms")
+    # real: P/D 65 ms p50 against chunked 53 and single 85: prefill is off the decode steps, but the long
+    # prompts' KV arrivals stall the decode (the 2-GPU preset's kv_pull_stalls_decode) about as long
+    report.check("P/D takes the prefill stall off the decode but stalls on KV arrivals (chunked <= P/D < single)",
+                 chunked["max_itl"][0] <= pd["max_itl"][0] < big["max_itl"][0],
+                 f"p50 max ITL chunked {chunked['max_itl'][0]:.0f} <= P/D {pd['max_itl'][0]:.0f} < single "
+                 f"{big['max_itl'][0]:.0f} ms (real 53 <= 65 < 85)")
     ratio = pd["tokens_s"] / big["tokens_s"]
     report.check("P/D does not raise throughput (tokens/s within 15 % of single, i.e. about half per GPU)",
                  ratio < 1.15, f"P/D {pd['tokens_s']:.0f} vs single {big['tokens_s']:.0f} tokens/s "

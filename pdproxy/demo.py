@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=2048, help="max-num-batched-tokens of the chunked set-up")
     stall = p.add_mutually_exclusive_group()
     stall.add_argument("--kv-pull-stalls-decode", dest="kv_pull_stalls_decode", action="store_true", default=None,
-                       help="P/D decodes start no step while a KV pull is in flight, as recorded on two real H200s "
+                       help="P/D decodes start no step for a KV pull's link time, as recorded on two real H200s "
                             "(research/real-traces): the decode's streams stall on other requests' KV arrivals "
                             "(the default preset h200-llama8b-2gpu does)")
     stall.add_argument("--no-kv-pull-stalls-decode", dest="kv_pull_stalls_decode", action="store_false",

@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV bytes per prompt token (preset: 131072, Llama-3.1-8B bf16)")
     stall = g.add_mutually_exclusive_group()
     stall.add_argument("--kv-pull-stalls-decode", dest="kv_pull_stalls_decode", action="store_true", default=None,
-                       help="decode: start no engine step while a KV pull is in flight, so the other streams "
+                       help="decode: start no engine step for a KV pull's own link time, so the other streams "
                             "stall for the transfer, as recorded on two real H200s (preset: on in h200-llama8b-2gpu, "
                             "off in the others)")
     stall.add_argument("--no-kv-pull-stalls-decode", dest="kv_pull_stalls_decode", action="store_false",

@@ -66,7 +66,8 @@ class Preset:
     max_num_batched_tokens: int
     max_num_seqs: int
     enable_chunked_prefill: bool = True
-    # decode: no engine step starts while a remote KV pull is in flight, so the decode's other streams
+    # decode: while a remote KV pull is in flight no engine step starts for the transfer's own link time
+    # (latency + bytes / bandwidth, queueing on the link not counted), so the decode's other streams
     # stall for the transfer. Seen in the recorded vLLM 0.23 traces on two H200s (research/real-traces):
     # streams whose decode window holds a 4.5k-token KV arrival have a max gap of 62 ms (about that
     # transfer plus one step) against 21 ms for the others, the gap inside that request's KV wait; not

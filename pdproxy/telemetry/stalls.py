@@ -116,8 +116,8 @@ class InstanceRecord:
     def __init__(self, window_ns: int, limit: int) -> None:
         self.window_ns = window_ns
         self.limit = limit
-        self.closed: deque[Activity] = deque(maxlen=limit)
-        self.starts: deque[int] = deque(maxlen=limit)  # the same activities' starts, for bisecting
+        self.closed: deque[Activity] = deque()  # at most `limit`: _keep drops the oldest first
+        self.starts: deque[int] = deque()  # the same activities' starts, for bisecting
         self.open: dict[int, Activity] = {}  # by id(): going on, looked at on every query
         self.longest = 0  # ns: the longest closed activity kept bounds how far back one can start
 
@@ -166,9 +166,6 @@ class InstanceRecord:
             if a.end >= lo:
                 out.append(a)
         return out
-
-    def __len__(self) -> int:
-        return len(self.closed) + len(self.open)
 
 
 @dataclass
