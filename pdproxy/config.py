@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -49,6 +50,7 @@ class Settings:
     decode_policy: str = "round_robin"
     connect_timeout: float = 10.0
     read_timeout: float = 600.0
+    upstream_keep_alive: float = 4.0
     prefill_retries: int = 1
     decode_retries: int = 1
     retry_backoff: float = 0.05
@@ -58,10 +60,11 @@ class Settings:
     health_check_path: str = "/health"
     eject_after_failures: int = 3
     eject_seconds: float = 10.0
+    max_ejection_percent: float = 50.0
     max_inflight: int = 0
     max_queue: int = 1024
     queue_timeout: float = 30.0
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int = 8 * 1024 * 1024  # worst JSON shape: ~27 MB RSS per body MB (benchmarks/body_memory.py)
     body_timeout: float = 30.0
     write_timeout: float = 60.0
     keep_alive_timeout: float = 75.0
@@ -75,6 +78,9 @@ class Settings:
     otlp_endpoint: str | None = None
     otlp_protocol: str | None = None
     trace_file: str | None = None
+    trace_file_max_bytes: int = 256 * 1024 * 1024
+    trace_file_backups: int = 3
+    trace_rejected_rate: float = 10.0
     span_queue_size: int = 8192
     run_label: str = ""
     served_model_name: list[str] = field(default_factory=list)
@@ -121,6 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument("--decode-policy", choices=POLICIES, help="selection policy for decode instances")
     route.add_argument("--connect-timeout", type=float, help="seconds to open a connection to an instance (default 10)")
     route.add_argument("--read-timeout", type=float, help="seconds an instance may stay silent mid-response (default 600)")
+    route.add_argument("--upstream-keep-alive", type=float,
+                       help="seconds an idle connection to an instance is kept for reuse; keep it below the instances' "
+                            "own idle timeout (vLLM's uvicorn: 5); 0: a new connection per request (default 4)")
     route.add_argument("--prefill-retries", type=int, help="extra prefill attempts on another instance after 5xx/connect errors (default 1)")
     route.add_argument("--decode-retries", type=int, help="extra decode attempts before the first byte reached the client (default 1)")
     route.add_argument("--retry-backoff", type=float, help="base of the jittered exponential backoff between attempts, seconds (default 0.05)")
@@ -131,13 +140,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument("--health-check-timeout", type=float, help="seconds a health check may take (default 2)")
     route.add_argument("--health-check-path", help="instance path probed by health checks (default /health)")
     route.add_argument("--eject-after-failures", type=int,
-                       help="consecutive failures (connect errors, timeouts, 5xx) that eject an instance; 0 disables (default 3)")
+                       help="consecutive failures an instance is to blame for (connect errors and timeouts, dropped "
+                            "connections, 5xx; not read timeouts) that eject it; 0 disables (default 3)")
     route.add_argument("--eject-seconds", type=float,
                        help="how long an ejected instance stays out, times its ejections in a row (max 6x) (default 10)")
+    route.add_argument("--max-ejection-percent", type=float,
+                       help="largest share of a pool's instances that failures may eject at once; at least one always "
+                            "stays in rotation (default 50, as Envoy's max_ejection_percent)")
     route.add_argument("--max-inflight", type=int, help="requests served at once; 0 = unlimited (default 0)")
     route.add_argument("--max-queue", type=int, help="requests waiting for a slot beyond --max-inflight before 503 (default 1024)")
     route.add_argument("--queue-timeout", type=float, help="seconds a request may wait for a slot before 503 (default 30)")
-    route.add_argument("--max-body-bytes", type=int, help="largest request body accepted; larger gets 413 (default 32 MiB)")
+    route.add_argument("--max-body-bytes", type=int, help="largest request body accepted; larger gets 413 (default 8 MiB: '[{},{},...]' costs 27x its size in memory)")
     route.add_argument("--body-timeout", type=float, help="seconds a client may take to send its request body; then 408 (default 30)")
     route.add_argument("--write-timeout", type=float,
                        help="seconds a client may leave streamed data unread before it is cut off and its decode "
@@ -165,6 +178,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tel.add_argument("--otlp-endpoint", help="OTLP collector endpoint (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)")
     tel.add_argument("--otlp-protocol", choices=("grpc", "http/protobuf"), help="OTLP protocol (default: OTEL_EXPORTER_OTLP_PROTOCOL or grpc)")
     tel.add_argument("--trace-file", help="also write spans as OTLP-JSON lines (the Collector file-exporter format) to this file")
+    tel.add_argument("--trace-file-max-bytes", type=int,
+                     help="size bound of --trace-file: a write that would pass it first rotates the file to FILE.1 "
+                          "(FILE.1 to FILE.2, ...); 0 = unbounded, else at least 1 MiB (default 256 MiB)")
+    tel.add_argument("--trace-file-backups", type=int,
+                     help="rotated trace files kept (FILE.1 ... FILE.N), the oldest deleted; 0 keeps none "
+                          "(default 3)")
+    tel.add_argument("--trace-rejected-rate", type=float,
+                     help="requests refused before admission (401, 400, 413, 415, 429, 503...) traced per second at "
+                          "most; the rest are counted in /metrics but not traced; 0 traces none (default 10)")
     tel.add_argument("--span-queue-size", type=int, help="spans buffered for export before new ones are dropped and counted (default 8192)")
     tel.add_argument("--stall-threshold", type=float, help="a token gap above this many seconds counts as a stall (default 0.1)")
     tel.add_argument("--no-stall-attribution", dest="stall_attribution", action="store_false",
@@ -278,8 +300,16 @@ def _parse_url_group(group: list[str]) -> list[str]:
         elif re.fullmatch(r"\[?[\w.:-]+\]?:\d+", token):
             urls.append("http://" + token)
         else:
-            raise ConfigError(f"instance {token!r} is neither a URL (http://host:port) nor host:port")
+            raise ConfigError(f"instance {redact_url(token)!r} is neither a URL (http://host:port) nor host:port")
     return urls
+
+
+def redact_url(url: str) -> str:
+    """`url` with its credentials (`user:password@`) masked, for anything that shows a URL."""
+    return _USERINFO.sub(lambda m: (m.group(1) or "") + "***@", url, count=1)
+
+
+_USERINFO = re.compile(r"^((?:[a-z][a-z0-9+.-]*:)?//)?[^/?#\s]*@", re.IGNORECASE)
 
 
 def _url(host: str, port: int) -> str:
@@ -387,16 +417,27 @@ def _validate(s: Settings) -> None:
         if getattr(s, name) <= 0:
             raise ConfigError(f"{name.replace('_', '-')} must be > 0")
     non_negative = ("prefill_retries", "decode_retries", "retry_backoff", "health_check_interval", "max_inflight",
-                    "max_queue", "stall_threshold", "eject_after_failures", "eject_seconds", "max_retry_wait")
+                    "max_queue", "stall_threshold", "eject_after_failures", "eject_seconds", "max_retry_wait",
+                    "upstream_keep_alive")
     for name in non_negative:
         if getattr(s, name) < 0:
             raise ConfigError(f"{name.replace('_', '-')} must be >= 0")
+    if not 0 <= s.max_ejection_percent <= 100:
+        raise ConfigError("max-ejection-percent must be between 0 and 100")
     if s.span_queue_size < 1:
         raise ConfigError("span-queue-size must be >= 1")
+    if s.trace_file_max_bytes != 0 and s.trace_file_max_bytes < 1024 * 1024:
+        raise ConfigError("trace-file-max-bytes must be 0 (unbounded) or at least 1048576 (1 MiB)")
+    if s.trace_file_backups < 0 or s.trace_rejected_rate < 0:
+        raise ConfigError("trace-file-backups and trace-rejected-rate must be >= 0")
     if s.max_body_bytes < 1024:
         raise ConfigError("max-body-bytes must be at least 1024")
     if not 0.0 <= s.shadow_sample_rate <= 1.0:
         raise ConfigError("shadow-sample-rate must be between 0 and 1")
+    for url in (*s.prefill_urls, *s.decode_urls, *s.shadow_prefill_urls, *filter(None, [s.shadow_url])):
+        if "@" in urlsplit(url).netloc:  # one rule for every request to an instance: no URL credentials
+            raise ConfigError(f"instance URL {redact_url(url)} carries credentials, which pdproxy does not send; "
+                              "give the instances' key with --upstream-api-key or OPENAI_API_KEY")
     if s.shadow_prefill_urls and not s.shadow_url:
         raise ConfigError("--shadow-prefill needs --shadow-url (the shadow pool's decode instance)")
     if s.workers < 1:

@@ -1,10 +1,13 @@
-"""`pdproxy demo`: single vs chunked prefill vs P/D on simulated vLLM instances, end to end.
+"""`pdproxy demo`: single, chunked prefill, data parallel and P/D on simulated vLLM instances, end to end.
 
 For each set-up, one after the other, it starts real processes on loopback — simulated vLLM
 instances (`pdproxy sim`) and the proxy (`pdproxy serve --trace-file ...`) in front of them —
 drives the same seeded load through the proxy with `pdproxy bench`, stops them, and finally
-prints `pdproxy report`'s comparison of the three (TTFT, ITL, tail ITL, KV transfer, throughput,
-error rate) with the adopt / don't-adopt verdict, plus where records, traces and the HTML page are.
+prints `pdproxy report`'s comparison (TTFT, ITL, tail ITL, KV transfer, throughput, error rate) with
+the adopt / don't-adopt verdicts, plus where records, traces and the HTML page are. The verdict on
+the same resources comes first: P/D against as many single instances behind the proxy as P/D has
+GPUs (`dp`, data parallel); the one against the 1-GPU single and chunked set-ups is a capacity
+comparison, and says so.
 
 The load is the shape measured on real H200s (research/real-vllm-h200.md): closed-loop streams
 with short prompts plus one long prompt at a steady rate. Long prefills stall the streams'
@@ -42,7 +45,7 @@ from pdproxy.bench.report_cli import add_slo_arguments, slo_from
 from pdproxy.bench.workload import TrafficClass, Workload
 
 HOST = "127.0.0.1"
-SETUPS = ("single", "chunked", "pd")
+SETUPS = ("single", "chunked", "dp", "pd")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = ("Results (records, traces, report.json, report.html, process logs) go to a new directory\n"
                 "./pdproxy-demo-YYYYmmdd-HHMMSS in the current directory, or to --output-dir DIR.\n"
                 "Defaults finish in well under 2 minutes on 2 cores. Ctrl-C stops everything it started.")
-    p.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of single,chunked,pd")
+    p.add_argument("--setups", default=",".join(SETUPS),
+                   help="comma-separated subset of single (1 GPU), chunked (1 GPU, chunked prefill), dp (as many "
+                        "single instances behind the proxy as P/D has GPUs: the same-resources baseline) and pd "
+                        "(default: all four)")
     p.add_argument("--xpyd", default="1P1D", help="P/D topology, e.g. 1P1D, 2P1D, 1P2D (default 1P1D)")
     p.add_argument("--duration", type=float, default=16.0, help="seconds of load per set-up, warm-up included (16)")
     p.add_argument("--warmup", type=float, default=3.0, help="seconds excluded from statistics (3)")
@@ -190,6 +196,11 @@ def setup_plan(name: str, args: argparse.Namespace, xpyd: tuple[int, int]) -> di
         cond.update({"pd.mode": "pd", "gpu.count": x + y, "pd.prefill.count": x, "pd.decode.count": y,
                      "pd.kv_connector": "simulated NIXL pull", "vllm.enable_chunked_prefill": "false",
                      "vllm.max_num_batched_tokens": args.batch_tokens})
+    elif name == "dp":  # data parallel: P/D's GPUs as two whole instances behind the proxy, for "same resources"
+        n = sum(xpyd)
+        sims = [(f"single{i}", ["sim", "--role", "single", *common, *batch]) for i in range(n)]
+        cond.update({"pd.mode": "single", "gpu.count": n, "pd.prefill.count": 0, "pd.decode.count": n,
+                     "vllm.enable_chunked_prefill": "false", "vllm.max_num_batched_tokens": args.batch_tokens})
     else:
         chunked = name == "chunked"
         tokens = args.chunk_tokens if chunked else args.batch_tokens

@@ -1,6 +1,6 @@
 """The listening socket: aiohttp's HTTP protocol with deadlines, and JSON errors for unparsable requests.
 
-Two things aiohttp's defaults do not give a proxy on the serving path:
+Three things aiohttp's defaults do not give a proxy on the serving path:
 
 * A deadline for the request head. aiohttp closes a connection that is idle (or still sending its
   request line and headers) after `keepalive_timeout`, 3630 s by default; `--keep-alive-timeout`
@@ -10,6 +10,8 @@ Two things aiohttp's defaults do not give a proxy on the serving path:
   header that is too long, too many headers, or bytes that are not HTTP. aiohttp answers those with
   a text page and logs a traceback per request; here they get a JSON error body, 431 for oversized
   headers (400 otherwise), and one log line at debug level, so hostile input cannot flood the log.
+* No inflating of request bodies (see `handler_options`): vLLM takes none compressed, and aiohttp's
+  own decompression is unbounded work on the event loop.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ def handler_options(settings: Settings) -> dict[str, Any]:
     """Keyword arguments for aiohttp's request handler (also given to the AppRunner)."""
     # After answering before the body was read, aiohttp drains the rest of it (so that closing does
     # not reset the connection under the answer) for `lingering_time`, 10 s by default: bounded here.
+    # `auto_decompress` off: aiohttp would inflate a gzip/deflate body inside the parser, on the loop
+    # and without a bound (a 1 MB bomb is 1 GB), even while draining a body nobody reads. Such a body
+    # is refused with 415 from its head (protocol.check_body_encoding); its bytes are drained as sent.
     return {"keepalive_timeout": settings.keep_alive_timeout, "max_line_size": MAX_LINE_SIZE,
             "max_field_size": MAX_FIELD_SIZE, "max_headers": MAX_HEADERS, "access_log": None,
-            "lingering_time": min(MAX_LINGER, settings.body_timeout)}
+            "lingering_time": min(MAX_LINGER, settings.body_timeout), "auto_decompress": False}
 
 
 class JsonErrorProtocol(web.RequestHandler):

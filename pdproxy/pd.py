@@ -36,8 +36,8 @@ from pdproxy.admission import Admission
 from pdproxy.config import Settings
 from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, retry_after_seconds
 from pdproxy.pool import Instance, Pool
-from pdproxy.protocol import (Route, check_trace_headers, decode_payload, forwardable, new_uuid4, prefill_body,
-                              request_id, validate)
+from pdproxy.protocol import (Route, check_body_encoding, decode_payload, new_uuid4, parse_body, prefill_body,
+                              request_id, valid_traceparent, validate)
 from pdproxy.stream import ClientGone, SlowReaders, WholeEventWriter, relay
 from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.telemetry.clock import now
@@ -79,14 +79,13 @@ class Proxy:
         except ProxyError as err:
             rid, id_error = new_uuid4(), err
         trace = self.recorder.begin(route=route.name, operation=route.operation, chat=route.chat,
-                                    headers=request.headers, request_id=rid, pd_mode=self.prefill is not None)
+                                    headers=self._trace_context(request), request_id=rid,
+                                    pd_mode=self.prefill is not None)
         reply_headers = {"X-Request-Id": rid}
         try:
             if id_error:
                 raise id_error
-            check_trace_headers(request.headers)
-            self.authenticate(request)
-            self.admission.check()  # saturated: refuse before spending anything on the body
+            self.check_head(request)
             body, raw = await self._read_body(request, route)
             trace.set_request(body)
             headers = self._leg_headers(request, trace)
@@ -97,7 +96,7 @@ class Proxy:
         except (ProxyError, UpstreamResponse) as err:
             trace.fail(err.status, err.error_type, err.message)
             response = err.response(reply_headers)
-            if err.status in (408, 413):
+            if err.status in (408, 413, 415):
                 response.force_close()  # the rest of that body is not worth reading
             return response
         except asyncio.CancelledError:
@@ -116,7 +115,7 @@ class Proxy:
         """Admit, choose instances, prefill, open the decode and hand its answer to `deliver`.
 
         The same path serves client requests and their shadow copies; only `deliver` differs. `raw`:
-        the client's bytes of `body` when the decode may get them as they are (`protocol.forwardable`).
+        the client's bytes of `body` when the decode may get them as they are (`protocol.parse_body`).
         """
         async with self.admission.slot():
             prefill_instance = self.prefill.choose() if self.prefill else None
@@ -208,7 +207,8 @@ class Proxy:
                         answer = b""
                     finally:
                         upstream.release()
-                    failure = _status_failure(DECODE, inst, upstream.status, upstream.headers, answer)
+                    failure = _status_failure(DECODE, inst, upstream.status, upstream.headers, answer,
+                                              kv_sent=kv is not None)
             finally:
                 if not handed_over:
                     inst.inflight -= 1  # also when the client's disconnect cancels us here
@@ -236,7 +236,7 @@ class Proxy:
                 return outcome, instance, tries
             if outcome.hold is not None:
                 pool.hold(instance, outcome.hold)
-            if outcome.outlier:
+            if outcome.charged:
                 pool.failed(instance)
             if not outcome.retry or tries > retries:
                 raise outcome.error
@@ -301,6 +301,24 @@ class Proxy:
 
     # -- helpers ----------------------------------------------------------------------------
 
+    def check_head(self, request: web.Request) -> None:
+        """Everything decided from the request head, before a byte of the body is read or invited
+        (`100 Continue`, pdproxy/server.py): its encoding, the API key, capacity, the declared size."""
+        check_body_encoding(request.headers)
+        self.authenticate(request)
+        self.admission.check()  # saturated: refuse before spending anything on the body
+        limit = self.settings.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise _too_large(limit)  # said so up front: not one byte of it is read
+
+    def _trace_context(self, request: web.Request) -> Any:
+        """The headers the request's trace continues from: none when `traceparent` is invalid (W3C
+        Trace Context: ignore it and start a new trace), which is counted."""
+        if valid_traceparent(request.headers):
+            return request.headers
+        self.recorder.metrics.invalid_traceparent.inc()
+        return {}
+
     def authenticate(self, request: web.Request) -> None:
         """Check the client's API key (when --api-key is set); also guards the debug endpoint."""
         if self._key_digest is None:
@@ -314,8 +332,6 @@ class Proxy:
         """The body as a checked JSON object, read within --body-timeout and --max-body-bytes; and its
         bytes when the decode leg may get them as they are."""
         limit = self.settings.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise _too_large(limit)  # said so up front: not one byte of it is read
         try:
             if request.content.is_eof():  # the whole body came with the headers: no deadline to arm
                 raw = await request.read()
@@ -334,11 +350,8 @@ class Proxy:
                              error_type="client_disconnect") from None
         if not raw.strip():
             raise bad_request("request body is empty; send a JSON object")
-        try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            raise bad_request(f"request body is not valid JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
-        return validate(body, route, self.settings.client_kv_params), forwardable(raw)
+        body, forward = parse_body(raw)
+        return validate(body, route, self.settings.client_kv_params), forward
 
     def _leg_headers(self, request: web.Request, trace: RequestTrace) -> dict[str, str]:
         """Headers both legs share. Authorization: the configured upstream key if any, else the
@@ -366,18 +379,24 @@ class _Failure:
 
     error: ProxyError | UpstreamResponse
     retry: bool = True  # may another attempt help?
-    outlier: bool = True  # counts towards the instance's passive ejection
+    outlier: bool = True  # a fault, not load (a busy answer is not one: the request never started)
+    charged: bool = True  # the instance is to blame: counts towards its passive ejection
     hold: float | None = None  # the instance asked for this many seconds of peace (Retry-After)
     reached: bool = True  # the instance got the request (a decode may have used its KV coordinates)
 
 
 def _transport_failure(role: str, instance: Instance, exc: BaseException) -> _Failure:
+    """Connect errors and timeouts, resets and broken answers are the instance's fault; read timeouts
+    are not charged to it: how long an answer takes is the request's doing (a non-streamed decode
+    sends its status line after its last token, so `max_tokens` alone can outlast --read-timeout; a
+    prefill's time grows with the prompt). An instance that hangs outright fails its active health
+    check, which has its own short timeout; retries already steer each request away from it."""
     where = f"{role} instance {instance.address}"
     if isinstance(exc, ConnectTimeout):
         return _Failure(ProxyError(504, f"{where} did not accept a connection in time", error_type="connect_timeout",
                                    stage=role), reached=False)
     if isinstance(exc, TimeoutError):
-        return _Failure(ProxyError(504, f"{where} timed out", error_type="timeout", stage=role))
+        return _Failure(ProxyError(504, f"{where} timed out", error_type="timeout", stage=role), charged=False)
     if isinstance(exc, ConnectFailed):
         return _Failure(ProxyError(503, f"{where} is unreachable ({type(exc).__name__})", error_type="connect_error",
                                    stage=role), reached=False)
@@ -385,23 +404,27 @@ def _transport_failure(role: str, instance: Instance, exc: BaseException) -> _Fa
                                error_type="upstream_disconnect", stage=role))
 
 
-def _status_failure(role: str, instance: Instance, status: int, headers: dict[str, str], raw: bytes) -> _Failure:
+def _status_failure(role: str, instance: Instance, status: int, headers: dict[str, str], raw: bytes,
+                    kv_sent: bool = True) -> _Failure:
     """An error status from an instance. 429, and 503 with Retry-After, mean "busy": retried elsewhere
     without counting against the instance. Other 4xx are the request's fault: relayed at once. 5xx
-    are the instance's fault: retried, counted, and a 502 naming the instance if they persist."""
+    are the instance's fault: retried, counted, and a 502 naming the instance if they persist. A KV
+    load failure is counted only when the decode got the prefill's own coordinates (`kv_sent`):
+    whatever it failed to load otherwise, the proxy did not name it."""
     retry_after = headers.get("retry-after")  # the upstream client lower-cases header names
     advised = retry_after_seconds(retry_after)
     content_type = headers.get("content-type", "application/json")
     if status == 429 or (status == 503 and advised is not None):
         return _Failure(UpstreamResponse(status, raw, content_type, stage=role, retry_after=retry_after),
-                        outlier=False, hold=advised)
+                        outlier=False, charged=False, hold=advised)
     if status < 500:
         return _Failure(UpstreamResponse(status, raw, content_type, stage=role, retry_after=retry_after),
-                        retry=False, outlier=False)
+                        retry=False, outlier=False, charged=False)
     message = _message(raw)
     if role == DECODE and _is_kv_load_failure(message):
         return _Failure(ProxyError(502, f"{role} instance {instance.address} could not load the prompt's KV cache "
-                                        f"({status}: {message})", error_type="kv_load_failed", stage=role))
+                                        f"({status}: {message})", error_type="kv_load_failed", stage=role),
+                        charged=kv_sent)
     return _Failure(ProxyError(502, f"{role} instance {instance.address} answered {status}: {message}",
                                error_type="upstream_5xx", stage=role))
 

@@ -2,10 +2,14 @@
 
 An instance is in rotation when three things hold:
 * its last active health check passed (`GET /health` every few seconds; always true with checks off);
-* it is not passively ejected: `eject_after` consecutive failures (connection errors, timeouts, 5xx)
+* it is not passively ejected: `eject_after` consecutive failures it is to blame for (what counts is
+  decided in pd.py: connection errors, resets, 5xx; not read timeouts, which a long answer causes)
   take it out for `eject_seconds` × the number of ejections in a row (capped at 6×), so a flapping
   instance stays out longer each time. A passing health check does not shorten an ejection: an
-  instance can answer `/health` and still fail every request (a broken KV connector does);
+  instance can answer `/health` and still fail every request (a broken KV connector does). As in
+  Envoy (`max_ejection_percent`), at most that share of the pool is ejected at once, and never its
+  last instance: failures that hit every instance alike (a client's requests, a shared dependency)
+  must not empty the pool;
 * it has not asked to be left alone: a 429/503 with `Retry-After` holds it until then. That is
   load, not a fault, so it does not count towards ejection.
 
@@ -31,6 +35,7 @@ log = logging.getLogger("pdproxy.pool")
 PREFILL, DECODE = "prefill", "decode"
 EJECT_SECONDS = 10.0
 MAX_EJECTION_MULTIPLIER = 6
+MAX_EJECTION_PERCENT = 50.0  # of a pool (Envoy: 10 %, but it always allows one; P/D pools are small)
 MAX_HOLD_SECONDS = 60.0  # a Retry-After of an hour must not take an instance out for an hour
 
 
@@ -57,9 +62,13 @@ class Instance:
         return f"{self.host}:{self.port}"
 
     @property
+    def ejected(self) -> bool:
+        return time.monotonic() < self.ejected_until
+
+    @property
     def healthy(self) -> bool:
         """Passes its health check and is not passively ejected (what /status and the gauge report)."""
-        return self.probe_ok and time.monotonic() >= self.ejected_until
+        return self.probe_ok and not self.ejected
 
     def available(self, now: float) -> bool:
         return self.probe_ok and now >= self.ejected_until and now >= self.held_until
@@ -69,12 +78,14 @@ class Pool:
     """The instances of one role and the policy that picks among those in rotation."""
 
     def __init__(self, role: str, urls: list[str], policy: str = "round_robin", eject_after: int = 3,
-                 eject_seconds: float = EJECT_SECONDS) -> None:
+                 eject_seconds: float = EJECT_SECONDS, max_ejection_percent: float = MAX_EJECTION_PERCENT) -> None:
         self.role = role
         self.instances = [Instance(url, role) for url in urls]
         self.policy = policy
         self.eject_after = eject_after  # 0 disables passive ejection
         self.eject_seconds = eject_seconds
+        # instances that may be ejected at once: the share, rounded down, and never all of them
+        self.max_ejected = min(len(self.instances) - 1, int(len(self.instances) * max_ejection_percent / 100))
         self._next = 0
 
     def __len__(self) -> int:
@@ -109,13 +120,15 @@ class Pool:
         instance.ejections = 0
 
     def failed(self, instance: Instance) -> None:
-        """A connection error, timeout or 5xx: eject after `eject_after` in a row."""
+        """A failure the instance is to blame for: eject after `eject_after` in a row, while the share allows."""
         instance.consecutive_failures += 1
         if not self.eject_after or instance.consecutive_failures < self.eject_after:
             return
         now = time.monotonic()
         if now < instance.ejected_until:
             return  # already out (a request that was in flight when it was ejected)
+        if sum(now < i.ejected_until for i in self.instances) >= self.max_ejected:
+            return  # the share is used up: it stays in, and goes out on its next failure once there is room
         instance.ejections += 1
         period = self.eject_seconds * min(instance.ejections, MAX_EJECTION_MULTIPLIER)
         instance.ejected_until = now + period

@@ -7,13 +7,14 @@ leg is the client's original body plus the prefill's `kv_transfer_params`, verba
 
 from __future__ import annotations
 
+import codecs
 import json
 import random
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from pdproxy.errors import bad_request
+from pdproxy.errors import ProxyError, bad_request
 
 # The NIXL pull connector's request to a prefill instance; vLLM's own proxies send all six fields.
 NIXL_PREFILL_PARAMS = {
@@ -63,18 +64,26 @@ _UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))  # version nibble, variant bit
 _UUID4_SET = (0x4000 << 64) | (0x8000 << 48)  # version 4, RFC 4122 variant
 
 
-def check_trace_headers(headers: Any) -> None:
-    """Reject a malformed W3C `traceparent` rather than silently starting an unrelated trace."""
+def check_body_encoding(headers: Any) -> None:
+    """vLLM takes no compressed request bodies, and a proxy that inflates one lets a 1 MB gzip body
+    cost a gigabyte: a `Content-Encoding` other than identity is refused (415) from the head alone.
+    The body is never inflated anywhere (pdproxy/listener.py turns aiohttp's decompression off)."""
+    value = headers.get("Content-Encoding")
+    if value is not None and {c.strip().lower() for c in value.split(",")} - {"identity", ""}:
+        raise ProxyError(415, "compressed request bodies are not accepted (Content-Encoding); send plain JSON",
+                         error_type="unsupported_encoding", param="Content-Encoding")
+
+
+def valid_traceparent(headers: Any) -> bool:
+    """Whether a W3C `traceparent` the client sent is well formed. An invalid one is ignored, as
+    Trace Context asks (with its `tracestate`): the request starts a new trace and is counted."""
     value = headers.get("traceparent")
     if value is None:
-        return
+        return True
     value = value.strip()
     match = _TRACEPARENT.fullmatch(value)
-    bad = (not match or value.startswith("ff") or set(value[3:35]) == {"0"} or set(value[36:52]) == {"0"}
-           or (value.startswith("00") and match.group(1)))
-    if bad:
-        raise bad_request("traceparent is not a valid W3C trace context header "
-                          "(expected 00-<32 hex trace id>-<16 hex span id>-<2 hex flags>)", param="traceparent")
+    return not (not match or value.startswith("ff") or set(value[3:35]) == {"0"} or set(value[36:52]) == {"0"}
+                or (value.startswith("00") and match.group(1)))
 
 
 def validate(body: Any, route: Route, client_kv_params: str = "reject") -> dict[str, Any]:
@@ -129,7 +138,7 @@ def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any] | None)
 
 def decode_payload(body: dict[str, Any], raw: bytes | None, kv_transfer_params: dict[str, Any] | None) -> bytes:
     """The decode leg's bytes. From the client's own bytes when they may go as they are (`raw`, see
-    `forwardable`): unchanged, or with the prefill's `kv_transfer_params` spliced in before the closing
+    `parse_body`): unchanged, or with the prefill's `kv_transfer_params` spliced in before the closing
     brace. The body is then never serialised again; otherwise `decode_body`'s dict is."""
     if raw is None:
         return json.dumps(decode_body(body, kv_transfer_params)).encode()
@@ -139,13 +148,24 @@ def decode_payload(body: dict[str, Any], raw: bytes | None, kv_transfer_params: 
     return b"".join((raw[:end], b',"kv_transfer_params":', json.dumps(kv_transfer_params).encode(), raw[end:]))
 
 
-def forwardable(raw: bytes) -> bytes | None:
-    """`raw` (a validated JSON object) when it can be the decode body as it is: UTF-8 (other encodings
-    `json.loads` accepts start with a BOM or a NUL byte, not `{`) and without a `kv_transfer_params` of
-    the client's, which is never forwarded (even its name inside a string sends the dict instead)."""
-    if raw.lstrip()[:1] != b"{" or b"kv_transfer_params" in raw:
-        return None
-    return raw
+def parse_body(raw: bytes) -> tuple[Any, bytes | None]:
+    """A request body's JSON value, and `raw` when the decode leg may get those bytes as they are.
+
+    The encoding rule is explicit, and the same as vLLM's (its server hands the bytes to `json.loads`,
+    which reads UTF-8, UTF-16 and UTF-32, with or without a BOM): a body with neither a NUL byte nor
+    a UTF-8 BOM is read as strict UTF-8; any other as `json.loads` detects it. Only the first kind
+    may be forwarded raw: UTF-16/32 bytes (BOM-less UTF-16-LE starts `{\\x00`) would not survive
+    a splice. And a body whose parsed object holds `kv_transfer_params`, however the key is spelt
+    (`"kv\\u005ftransfer_params"` decodes to it), is never forwarded raw: the decode gets the
+    re-serialised, checked object, so no client coordinates can reach it.
+    """
+    plain = b"\x00" not in raw and not raw.startswith(codecs.BOM_UTF8)
+    try:
+        body = json.loads(raw.decode("utf-8") if plain else raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise bad_request(f"request body is not valid JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
+    forward = plain and isinstance(body, dict) and "kv_transfer_params" not in body
+    return body, raw if forward else None
 
 
 def _typed(body: dict[str, Any], key: str, kind: type) -> None:

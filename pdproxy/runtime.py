@@ -1,8 +1,10 @@
 """`GET /debug/runtime` (only with --debug-endpoints): what the process holds, for leak checks.
 
 Counts that should return to their idle values once traffic stops: asyncio tasks, open file
-descriptors and sockets, requests in flight per instance, and resident memory. It says nothing
-about requests or their content, and sits behind the API key when one is configured.
+descriptors and sockets, requests in flight per instance, and resident memory; and the event
+loop's largest lag since the previous read (`LoopLag`), which is what every request waited while
+something blocked the loop. It says nothing about requests or their content, and sits behind the
+API key when one is configured.
 """
 
 from __future__ import annotations
@@ -27,6 +29,39 @@ def snapshot(proxy) -> dict:
         "instance_inflight": {f"{p.role}:{i.address}": i.inflight for p in pools for i in p.instances},
         "shadow_tasks": len(proxy.shadow.tasks) if proxy.shadow is not None else 0,
     }
+
+
+class LoopLag:
+    """How late the event loop runs a short timer: the largest delay since the last `take()`.
+
+    Runs only with --debug-endpoints; a timer every 10 ms costs next to nothing and measures, from
+    inside the process, a stall that a client's probe would see blurred by its own scheduling."""
+
+    INTERVAL = 0.01  # seconds
+
+    def __init__(self) -> None:
+        self.largest = 0.0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._watch(), name="loop-lag")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def take(self) -> float:
+        """The largest lag since the previous call, in seconds (and start over)."""
+        largest, self.largest = self.largest, 0.0
+        return largest
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.INTERVAL
+            await asyncio.sleep(self.INTERVAL)
+            self.largest = max(self.largest, loop.time() - due)
 
 
 def _fd_kinds() -> dict[str, int]:

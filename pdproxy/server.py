@@ -16,13 +16,15 @@ from aiohttp import web
 from pdproxy import __version__, workers
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
-from pdproxy.errors import ProxyError, error_body
+from pdproxy.errors import DECODE, ProxyError, error_body
 from pdproxy.listener import handler_options, listen
 from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, HealthChecker, Pool
-from pdproxy.protocol import CHAT, COMPLETIONS
+from pdproxy.protocol import CHAT, COMPLETIONS, check_body_encoding
+from pdproxy.runtime import LoopLag
 from pdproxy.telemetry import setup as setup_telemetry
 from pdproxy.telemetry import trace_destination
+from pdproxy.telemetry.clock import now
 from pdproxy.telemetry.metrics import merge_expositions
 from pdproxy.upstream import UpstreamClient
 
@@ -30,18 +32,21 @@ log = logging.getLogger("pdproxy")
 
 PROXY_KEY = web.AppKey("proxy", Proxy)
 WORKER_KEY = web.AppKey("worker", workers.WorkerInfo)
+LOOP_LAG_KEY = web.AppKey("loop_lag", LoopLag)
 SHUTDOWN_GRACE = 10.0  # seconds in-flight requests get to finish on SIGTERM
 
 
 def create_app(settings: Settings) -> web.Application:
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[json_errors])
     app.cleanup_ctx.append(lambda app: _lifecycle(app, settings))
-    app.router.add_post(COMPLETIONS.path, _inference(COMPLETIONS))
-    app.router.add_post(CHAT.path, _inference(CHAT))
+    app.router.add_post(COMPLETIONS.path, _inference(COMPLETIONS), expect_handler=expect_continue)
+    app.router.add_post(CHAT.path, _inference(CHAT), expect_handler=expect_continue)
     app.router.add_get("/healthcheck", healthcheck)
     app.router.add_get("/health", health)
     app.router.add_get("/status", status)
     app.router.add_get("/v1/models", models)
+    for path in TOKENIZER_PATHS:
+        app.router.add_post(path, tokenizer)
     app.router.add_get("/metrics", metrics)
     if settings.debug_endpoints:
         app.router.add_get("/debug/runtime", debug_runtime)
@@ -51,14 +56,17 @@ def create_app(settings: Settings) -> web.Application:
 async def _lifecycle(app: web.Application, settings: Settings):
     """One pooled session, the pools, health checks and telemetry for the app's lifetime."""
     recorder, tracing = setup_telemetry(settings)
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+    keep = settings.upstream_keep_alive  # health checks and /v1/models meet the same idle timeouts as the legs
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True,
+                                     **({"keepalive_timeout": keep} if keep > 0 else {"force_close": True}))
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",))
-    upstream = UpstreamClient(settings.connect_timeout, settings.read_timeout)  # the two legs (pdproxy/upstream.py)
-    eject = settings.eject_after_failures
-    eject_s = settings.eject_seconds
-    prefill = (Pool(PREFILL, settings.prefill_urls, settings.prefill_policy, eject, eject_s)
+    upstream = UpstreamClient(settings.connect_timeout, settings.read_timeout,  # the two legs (pdproxy/upstream.py)
+                              keepalive=settings.upstream_keep_alive)
+    ejection = {"eject_after": settings.eject_after_failures, "eject_seconds": settings.eject_seconds,
+                "max_ejection_percent": settings.max_ejection_percent}
+    prefill = (Pool(PREFILL, settings.prefill_urls, settings.prefill_policy, **ejection)
                if settings.prefill_urls else None)
-    decode = Pool(DECODE, settings.decode_urls, settings.decode_policy, eject, eject_s)
+    decode = Pool(DECODE, settings.decode_urls, settings.decode_policy, **ejection)
     pools = [p for p in (prefill, decode) if p is not None]
     admission = Admission(settings.max_inflight, settings.max_queue, settings.queue_timeout)
     recorder.metrics.watch(
@@ -72,6 +80,9 @@ async def _lifecycle(app: web.Application, settings: Settings):
         shadow = Shadow(settings, session, upstream, recorder)
     proxy = app[PROXY_KEY] = Proxy(settings, session, upstream, prefill, decode, admission, recorder, shadow)
     proxy.slow_readers.start()
+    lag = app[LOOP_LAG_KEY] = LoopLag()
+    if settings.debug_endpoints:
+        lag.start()
     checker = None
     auth = {"Authorization": f"Bearer {settings.upstream_api_key}"} if settings.upstream_api_key else {}
     if settings.health_check_interval > 0:
@@ -87,6 +98,7 @@ async def _lifecycle(app: web.Application, settings: Settings):
     with contextlib.suppress(asyncio.CancelledError):
         await learning
     await proxy.slow_readers.stop()
+    await lag.stop()
     if checker:
         await checker.stop()
     if shadow is not None:
@@ -101,13 +113,37 @@ def _inference(route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handler(request: web.Request) -> web.StreamResponse:
         return await request.app[PROXY_KEY].handle(request, route)
 
+    _TRACED_HANDLERS.add(handler)
     return handler
+
+
+_TRACED_HANDLERS: set[Callable] = set()  # they check the request head themselves (Proxy.check_head), traced
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue` on an inference route: invite the body only when the head passes the
+    checks made before reading it (encoding, key, capacity, declared size). Otherwise say nothing:
+    the handler then refuses the request (traced and counted) without waiting for the body."""
+    if request.headers.get("Expect", "").lower() != "100-continue":
+        return web.json_response(error_body("only 'Expect: 100-continue' is understood", 417), status=417)
+    try:
+        request.app[PROXY_KEY].check_head(request)
+    except ProxyError:
+        return None
+    if request.version >= aiohttp.HttpVersion11:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the interim answer is not the response (aiohttp's own handler does this)
+    return None
 
 
 @web.middleware
 async def json_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Unknown routes, wrong methods and unexpected failures answer in OpenAI's error shape."""
+    """Unknown routes, wrong methods and unexpected failures answer in OpenAI's error shape; a
+    compressed body is refused on every route, before it is read (the inference routes do it in
+    Proxy.handle, which traces the refusal)."""
     try:
+        if request.match_info.handler not in _TRACED_HANDLERS:
+            check_body_encoding(request.headers)
         return await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
@@ -117,7 +153,10 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
         return web.json_response(error_body(message.get(exc.status, exc.reason), exc.status), status=exc.status,
                                  headers=headers)
     except ProxyError as err:
-        return err.response()
+        response = err.response()
+        if err.status == 415:
+            response.force_close()
+        return response
 
 
 async def healthcheck(request: web.Request) -> web.Response:
@@ -128,13 +167,16 @@ async def healthcheck(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while every role has a healthy instance, else 503 (load balancers take it out)."""
+    """200 while every role has an instance that passes its active health check, else 503 (load
+    balancers take the proxy out). Passive ejections do not count: requests cause them, and a few
+    requests (a client's, even) must not take the whole proxy out; panic routing still serves then."""
     proxy = request.app[PROXY_KEY]
     pools = [p for p in (proxy.prefill, proxy.decode) if p is not None]
-    roles = {p.role: sum(i.healthy for i in p.instances) for p in pools}
+    roles = {p.role: sum(i.probe_ok for i in p.instances) for p in pools}
+    ejected = {p.role: sum(i.ejected for i in p.instances) for p in pools}
     ok = all(roles.values())
-    return web.json_response({"status": "ok" if ok else "unavailable", "healthy_instances": roles},
-                             status=200 if ok else 503)
+    return web.json_response({"status": "ok" if ok else "unavailable", "healthy_instances": roles,
+                              "ejected_instances": ejected}, status=200 if ok else 503)
 
 
 async def status(request: web.Request) -> web.Response:
@@ -144,7 +186,7 @@ async def status(request: web.Request) -> web.Response:
     decode = proxy.decode.instances
 
     def describe(instances):
-        return [{"url": i.url, "healthy": i.healthy, "inflight": i.inflight} for i in instances]
+        return [{"url": i.url, "healthy": i.healthy, "ejected": i.ejected, "inflight": i.inflight} for i in instances]
 
     return web.json_response({
         "prefill_node_count": len(prefill), "decode_node_count": len(decode),
@@ -160,6 +202,7 @@ async def models(request: web.Request) -> web.Response:
     """Forwarded to a decode instance, so clients see the served model names."""
     proxy = request.app[PROXY_KEY]
     try:
+        proxy.authenticate(request)  # as vLLM guards all of /v1 with its --api-key
         instance = proxy.decode.choose()
         headers = {}
         if proxy.settings.upstream_api_key:
@@ -168,12 +211,56 @@ async def models(request: web.Request) -> web.Response:
             body = await resp.read()
             return web.Response(status=resp.status, body=body,
                                 headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
+    except ProxyError as err:
+        return err.response()
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         if proxy.settings.model:
             return web.json_response({"object": "list", "data": [{"id": proxy.settings.model, "object": "model",
                                                                   "owned_by": "vllm"}]})
         err = ProxyError(502, f"decode instance did not answer /v1/models ({type(exc).__name__})",
                          error_type="connect_error")
+        return err.response()
+
+
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
+
+
+async def tokenizer(request: web.Request) -> web.Response:
+    """vLLM's /tokenize and /detokenize, answered by a decode instance (clients size prompts in the
+    served model's tokens through the proxy as through vLLM). The body goes as it came; the status and
+    body come back as the instance gave them; one span records it."""
+    proxy = request.app[PROXY_KEY]
+    start = now()
+    address = None
+    try:
+        proxy.authenticate(request)
+        instance = proxy.decode.choose()
+        address = instance.address
+        try:
+            async with asyncio.timeout(proxy.settings.body_timeout):
+                raw = await request.read()
+        except TimeoutError:
+            raise ProxyError(408, f"request body not received within {proxy.settings.body_timeout:g}s",
+                             error_type="body_timeout") from None
+        headers = {"Content-Type": "application/json"}
+        if proxy.settings.upstream_api_key:
+            headers["Authorization"] = f"Bearer {proxy.settings.upstream_api_key}"
+        elif not proxy.settings.api_key and "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        async with proxy.session.post(instance.url + request.path, data=raw, headers=headers,
+                                      timeout=proxy.timeout) as resp:
+            body = await resp.read()
+            proxy.recorder.forwarded(request.path, request.headers, address, resp.status, start,
+                                     None if resp.status < 400 else f"upstream_{resp.status // 100}xx")
+            return web.Response(status=resp.status, body=body,
+                                headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
+    except ProxyError as err:
+        proxy.recorder.forwarded(request.path, request.headers, address, err.status, start, err.error_type)
+        return err.response()
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        err = ProxyError(502, f"decode instance {address} did not answer {request.path} ({type(exc).__name__})",
+                         error_type="connect_error", stage=DECODE)
+        proxy.recorder.forwarded(request.path, request.headers, address, err.status, start, err.error_type)
         return err.response()
 
 
@@ -186,7 +273,7 @@ async def debug_runtime(request: web.Request) -> web.Response:
         proxy.authenticate(request)
     except ProxyError as err:
         return err.response()
-    return web.json_response(snapshot(proxy))
+    return web.json_response({**snapshot(proxy), "loop_lag_max_seconds": request.app[LOOP_LAG_KEY].take()})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -9,26 +9,32 @@ uvicorn uses) into a status, a lower-cased header dict and body bytes, de-chunke
 Semantics the proxy relies on (README, "Failure behaviour"):
 * `ConnectFailed` / `ConnectTimeout`: the request never reached the instance (refused, unreachable,
   TLS handshake failed, not accepted within the connect timeout); a retry may reuse its KV params.
-* `Disconnected`, `ReadTimeout`, `MalformedResponse`: it did reach it (or may have).
+* `Disconnected`, `ReadTimeout`, `MalformedResponse`: it did reach it (or may have). One exception is
+  handled here and never surfaces: a *reused* connection that ends (EOF or reset) before any byte of
+  the answer. That is the instance closing an idle connection as the request went out (its
+  keep-alive ran out; uvicorn reads nothing more once it decided to close), so the request goes
+  again, once, on a fresh connection: not a failure of the instance, and the same KV parameters.
 * The read timeout bounds each silence of the instance while an answer is awaited or read (aiohttp's
   `sock_read`); it does not run while the proxy itself stops reading because its client is slow.
 * Closing a `Response` that was not read to its end closes its connection: that is how vLLM learns
   to abort the request. Cancelling `post()` does the same.
 * Connections are reused only after a complete answer that allows keep-alive; at most `max_idle`
-  idle ones are kept per instance, each for at most `keepalive` seconds (aiohttp's default, 15 s).
+  idle ones are kept per instance, each for at most `keepalive` seconds counted from the answer's
+  last byte. That must stay below the instance's own idle timeout (vLLM's uvicorn: 5 s) so that the
+  proxy, not the instance, ends idle connections; an expired one is never handed out, even when a
+  lagging event loop has not run the sweeper yet.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ssl
-import time
 from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
 
-KEEPALIVE = 15.0  # seconds an idle connection is kept (aiohttp's default; vLLM's uvicorn closes at 5)
+KEEPALIVE = 4.0  # seconds an idle connection is kept: below vLLM's (uvicorn's) 5, so the proxy closes first
 MAX_IDLE = 256  # idle connections kept per instance
 HIGH_WATER = 1 << 17  # buffered answer bytes at which reading from the instance pauses (aiohttp's 2 x 64 KiB)
 
@@ -160,8 +166,9 @@ class _Connection(asyncio.Protocol):
         self.paused = False
         self.last_read = 0.0  # loop time of the last bytes (or of sending the request)
         self.timer: asyncio.TimerHandle | None = None
-        self.idle_since = 0.0
-        self._header_name = b""
+        self.idle_since = 0.0  # loop time the connection went idle (its answer's last byte)
+        self.reused = False  # handed out from the idle list (the instance may have closed it meanwhile)
+        self.received = False  # some byte of the current answer arrived
         self._length_known = False  # Content-Length or chunked: the parser sees the body's end
 
     # -- used by the client ---------------------------------------------------------------
@@ -170,6 +177,7 @@ class _Connection(asyncio.Protocol):
         response = self.response = Response(self)
         self.head = self.loop.create_future()
         self._length_known = False
+        self.received = False
         self.last_read = self.loop.time()
         self.transport.write(data)
         self._arm()
@@ -237,6 +245,7 @@ class _Connection(asyncio.Protocol):
         if self.response is None:
             self.close(abort=True)  # bytes nobody asked for on an idle connection: it cannot be trusted any more
             return
+        self.received = True
         self.last_read = self.loop.time()
         try:
             self.parser.feed_data(data)
@@ -269,7 +278,8 @@ class _Connection(asyncio.Protocol):
         response.status = self.parser.get_status_code()
         response.keep_alive = self.parser.should_keep_alive()
         headers = response.headers
-        self._length_known = "content-length" in headers or "chunked" in headers.get("transfer-encoding", "")
+        # Transfer-Encoding is case-insensitive (RFC 9112 §7): "Chunked" is chunked too
+        self._length_known = "content-length" in headers or "chunked" in headers.get("transfer-encoding", "").lower()
         if not self.head.done():
             self.head.set_result(None)
 
@@ -285,7 +295,7 @@ class _InstancePool:
     """Idle keep-alive connections to one instance, most recently used first."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, url: str, connect_timeout: float, read_timeout: float,
-                 max_idle: int) -> None:
+                 max_idle: int, keepalive: float) -> None:
         parts = urlsplit(url)
         self.loop = loop
         self.host = parts.hostname or ""
@@ -294,6 +304,7 @@ class _InstancePool:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_idle = max_idle
+        self.keepalive = keepalive
         host = f"[{self.host}]" if ":" in self.host else self.host
         default = (parts.scheme == "https" and self.port == 443) or (parts.scheme == "http" and self.port == 80)
         self.host_header = host if default else f"{host}:{self.port}"
@@ -302,13 +313,20 @@ class _InstancePool:
         self.open: set[_Connection] = set()
 
     async def acquire(self) -> _Connection:
+        """The most recently used idle connection still within its keep-alive, else a new one."""
+        fresh_since = self.loop.time() - self.keepalive
         while self.idle:
             conn = self.idle.pop()
-            if not conn.closed:
-                return conn
-        return await self._connect()
+            if conn.closed:
+                continue
+            if conn.idle_since <= fresh_since:
+                conn.close()  # the sweeper has not run (a lagging loop): the instance may be closing it now
+                continue
+            conn.reused = True
+            return conn
+        return await self.connect()
 
-    async def _connect(self) -> _Connection:
+    async def connect(self) -> _Connection:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 _, conn = await self.loop.create_connection(lambda: _Connection(self), self.host, self.port,
@@ -323,10 +341,10 @@ class _InstancePool:
     def put(self, conn: _Connection) -> None:
         if conn.closed:
             return
-        if len(self.idle) >= self.max_idle:
+        if len(self.idle) >= self.max_idle or self.keepalive <= 0:
             conn.close()
             return
-        conn.idle_since = time.monotonic()
+        conn.idle_since = conn.last_read  # the instance's idle timer started when it sent that byte, not later
         self.idle.append(conn)
 
     def forget(self, conn: _Connection) -> None:
@@ -334,9 +352,10 @@ class _InstancePool:
         if self.idle and conn in self.idle:
             self.idle.remove(conn)
 
-    def expire(self, before: float) -> None:
-        """Close idle connections unused since `before` (oldest are first in the list)."""
-        while self.idle and self.idle[0].idle_since < before:
+    def expire(self) -> None:
+        """Close idle connections past their keep-alive (oldest are first in the list)."""
+        fresh_since = self.loop.time() - self.keepalive
+        while self.idle and self.idle[0].idle_since <= fresh_since:
             self.idle.pop(0).close()
 
     def close(self) -> None:
@@ -354,6 +373,7 @@ class UpstreamClient:
         self.read_timeout = read_timeout
         self.max_idle = max_idle
         self.keepalive = keepalive
+        self.stale_retries = 0  # requests sent again because a reused connection was found closed
         self._pools: dict[str, _InstancePool] = {}
         self._sweeper: asyncio.Task | None = None
 
@@ -362,8 +382,8 @@ class UpstreamClient:
         if pool is None:
             loop = asyncio.get_running_loop()
             pool = self._pools[base_url] = _InstancePool(loop, base_url, self.connect_timeout, self.read_timeout,
-                                                         self.max_idle)
-            if self._sweeper is None:
+                                                         self.max_idle, self.keepalive)
+            if self._sweeper is None and self.keepalive > 0:
                 self._sweeper = loop.create_task(self._sweep(), name="upstream-keepalive-sweeper")
         return pool
 
@@ -374,20 +394,21 @@ class UpstreamClient:
         pool = self._pool(base_url)
         request = _request_bytes(pool, path, body, headers)
         conn = await pool.acquire()
-        response = conn.send(request)
         try:
-            await conn.head
-        except BaseException:
-            conn.close(abort=True)
-            raise
-        return response
+            return await _exchange(conn, request)
+        except Disconnected:
+            if not conn.reused or conn.received:
+                raise
+        # The instance closed this idle connection as the request went out and read none of it:
+        # the request goes again on a new connection (once: a fresh connection has no such race).
+        self.stale_retries += 1
+        return await _exchange(await pool.connect(), request)
 
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(self.keepalive / 3)
-            before = time.monotonic() - self.keepalive
             for pool in self._pools.values():
-                pool.expire(before)
+                pool.expire()
 
     async def close(self) -> None:
         if self._sweeper is not None:
@@ -395,6 +416,17 @@ class UpstreamClient:
             await asyncio.gather(self._sweeper, return_exceptions=True)
         for pool in self._pools.values():
             pool.close()
+
+
+async def _exchange(conn: _Connection, request: bytes) -> Response:
+    """Send `request` on `conn` and wait for the answer's head; the connection closes if that fails."""
+    response = conn.send(request)
+    try:
+        await conn.head
+    except BaseException:
+        conn.close(abort=True)
+        raise
+    return response
 
 
 def _request_bytes(pool: _InstancePool, path: str, body: bytes, headers: dict[str, Any]) -> bytes:

@@ -96,6 +96,70 @@ class GrpcReceiver:
         self.server.stop(0)
 
 
+class HttpReceiver:
+    """An OTLP/HTTP (protobuf) receiver on 127.0.0.1, in a thread of the test process: it keeps the
+    id of every span it is posted, duplicates included, then answers 200 after `delay` seconds
+    (slower than the exporter's timeout: a collector that is too slow). HTTP/1.1 keep-alive; a
+    connection idle for `idle_close` seconds is closed by the receiver, as collectors do."""
+
+    def __init__(self, delay: float = 0.0, idle_close: float = 60.0) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        self.span_ids: list[str] = []
+        self.posts = self.connections = self.closed = 0
+        lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            timeout = idle_close  # an idle kept-alive connection is closed after this long
+
+            def setup(self):
+                super().setup()
+                with lock:
+                    receiver.connections += 1
+
+            def finish(self):
+                try:
+                    super().finish()
+                finally:
+                    with lock:
+                        receiver.closed += 1
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                message = ExportTraceServiceRequest.FromString(body)
+                with lock:
+                    receiver.posts += 1
+                    receiver.span_ids += [s.span_id.hex() for rs in message.resource_spans
+                                          for ss in rs.scope_spans for s in ss.spans]
+                time.sleep(delay)
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/x-protobuf")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                except OSError:
+                    self.close_connection = True  # the exporter gave up waiting
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.server.handle_error = lambda request, address: None  # an exporter that hung up is no error here
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.endpoint = f"http://127.0.0.1:{self.server.server_port}"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
 class VllmSpans:
     """Stands in for vLLM's own tracing (`vllm serve --otlp-traces-endpoint`): for every inference
     request a simulated instance received with a `traceparent`, export one span of that instance's

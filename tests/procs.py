@@ -101,3 +101,23 @@ def raw_post(body: dict, request_id: str | None = None, path: str = "/v1/complet
     rid = b"X-Request-Id: %s\r\n" % request_id.encode() if request_id else b""
     return (b"POST %s HTTP/1.1\r\nHost: pdproxy\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\n\r\n%s"
             % (path.encode(), rid, len(data), data))
+
+
+def unaccepting_listener() -> tuple[socket.socket, list[socket.socket]]:
+    """A listening socket whose accept queue is full (Linux drops further SYNs, no RST): a connect to it
+    neither succeeds nor is refused, so only a connect timeout ends it. Returns the listener and the
+    connections that fill its queue; close them all when done."""
+    listener = socket.socket()
+    listener.bind((HOST, 0))
+    listener.listen(0)
+    fillers: list[socket.socket] = []
+    while len(fillers) < 8:
+        probe = socket.socket()
+        probe.settimeout(0.5)
+        try:
+            probe.connect(listener.getsockname())
+        except TimeoutError:
+            probe.close()
+            return listener, fillers
+        fillers.append(probe)
+    raise RuntimeError("the accept queue never filled up")

@@ -1,8 +1,8 @@
 """`pdproxy bench` against simulated vLLM instances (real processes on loopback).
 
 The simulator's request journal (`GET /sim/requests`) is the independent witness of what the bench
-sent, and its token rule (one token per word) checks prompt lengths; summary statistics are
-recomputed here from the request lines with numpy.
+sent, and its /tokenize (a sub-word rule, ~2.3 tokens per word) counts the prompts; summary statistics
+are recomputed here from the request lines with numpy.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from procs import HOST, free_port, start_sim
+from procs import HOST, Proc, free_port, start_sim
 
 
 def bench(out: Path, url: str, *args: str, expect: int = 0) -> tuple[dict, list[dict], dict]:
@@ -31,6 +31,13 @@ def read(path: Path) -> tuple[dict, list[dict], dict]:
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert lines[0]["type"] == "run" and lines[-1]["type"] == "summary"
     return lines[0], [x for x in lines if x["type"] == "request"], lines[-1]
+
+
+def tokenize(url: str, prompt: str) -> int:
+    req = urllib.request.Request(url + "/tokenize", data=json.dumps({"prompt": prompt}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        return json.loads(r.read())["count"]
 
 
 def journal(url: str, clear: bool = False) -> list[dict]:
@@ -59,8 +66,10 @@ def test_records_match_what_the_server_saw(sim: str, tmp_path: Path) -> None:
     for r in reqs:
         e = seen[r["request_id"]]
         assert e["headers"]["traceparent"].split("-")[1] == r["trace_id"]
-        assert len(e["body"]["prompt"].split()) == r["prompt_words"] == r["prompt_tokens"]  # sim: word = token
-        assert e["body"]["max_tokens"] == r["max_tokens"] == r["output_tokens"] == r["chunks"]
+        # lengths are the server's tokens: exactly what was asked, whatever the words
+        assert len(e["body"]["prompt"].split()) == r["prompt_words"] < r["prompt_tokens"]
+        assert r["prompt_tokens"] == r["prompt_tokens_requested"] == tokenize(sim, e["body"]["prompt"])
+        assert e["body"]["max_tokens"] == e["body"]["min_tokens"] == r["max_tokens"] == r["output_tokens"] == r["chunks"]
         assert e["body"]["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
         assert "text" not in r and "prompt" not in r  # no text unless --save-text
         assert r["warmup"] == (r["seq"] < 4)
@@ -108,7 +117,7 @@ def test_failures_are_counted_with_reasons(tmp_path: Path) -> None:
         wl = tmp_path / "w.yaml"
         wl.write_text("requests: 40\nseed: 1\nclasses:\n"
                       "  - {name: ok, prompt: 10, output: 6, concurrency: 3}\n"
-                      "  - {name: huge, prompt: 5000, output: 4, concurrency: 1, requests: 3}\n")
+                      "  - {name: long, prompt: 4600, output: 4, concurrency: 1, requests: 3}\n")
         _, reqs, summary = bench(tmp_path / "f.jsonl", url, "--workload", str(wl))
     finally:
         proc.stop()
@@ -118,10 +127,10 @@ def test_failures_are_counted_with_reasons(tmp_path: Path) -> None:
         if not r["ok"]:
             reasons[r["error"]] = reasons.get(r["error"], 0) + 1
             assert r["ttft"] is None or r["error"] in ("stream_broken", "incomplete_stream")
-    # every prompt over max-model-len is refused (HTTP 400) ...
-    huge = [r for r in reqs if r["class"] == "huge"]
-    assert len(huge) == 3 and all(not r["ok"] for r in huge)
-    assert all(r["status"] in (400, 503) for r in huge)
+    # prompts just under max-model-len are sent and counted (400s would be the bench's fault) ...
+    long = [r for r in reqs if r["class"] == "long"]
+    assert len(long) == 3 and all(r["status"] != 400 for r in long)
+    assert all(r["prompt_tokens"] == 4600 for r in long if r["ok"])
     # ... the injected 503s and cut streams show up with their own reasons
     assert reasons.get("http_503", 0) > 0
     assert reasons.get("stream_broken", 0) + reasons.get("incomplete_stream", 0) > 0
@@ -138,9 +147,41 @@ def test_connection_refused_is_a_failure_not_a_crash(tmp_path: Path) -> None:
     assert summary["stats"]["requests"]["error_rate"] == 1.0
 
 
+def test_workload_over_the_servers_limit_stops_before_the_run(tmp_path: Path) -> None:
+    proc, url = start_sim("single", "--preset", "instant", "--max-model-len", "2048")
+    try:
+        journal(url, clear=True)
+        p = subprocess.run([sys.executable, "-m", "pdproxy", "bench", "--url", url, "--out", str(tmp_path / "x.jsonl"),
+                            "--no-progress", "--requests", "3", "--concurrency", "1", "--prompt-len", "2000",
+                            "--output-len", "64"], capture_output=True, text=True, timeout=60)
+        sent = journal(url)
+    finally:
+        proc.stop()
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    msg = " ".join(p.stderr.split())
+    assert "prompts up to 2000 tokens + outputs up to 64 tokens = 2064 tokens, over the server's max_model_len of " \
+           "2048" in msg
+    assert sent == [] and not (tmp_path / "x.jsonl").exists()  # not one request, not one record
+
+
+def test_chat_prompts_are_counted_through_the_template(sim: str, tmp_path: Path) -> None:
+    journal(sim, clear=True)
+    _, reqs, _ = bench(tmp_path / "chat.jsonl", sim, "--endpoint", "chat", "--requests", "6", "--concurrency", "2",
+                       "--prompt-len", "100-300", "--output-len", "7", "--seed", "2")
+    seen = {e["headers"]["x-request-id"]: e["body"] for e in journal(sim)}
+    for r in reqs:
+        assert r["ok"] and r["prompt_tokens"] == r["prompt_tokens_requested"] and 100 <= r["prompt_tokens"] <= 300
+        assert r["output_tokens"] == 7 and seen[r["request_id"]]["min_tokens"] == 7
+    assert len({r["prompt_tokens"] for r in reqs}) > 1
+    short = subprocess.run([sys.executable, "-m", "pdproxy", "bench", "--url", sim, "--endpoint", "chat",
+                            "--out", str(tmp_path / "s.jsonl"), "--no-progress", "--requests", "1",
+                            "--concurrency", "1", "--prompt-len", "5"], capture_output=True, text=True, timeout=60)
+    assert short.returncode == 2 and "shorter than what every prompt starts with" in " ".join(short.stderr.split())
+
+
 def test_chat_ttft_skips_the_role_chunk(sim: str, tmp_path: Path) -> None:
     _, reqs, _ = bench(tmp_path / "c.jsonl", sim, "--endpoint", "chat", "--requests", "4", "--concurrency", "2",
-                       "--prompt-len", "8", "--output-len", "5")
+                       "--prompt-len", "40", "--output-len", "5")
     assert all(r["ok"] and r["chunks"] == 5 == r["output_tokens"] for r in reqs), reqs
 
 
@@ -182,3 +223,51 @@ def test_fixed_corpus_in_order_and_save_text(sim: str, tmp_path: Path) -> None:
     assert sent == [("alpha beta gamma", 2), ("one two three four five", 3), ("x y", 4), ("alpha beta gamma", 2),
                     ("one two three four five", 3)]
     assert all(isinstance(r["text"], str) and r["text"] for r in reqs)  # kept only because of --save-text
+    assert [r["prompt_tokens_requested"] for r in reqs] == [None] * 5  # sent as they are, counted by the server
+    # a corpus prompt over the server's limit stops the run before it starts, naming the prompt
+    corpus.write_text(json.dumps({"prompt": "word " * 2400, "max_tokens": 8}) + "\n")  # >= 2 tokens a word
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "bench", "--url", sim, "--corpus", str(corpus), "--out",
+                        str(tmp_path / "big.jsonl"), "--no-progress", "--requests", "1", "--concurrency", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and f"{corpus}: prompt 1 has" in " ".join(p.stderr.split()), p.stderr
+
+
+def test_without_tokenize_lengths_are_refitted_from_usage_and_said_once(tmp_path: Path) -> None:
+    """A server without /tokenize: text at a guessed ratio, corrected from the answers' usage.prompt_tokens."""
+    sim_proc, sim_url = start_sim("single", "--preset", "instant", "--tokens-per-word", "2.8",
+                                  "--max-model-len", "4608")
+    port = free_port()
+    backend = Proc([sys.executable, str(Path(__file__).with_name("no_tokenize_backend.py")), "--port", str(port),
+                    "--upstream", sim_url], name="no-tokenize")
+    url = f"http://{HOST}:{port}"
+    try:
+        backend.wait_http(url + "/health")
+        out = tmp_path / "u.jsonl"
+        p = subprocess.run([sys.executable, "-m", "pdproxy", "bench", "--url", url, "--out", str(out), "--no-progress",
+                            "--requests", "12", "--concurrency", "1", "--prompt-len", "1000", "--output-len", "4"],
+                           capture_output=True, text=True, timeout=120)
+        over = subprocess.run([sys.executable, "-m", "pdproxy", "bench", "--url", url, "--out",
+                               str(tmp_path / "o.jsonl"), "--no-progress", "--requests", "1", "--concurrency", "1",
+                               "--prompt-len", "4600", "--output-len", "64"], capture_output=True, text=True, timeout=60)
+    finally:
+        backend.stop()
+        sim_proc.stop()
+    assert p.returncode == 0, p.stderr
+    err = " ".join(p.stderr.split())
+    assert err.count("has no /tokenize") == 1 and "refitted from the answers' usage.prompt_tokens" in err
+    header, reqs, _ = read(out)
+    assert header["prompts"]["method"] == "usage"
+    got = [r["prompt_tokens"] for r in reqs]
+    assert got[0] > 1150  # built at 2.3 tokens per word; this server makes 2.8
+    assert all(abs(n - 1000) < 30 for n in got[3:]), got  # refitted after the first answers
+    assert all(r["output_tokens"] == 4 for r in reqs)
+    # the limit comes from /v1/models then: still no request over it
+    assert over.returncode == 2 and "over the server's max_model_len of 4608" in " ".join(over.stderr.split())
+
+
+def test_a_model_the_server_does_not_serve_stops_before_the_run(sim: str, tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "bench", "--url", sim, "--model", "nope", "--out",
+                        str(tmp_path / "m.jsonl"), "--no-progress", "--requests", "1", "--concurrency", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "/tokenize answered HTTP 404: The model `nope` does not exist." in " ".join(p.stderr.split())

@@ -6,10 +6,14 @@ import itertools
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from pdproxy.bench.prompts import LEAD, Prompts, fill
+from pdproxy.sim.tokens import Tokenizer
 from pdproxy.bench.workload import (
     PROMPT_PRESETS,
+    VOCAB,
     TrafficClass,
     Workload,
     WorkloadError,
@@ -19,8 +23,18 @@ from pdproxy.bench.workload import (
 )
 
 
+TOK = Tokenizer(2.3)  # the simulator's rule stands in for a server's tokenizer
+
+
+def sized(endpoint: str = "completions") -> Prompts:
+    """What bench/prompts.prepare learns from a server that tokenizes like the simulator."""
+    lead = len(TOK.encode_chat([{"role": "user", "content": LEAD}])) if endpoint == "chat" else 1 + TOK.count(LEAD)
+    return Prompts(endpoint, "tokenize", lead, 2.3, 8192, word_tokens=[TOK.count(" " + w) for w in VOCAB])
+
+
 def bodies(wl: Workload, ci: int = 0, n: int = 20) -> list[dict]:
-    return [r.body(wl) for r in itertools.islice(class_requests(wl, ci), n)]
+    p = sized(wl.endpoint)
+    return [r.body(wl, p.make(r)[0]) for r in itertools.islice(class_requests(wl, ci), n)]
 
 
 def test_same_seed_same_requests_different_seed_different() -> None:
@@ -37,10 +51,28 @@ def test_lengths_follow_presets_and_ranges() -> None:
     wl = Workload(requests=1, classes=[TrafficClass(prompt="medium", output="5-9", concurrency=1)])
     lo, hi = PROMPT_PRESETS["medium"]
     reqs = list(itertools.islice(class_requests(wl, 0), 200))
-    words = [len(r.prompt.split()) for r in reqs]
-    assert all(lo <= w <= hi for w in words) and len(set(words)) > 20
-    assert [r.prompt_words for r in reqs] == words
+    lengths = [r.prompt_tokens for r in reqs]
+    assert all(lo <= n <= hi for n in lengths) and len(set(lengths)) > 20
     assert {r.max_tokens for r in reqs} == {5, 6, 7, 8, 9}
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_prompts_have_exactly_the_asked_tokens(endpoint: str) -> None:
+    wl = Workload(endpoint=endpoint, requests=1, classes=[TrafficClass(prompt="20-3000", concurrency=1)])
+    p = sized(endpoint)
+    for r in itertools.islice(class_requests(wl, 0), 60):
+        text, words = p.make(r)
+        n = TOK.count(text) + 1 if endpoint == "completions" else len(TOK.encode_chat([{"role": "user",
+                                                                                       "content": text}]))
+        assert n == r.prompt_tokens and words == len(text.split()) < n
+
+
+def test_fill_reaches_every_total_or_says_it_cannot() -> None:
+    rng = np.random.default_rng(0)
+    for total in (0, 2, 3, 4, 5, 7, 101):
+        picks = fill(rng, total, [2, 3, 3])
+        assert picks is not None and sum([2, 3, 3][i] for i in picks) == total
+    assert fill(rng, 1, [2, 3]) is None and fill(rng, 7, [2, 4]) is None and fill(rng, -1, [1]) is None
 
 
 def test_classes_have_independent_streams() -> None:
@@ -61,10 +93,10 @@ def test_poisson_arrivals_seeded_and_near_rate() -> None:
 
 
 def test_chat_body_and_stream_options() -> None:
-    wl = Workload(endpoint="chat", requests=1, classes=[TrafficClass(prompt="4", output="3", concurrency=1)])
+    wl = Workload(endpoint="chat", requests=1, classes=[TrafficClass(prompt="40", output="3", concurrency=1)])
     body = bodies(wl, n=1)[0]
-    assert body["messages"][0]["role"] == "user" and len(body["messages"][0]["content"].split()) == 4
-    assert body["stream"] is True and body["max_tokens"] == 3
+    assert body["messages"][0]["role"] == "user" and body["messages"][0]["content"].startswith(LEAD)
+    assert body["stream"] is True and body["max_tokens"] == body["min_tokens"] == 3 and body["ignore_eos"] is True
     assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
 
 

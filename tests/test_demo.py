@@ -51,16 +51,17 @@ def test_demo_defaults_finish_in_two_minutes_with_the_comparison(tmp_path: Path)
     text = p.stdout
     for row in ROWS:
         assert row in text, row
-    assert re.search(r"single\s+.*chunked\s+.*pd", text)  # side by side
+    assert re.search(r"single\s+.*chunked\s+.*dp\s+.*pd", text)  # side by side
     assert f"Run directory: {out}" in text and "traces-pd.jsonl" in text
     for printed in (" ".join(text.split()), " ".join(p.stderr.split())):  # the header says the time scale
         assert "Time scale: the simulated instances run preset h200-llama8b-2gpu at --time-scale 4" in printed
-    for name in ("records-single.jsonl", "records-chunked.jsonl", "records-pd.jsonl", "traces-single.jsonl",
-                 "traces-chunked.jsonl", "traces-pd.jsonl", "report.json", "report.html"):
+    for name in ("records-single.jsonl", "records-chunked.jsonl", "records-dp.jsonl", "records-pd.jsonl",
+                 "traces-single.jsonl", "traces-chunked.jsonl", "traces-dp.jsonl", "traces-pd.jsonl", "report.json",
+                 "report.html"):
         assert (out / name).stat().st_size > 0, name
     rep = json.loads((out / "report.json").read_text())
     by = {e["label"]: e for e in rep["runs"]}
-    assert set(by) == {"single", "chunked", "pd"}
+    assert set(by) == {"single", "chunked", "dp", "pd"}
     for label, e in by.items():
         lines = [json.loads(x) for x in (out / f"records-{label}.jsonl").read_text().splitlines()]
         ok = [x for x in lines if x["type"] == "request" and not x["warmup"] and x["ok"]]
@@ -70,13 +71,24 @@ def test_demo_defaults_finish_in_two_minutes_with_the_comparison(tmp_path: Path)
         assert printed in text  # the table shows the report's numbers
     # the workload shows the phenomena: a long prefill stalls streams on a single instance, chunking
     # bounds the stall, P/D removes it from decode but pays a KV transfer on long prompts
-    mx = {k: by[k]["stats"]["classes"]["stream"]["tail_itl"]["per_request_max"]["p90"] for k in by}
+    mx = {k: by[k]["stats"]["classes"]["stream"]["tail_itl"]["per_request_max"]["p90"] for k in by if k != "dp"}
     assert mx["pd"] < mx["chunked"] < mx["single"]
     assert by["pd"]["kv_transfer"]["upper_bound"]["count"] > 0 and by["single"]["kv_transfer"] is None
     long_ttft = {k: by[k]["stats"]["classes"]["long"]["ttft"]["p50"] for k in by}
     assert long_ttft["pd"] > long_ttft["single"]
-    assert rep["verdict"]["candidate"] == "pd" and rep["verdict"]["decision"] in ("adopt", "don't adopt")
-    assert rep["verdict"]["decided_by"] in text
+    # prompts and outputs are the server's tokens, exactly as asked
+    for e in by.values():
+        for cls, asked in (("stream", 200), ("long", 3000)):
+            assert e["stats"]["lengths"][cls]["prompt"] == {"requested": asked, "actual": asked, "off": 0.0,
+                                                            "flagged": False}
+    # the same-resources verdict first (pd vs dp on the same 2 GPUs), the capacity one separately, each named
+    same, capacity = rep["verdicts"]
+    assert rep["verdict"] == same and same["candidate"] == "pd" and same["baselines"] == ["dp"]
+    assert same["resources"] == "same resources" and same["decision"] in ("adopt", "don't adopt")
+    assert capacity["resources"] == "capacity" and capacity["baselines"] == ["single", "chunked"]
+    verdicts = [x for x in text.splitlines() if x.startswith("Verdict:")]
+    assert len(verdicts) == 2 and "same resources" in verdicts[0] and "capacity comparison" in verdicts[1]
+    assert same["decided_by"] in text
 
 
 def test_demo_ctrl_c_stops_every_process(tmp_path: Path) -> None:

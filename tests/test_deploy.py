@@ -173,7 +173,7 @@ def test_compose_telemetry_wiring():
     grpc_port = otelcol["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].rsplit(":", 1)[1]
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == f"http://otelcol:{grpc_port}"
     assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
-    assert env["OTEL_TRACES_SAMPLER"] == "parentbased_always_on"
+    assert env["OTEL_TRACES_SAMPLER"] == "always_on"  # a client's sampled=00 must not remove spans
     col = services["otelcol"]
     assert "../collector/otelcol.yaml:/etc/otelcol-contrib/config.yaml:ro" in col["volumes"]
     assert col["command"] == ["--config=/etc/otelcol-contrib/config.yaml"]

@@ -25,6 +25,10 @@ KV_FAILURE = {"status": 500, "body": {"error": {"message": "KV load failed: remo
 FAST = ("--retry-backoff", "0.01", "--health-check-interval", "0", "--eject-after-failures", "0",
         "--read-timeout", "1")
 ENV = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
+# every leg on a new connection: a drop or reset before any answer byte then says the instance got the
+# request. On a reused connection it would be the idle-close race, resent by the upstream client
+# itself (tests/test_upstream.py, tests/test_instance_failures.py)
+FRESH = ("--upstream-keep-alive", "0")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +37,7 @@ def rig(tmp_path_factory):
     trace_file = tmp_path_factory.mktemp("faults") / "spans.jsonl"
     p, d = ScriptedGroup("prefill", 2), ScriptedGroup("decode", 2)
     proxy, url = start_proxy("--prefill", *p.urls, "--decode", *d.urls, "--prefill-retries", "1",
-                             "--decode-retries", "1", "--trace-file", str(trace_file), *FAST, env=ENV)
+                             "--decode-retries", "1", "--trace-file", str(trace_file), *FAST, *FRESH, env=ENV)
     try:
         yield {"p": p, "d": d, "url": url, "file": trace_file, "proxy": proxy}
     finally:
@@ -433,7 +437,7 @@ def test_sim_kv_load_failure_recompute_and_other_faults_end_to_end(tmp_path):
                                                 start_sim("decode", "--preset", "instant"))
         procs += [pp, d1, d2]
         proxy, url = start_proxy("--prefill", purl, "--decode", d1url, d2url, "--trace-file", str(trace_file),
-                                 "--prefill-retries", "1", "--decode-retries", "1", *FAST, env=ENV)
+                                 "--prefill-retries", "1", "--decode-retries", "1", *FAST, *FRESH, env=ENV)
         procs.append(proxy)
         body = {"model": "sim-model", "prompt": "one two three four five six", "max_tokens": 6, "stream": True}
 

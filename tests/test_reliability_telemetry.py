@@ -1,6 +1,6 @@
-"""A collector that is down, silent, refusing or slow never slows serving; the span queue stays
-bounded and every span is accounted for: what the collector received plus what the proxy counted
-as dropped is exactly what it made."""
+"""A collector that is down, silent, refusing or slower than the export timeout never slows serving;
+the span queue stays bounded and every span is accounted for: what the collector acknowledged plus
+what the proxy counted as dropped is exactly what it made, and no batch is sent twice."""
 
 import socket
 import statistics
@@ -12,33 +12,12 @@ import httpx
 import pytest
 
 from ledgers import ScriptedGroup, counter, proc_rss
+from otlp import HttpReceiver
 from procs import HOST, free_port, start_proxy
 
 BODY = {"model": "m", "prompt": "a b c", "max_tokens": 4, "stream": False}
 N = 150
 SPANS_PER_REQUEST = 5  # root + queue, prefill, kv_transfer, decode
-
-
-class Slow(BaseHTTPRequestHandler):
-    """Takes 0.4 s per export, then accepts it; counts the spans it got."""
-
-    received = 0
-    lock = threading.Lock()
-
-    def do_POST(self):
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-        message = ExportTraceServiceRequest.FromString(self.rfile.read(int(self.headers["Content-Length"])))
-        time.sleep(0.4)
-        with Slow.lock:
-            Slow.received += sum(len(ss.spans) for rs in message.resource_spans for ss in rs.scope_spans)
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
 
 
 class Refusing(BaseHTTPRequestHandler):
@@ -57,24 +36,27 @@ def black_hole():
     sock = socket.socket()
     sock.bind((HOST, 0))
     sock.listen(1024)
-    return f"http://{HOST}:{sock.getsockname()[1]}", sock.close, lambda: 0
+    return f"http://{HOST}:{sock.getsockname()[1]}", sock.close, lambda: 0, list
 
 
 def refusing():
     server = ThreadingHTTPServer((HOST, 0), Refusing)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://{HOST}:{server.server_port}", server.shutdown, lambda: 0
+    return f"http://{HOST}:{server.server_port}", server.shutdown, lambda: 0, list
+
+
+TIMEOUT = 1.0  # OTEL_EXPORTER_OTLP_TIMEOUT of the proxy under test
 
 
 def slow():
-    Slow.received = 0
-    server = ThreadingHTTPServer((HOST, 0), Slow)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return f"http://{HOST}:{server.server_port}", server.shutdown, lambda: Slow.received
+    """Answers every export, 200, but only 5x the exporter's timeout after it arrived: the exporter
+    has given up on each one by then (so each is counted as dropped), and must not send it again."""
+    receiver = HttpReceiver(delay=5 * TIMEOUT)
+    return receiver.endpoint, receiver.stop, lambda: 0, lambda: receiver.span_ids  # none acknowledged in time
 
 
 def down():
-    return f"http://{HOST}:{free_port()}", lambda: None, lambda: 0
+    return f"http://{HOST}:{free_port()}", lambda: None, lambda: 0, list
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +92,10 @@ def untraced_latencies(p: ScriptedGroup, d: ScriptedGroup) -> list[float]:
 def test_collector_outage_leaves_serving_latency_alone_and_counts_every_span(backends, collector):
     p, d = backends
     baseline = untraced_latencies(p, d)
-    endpoint, close, received = collector()
+    endpoint, close, received, posted = collector()  # posted: span ids the collector was sent
     proxy, url = start_proxy("--prefill", p.url, "--decode", d.url, "--health-check-interval", "0",
                              "--otlp-endpoint", endpoint, "--otlp-protocol", "http/protobuf", "--span-queue-size", "64",
-                             env={"OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_EXPORTER_OTLP_TIMEOUT": "1"})
+                             env={"OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_EXPORTER_OTLP_TIMEOUT": str(TIMEOUT)})
     try:
         rss_before = proc_rss(proxy.popen.pid)
         latencies = serve_load(url)
@@ -132,8 +114,11 @@ def test_collector_outage_leaves_serving_latency_alone_and_counts_every_span(bac
             time.sleep(0.25)
         print(f"spans made {made}, received by the collector {received()}, counted as dropped {dropped:.0f}")
         assert dropped + received() == made  # every span either arrived or is counted as lost
+        ids = posted()
+        assert len(ids) == len(set(ids))  # no batch was sent twice
         if collector is slow:
-            assert received() > 0 and dropped > 0  # it kept up with some, the bounded queue shed the rest
+            print(f"the slow collector was posted {len(ids)} spans, each once")
+            assert 0 < len(ids) <= made  # it was sent batches, each counted as dropped after the timeout
     finally:
         proxy.stop()
         close()

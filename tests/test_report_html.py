@@ -138,3 +138,30 @@ def test_html_stage_bars_from_traces(tmp_path: Path) -> None:
     assert [b["data-stage"] for b in bars] == ["queue", "prefill", "kv_transfer", "decode"]
     widths = [float(b["width"]) for b in bars]
     assert widths[3] > widths[2] > widths[1] > widths[0]  # 80 > 30 > 20 > 1 ms
+
+
+def test_one_outlier_does_not_flatten_the_plots(tmp_path: Path) -> None:
+    """Times on log axes: with one 8.9 s gap among 40 ms ones the other requests still spread out."""
+    run = write_run(tmp_path / "pd.jsonl", "pd", [0.1 + 0.003 * i for i in range(40)], 0.04, conditions=PD)
+    lines = run.read_text().splitlines()
+    first = json.loads(lines[1])
+    first["itl"][-1] = 8.9
+    lines[1] = json.dumps(first)
+    run.write_text("\n".join(lines) + "\n")
+    page = tmp_path / "r.html"
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "report", str(run), "--html", str(page), "--no-table"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    dom = Dom()
+    dom.feed(chromium(tmp_path, "--dump-dom", page.as_uri()).stdout)
+    assert dom.body.get("data-rendered") == "5", dom.text.get("js-error")
+    svgs = {pl: a for t, a, pl in dom.elements if t == "svg" and pl}
+    assert all(svgs[k].get("data-log-x") == "1" for k in ("ttft", "itl", "tail_itl"))
+    assert svgs["tail_itl_by_start"].get("data-log-y") == "1"
+    ys = sorted(float(a["cy"]) for t, a, pl in dom.elements if t == "circle" and pl == "tail_itl_by_start")
+    top, bottom = 8, 300 - 40  # the plot area of a 300-pixel-high frame
+    # the 39 ordinary requests (40 ms) sit well above the axis, the outlier near the top
+    assert ys[0] < top + 0.1 * (bottom - top) and ys[-1] < bottom - 0.1 * (bottom - top)  # linear: 1 px above
+    tail = next(a for t, a, pl in dom.elements if t == "path" and pl == "tail_itl")
+    xs = [float(pt.split(",")[0]) for pt in tail["d"].replace("M", "").split(" L")]
+    assert xs[len(xs) // 2] > 56 + 0.1 * (560 - 68)  # (linear: 2 px) the median of the CDF is not squeezed against the y axis

@@ -126,3 +126,41 @@ def test_report_errors_are_clear(tmp_path: Path) -> None:
         p = subprocess.run([sys.executable, "-m", "pdproxy", "report", *args], capture_output=True, text=True,
                            timeout=60)
         assert p.returncode == 2 and "pdproxy report:" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+DP = {"pd.mode": "single", "gpu.count": "2", "pd.prefill.count": "0", "pd.decode.count": "2"}
+
+
+def test_same_resources_verdict_comes_first_and_capacity_separately(runs: dict[str, Path], tmp_path: Path) -> None:
+    # two single instances behind the proxy on pd's 2 GPUs: faster TTFT than pd, so pd loses there...
+    dp = write_run(tmp_path / "dp.jsonl", "dp", [0.090 + 0.001 * i for i in range(50)], 0.050, conditions=DP)
+    r = report(str(runs["single"]), str(runs["chunked"]), str(dp), str(runs["pd_good"]))
+    same, capacity = r["verdicts"]
+    assert r["verdict"] == same and same["resources"] == "same resources" and same["baselines"] == ["dp"]
+    assert same["resources_text"] == "same resources: 2 GPUs each"
+    assert same["decision"] == "don't adopt" and same["decided_by"] == "TTFT p99 improved vs dp"
+    # ... while against the 1-GPU set-ups, with added resources, it wins: a capacity comparison, named so
+    assert capacity["resources"] == "capacity" and capacity["baselines"] == ["single", "chunked"]
+    assert capacity["decision"] == "adopt" and capacity["resources_text"].startswith("capacity comparison")
+    assert r["comparison"]["resources"] == "same resources and capacity"
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "report", str(runs["single"]), str(dp), str(runs["pd_good"])],
+                       capture_output=True, text=True, timeout=60, env={**__import__("os").environ, "COLUMNS": "200"})
+    lines = [x for x in p.stdout.splitlines() if x.startswith("Verdict:")]
+    assert len(lines) == 2 and "same resources" in lines[0] and "capacity comparison" in lines[1], p.stdout
+
+
+def test_requested_vs_actual_lengths_per_class_and_the_off_class_flagged(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "r.jsonl", "pd", [0.1] * 20, 0.04, conditions=PD)
+    lines = [json.loads(x) for x in run.read_text().splitlines()]
+    for i, x in enumerate(lines[1:]):  # the server counted 8 % more prompt tokens than asked; outputs exact
+        x.update(prompt_tokens_requested=1000, prompt_tokens=1080 + i % 3, max_tokens=12)
+    run.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    r = report(str(run))
+    lengths = r["runs"][0]["stats"]["lengths"]["default"]
+    assert lengths["prompt"] == {"requested": 1000.0, "actual": 1081.0, "off": pytest.approx(0.081), "flagged": True}
+    assert lengths["output"]["flagged"] is False and lengths["output"]["off"] == 0.0
+    assert r["runs"][0]["length_flags"] == ["class default: prompt tokens 1081 at the median, 1000 asked (+8.1%)"]
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "report", str(run)], capture_output=True, text=True,
+                       timeout=60)
+    text = " ".join(p.stdout.split())
+    assert "1000 → 1081 (off)" in text and "FLAG: pd: class default: prompt tokens 1081" in text

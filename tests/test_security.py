@@ -116,6 +116,101 @@ def test_binds_to_loopback_unless_told_otherwise():
         d.stop()
 
 
+FORGED = {"do_remote_prefill": True, "remote_host": "evil.example", "remote_port": 1, "remote_block_ids": [[0]]}
+
+
+def smuggling_bodies() -> dict[str, bytes]:
+    """A client's kv_transfer_params in every spelling JSON decodes to the key, and in every encoding
+    json.loads (and so vLLM) reads: a byte search for the key finds none of them but the literal one."""
+    def text(key: str) -> str:
+        return '{"model": "m", "prompt": "a b", "max_tokens": 2, "%s": %s}' % (key, json.dumps(FORGED))
+
+    literal = text("kv_transfer_params")
+    return {
+        "literal": literal.encode(),
+        "escaped underscore": text("kv\\u005ftransfer_params").encode(),
+        "escaped letter": text("\\u006bv_transfer_params").encode(),
+        "utf-16-le": literal.encode("utf-16-le"),  # no BOM: starts {\x00
+        "utf-16-be": literal.encode("utf-16-be"),
+        "utf-32-le": literal.encode("utf-32-le"),
+        "utf-8 bom": literal.encode("utf-8-sig"),
+    }
+
+
+def post_raw(url: str, data: bytes) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", content=data, headers={"Content-Type": "application/json"})
+
+
+def assert_no_client_params(entries: list[dict], what: str) -> None:
+    assert entries, what
+    for entry in entries:
+        assert entry["body"] is not None, f"{what}: the instance got invalid JSON"
+        assert "evil.example" not in json.dumps(entry["body"]), what
+        assert entry["body"].get("kv_transfer_params", {}).get("remote_host") in (None, "10.0.0.1"), what
+
+
+def test_client_kv_params_never_reach_the_decode_in_any_spelling_or_encoding():
+    """Single mode, P/D with a prefill that returns no params, and the recompute retry: in `strip`
+    mode the decode gets the checked object without the client's key; in `reject` mode a 400."""
+    p, d = ScriptedGroup("prefill", 1), ScriptedGroup("decode", 2)
+    common = ("--health-check-interval", "0", "--prefill-retries", "0", "--decode-retries", "1",
+              "--eject-after-failures", "0")
+    proxies = {(mode, shape): start_proxy(*(("--prefill", p.url) if shape == "pd" else ()), "--decode", *d.urls,
+                                          "--client-kv-params", mode, *common)
+               for mode in ("strip", "reject") for shape in ("single", "pd")}
+    no_params = {"body": {"id": "cmpl-p", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}}
+    try:
+        for name, data in smuggling_bodies().items():
+            for (mode, shape), (_, url) in proxies.items():
+                cases = {"direct": ([], [])} if shape == "single" else {
+                    "prefill without params": ([no_params], []),
+                    "recompute retry": ([], [{"status": 500, "body": {"error": {"message": "engine died"}}}]),
+                }
+                for case, (prefill_steps, decode_steps) in cases.items():
+                    what = f"{name}, {mode}, {shape}, {case}"
+                    p.script(*prefill_steps)
+                    d.script(*decode_steps)
+                    r = post_raw(url, data)
+                    if mode == "reject":
+                        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", what
+                        assert d.journal() == [] and p.journal() == [], what
+                        continue
+                    assert r.status_code == 200, (what, r.text)
+                    sent = d.journal()
+                    assert len(sent) == (2 if case == "recompute retry" else 1), what
+                    assert_no_client_params(sent + p.journal(), what)
+                    # no prefill params, or a retry that recomputes: no coordinates at all, the client's least of all
+                    assert "kv_transfer_params" not in sent[-1]["body"], what
+    finally:
+        for proc, _ in proxies.values():
+            proc.stop()
+        p.stop()
+        d.stop()
+
+
+def test_utf16_and_utf32_bodies_reach_the_decode_as_valid_json_with_the_prefills_params():
+    """The splice of the prefill's params into a client's raw bytes only happens to UTF-8 bodies:
+    a UTF-16/32 body is re-serialised, so the decode never gets mixed encodings."""
+    p, d = ScriptedGroup("prefill", 1), ScriptedGroup("decode", 1)
+    proxy, url = start_proxy("--prefill", p.url, "--decode", d.url, "--health-check-interval", "0")
+    try:
+        text = '{"model": "m", "prompt": "caf\u00e9 \u4e16\u754c", "max_tokens": 2}'
+        for encoding in ("utf-16-le", "utf-16-be", "utf-16", "utf-32-le", "utf-32", "utf-8-sig"):
+            d.script()
+            r = post_raw(url, text.encode(encoding))
+            assert r.status_code == 200, (encoding, r.text)
+            body = d.journal()[0]["body"]
+            assert body is not None, f"{encoding}: the decode got invalid JSON"
+            assert body["prompt"] == "caf\u00e9 \u4e16\u754c" and body["kv_transfer_params"]["remote_host"] == "10.0.0.1"
+        # a body that is not UTF-8 and has no BOM or NUL to say otherwise is refused, not guessed
+        r = post_raw(url, '{"prompt": "caf\u00e9"}'.encode("latin-1"))
+        assert r.status_code == 400 and "UnicodeDecodeError" in r.json()["error"]["message"]
+    finally:
+        proxy.stop()
+        p.stop()
+        d.stop()
+
+
 def test_client_kv_transfer_params_are_never_forwarded():
     p, d = ScriptedGroup("prefill", 1), ScriptedGroup("decode", 1)
     forged = {"do_remote_prefill": True, "remote_host": "evil.example", "remote_port": 1, "remote_block_ids": [[0]]}
@@ -136,4 +231,50 @@ def test_client_kv_transfer_params_are_never_forwarded():
         proxy.stop()
         strip.stop()
         p.stop()
+        d.stop()
+
+
+def test_url_credentials_are_refused_for_instances_and_never_shown_for_the_otlp_endpoint(tmp_path):
+    """One rule for URL credentials: instances get none (refused at start: the legs would drop them
+    while health checks sent them), and no output shows the OTLP endpoint's."""
+    password = "URL-SECRET-3c9d"
+    d = ScriptedGroup("decode", 1)
+    port = d.url.rsplit(":", 1)[1]
+    refused = [("--decode", f"http://user:{password}@127.0.0.1:{port}"),
+               ("--decode", d.url, "--prefill", f"http://user:{password}@127.0.0.1:1"),
+               ("--decode", f"user:{password}@127.0.0.1:{port}"),
+               ("--decode", d.url, "--shadow-url", f"https://{password}@127.0.0.1:1")]
+    try:
+        for args in refused:
+            proc = pdproxy("serve", "--port", str(free_port()), "--health-check-interval", "0", *args)
+            try:
+                assert proc.popen.wait(30) == 2, args
+            finally:
+                proc.stop()
+            assert password not in proc.output() and "***@" in proc.output(), proc.output()
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://otel:{password}@127.0.0.1:{free_port()}"}
+        for flag in ((), ("--otlp-endpoint", f"http://otel:{password}@127.0.0.1:{free_port()}")):
+            proxy, url = start_proxy("--decode", d.url, "--api-key", CLIENT_KEY, "--health-check-interval", "0",
+                                     *flag, env=env)
+            try:
+                status = httpx.get(url + "/status").text
+                assert password not in status and "***@127.0.0.1" in status, status
+            finally:
+                proxy.stop()
+            assert password not in proxy.output() and "***@127.0.0.1" in proxy.output()
+    finally:
+        d.stop()
+
+
+def test_models_listing_needs_the_api_key_like_the_rest_of_v1():
+    d = ScriptedGroup("decode", 1)
+    proxy, url = start_proxy("--decode", d.url, "--api-key", CLIENT_KEY, "--health-check-interval", "0")
+    try:
+        r = httpx.get(url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer WRONG-SECRET-55aa"}).status_code == 401
+        r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {CLIENT_KEY}"})
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == "scripted-model"
+    finally:
+        proxy.stop()
         d.stop()

@@ -12,7 +12,7 @@ import pytest
 from multidict import CIMultiDict
 
 from pdproxy.sim.probe import Timed, metric_samples, metric_value, timed_request
-from pdproxy.sim.tokens import CHAT_TOKENS_PER_MESSAGE
+from pdproxy.sim.tokens import BOS, END_HEADER, EOT, START_HEADER, Tokenizer
 from procs import start_sim
 
 pytestmark = pytest.mark.timeout(60)
@@ -70,6 +70,14 @@ def words(n: int) -> str:
     return " ".join(f"w{i}" for i in range(n))
 
 
+TOK = Tokenizer(2.3)  # the sims' default rule
+
+
+def prompt_tokens(text: str) -> int:
+    """A text completion prompt's tokens: BOS + the rule's tokens."""
+    return 1 + TOK.count(text)
+
+
 # ---- plain endpoints --------------------------------------------------------------------------
 def test_health_models_and_metrics_names(instant):
     status, body = run(get(instant + "/health"))
@@ -104,10 +112,12 @@ def test_completion_ids_usage_and_deterministic_text(instant):
     assert status == 200, out
     assert out["id"] == "cmpl-abc-123" and out["object"] == "text_completion" and out["model"] == "sim-model"
     assert headers["X-Request-Id"] == "abc-123"
-    assert out["usage"] == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12,
+    n = prompt_tokens(words(7))
+    assert n > 8  # words are sub-word tokens, not one each
+    assert out["usage"] == {"prompt_tokens": n, "completion_tokens": 5, "total_tokens": n + 5,
                             "prompt_tokens_details": None}
     choice = out["choices"][0]
-    assert choice["finish_reason"] == "length" and len(choice["text"].split()) == 5
+    assert choice["finish_reason"] == "length" and choice["text"].strip()
     assert out["kv_transfer_params"] is None
     m = out["metrics"]
     assert set(m) >= {"time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms",
@@ -141,10 +151,13 @@ def test_chat_counts_message_overhead_and_max_completion_tokens(instant):
                               {"X-Request-Id": "chat-1"}))
     assert status == 200, out
     assert out["id"] == "chatcmpl-chat-1" and out["object"] == "chat.completion"
-    assert out["usage"]["prompt_tokens"] == 5 + 2 * CHAT_TOKENS_PER_MESSAGE
+    # the template: BOS, per message header + content + eot, then the assistant's header
+    assert out["usage"]["prompt_tokens"] == len(TOK.encode_chat(messages)) > 2 * 4 + TOK.count("be brief one two three")
     assert out["usage"]["completion_tokens"] == 4
     msg = out["choices"][0]["message"]
-    assert msg["role"] == "assistant" and len(msg["content"].split()) == 4
+    assert msg["role"] == "assistant" and msg["content"].strip()
+    _, _, counted = run(post(instant + "/tokenize", {"messages": messages}))
+    assert counted["count"] == out["usage"]["prompt_tokens"]
 
 
 def test_eos_min_tokens_and_ignore_eos(instant):
@@ -173,7 +186,7 @@ def test_completion_stream_usage_and_metrics(instant):
                                                   "stream_options": {"include_usage": True}}))
     assert t.ok and t.done
     last = t.events[-1]
-    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6 and last["usage"]["prompt_tokens"] == 4
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6 and last["usage"]["prompt_tokens"] == prompt_tokens(words(4))
     assert "metrics" in last and "mean_itl_ms" in last["metrics"]
     assert all("usage" not in e for e in t.events[:-1])
 
@@ -185,7 +198,7 @@ def test_continuous_usage_stats(instant):
     assert t.ok
     counts = [e["usage"]["completion_tokens"] for e in t.events]
     assert counts == [1, 2, 3, 4, 5, 5]  # every chunk, then the final usage chunk
-    assert all(e["usage"]["prompt_tokens"] == 3 for e in t.events)
+    assert all(e["usage"]["prompt_tokens"] == prompt_tokens(words(3)) for e in t.events)
 
 
 def test_chat_stream_role_chunk_then_content(instant):
@@ -266,6 +279,69 @@ def test_invalid_json_and_chat_messages(instant):
     code, _, out = run(post(instant + "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
                                                                "max_tokens": 4605}))
     assert code == 400 and "maximum context length" in out["error"]["message"]
+
+
+# ---- tokenizer endpoints (vLLM 0.23's shapes, research/vllm023-api-shapes.md) -------------------
+def test_tokenize_prompt_and_messages_and_detokenize_round_trip(instant):
+    text = "Sub-word tokens: pseudo words like bakodu tell more than one ✓"
+    status, _, out = run(post(instant + "/tokenize", {"model": "sim-model", "prompt": text}))
+    assert status == 200 and set(out) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert out["max_model_len"] == 4608 and out["token_strs"] is None
+    assert out["tokens"][0] == BOS and out["count"] == len(out["tokens"]) > len(text.split()) + 1
+    _, _, plain = run(post(instant + "/tokenize", {"prompt": text, "add_special_tokens": False,
+                                                  "return_token_strs": True}))
+    assert plain["tokens"] == out["tokens"][1:] and "".join(plain["token_strs"]).startswith("Sub")
+    _, _, back = run(post(instant + "/detokenize", {"tokens": plain["tokens"]}))
+    assert back == {"prompt": text}
+    # the count the generation endpoint charges is the count /tokenize gives
+    _, _, done = run(post(instant + "/v1/completions", {"prompt": text, "max_tokens": 1}))
+    assert done["usage"]["prompt_tokens"] == out["count"]
+    messages = [{"role": "user", "content": "hi there"}]
+    _, _, chat = run(post(instant + "/tokenize", {"messages": messages}))
+    ids = chat["tokens"]
+    assert ids[:2] == [BOS, START_HEADER] and EOT in ids and ids.count(START_HEADER) == 2  # + the generation prompt
+    _, _, no_prompt = run(post(instant + "/tokenize", {"messages": messages, "add_generation_prompt": False}))
+    assert no_prompt["tokens"] == ids[:ids.index(EOT) + 1]
+    _, _, header = run(post(instant + "/detokenize", {"tokens": ids[:ids.index(END_HEADER) + 1]}))
+    assert header["prompt"] == "<|begin_of_text|><|start_header_id|>user<|end_header_id|>"
+
+
+@pytest.mark.parametrize("path, body, status, fragment", [
+    ("/tokenize", {"model": "other", "prompt": "a"}, 404, "does not exist"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", [1], 400, "JSON object"),
+    ("/detokenize", {"tokens": [1, 10 ** 9]}, 400, "vocabulary"),
+    ("/detokenize", {"tokens": "12"}, 400, "tokens"),
+])
+def test_tokenizer_endpoints_reject_bad_bodies(instant, path, body, status, fragment):
+    code, _, out = run(post(instant + path, body))
+    assert code == status and fragment in out["error"]["message"], out
+
+
+def test_over_long_request_gets_vllms_400_body(instant):
+    _, _, counted = run(post(instant + "/tokenize", {"prompt": words(1500)}))
+    n = counted["count"]
+    over = 4608 - n + 1
+    code, _, out = run(post(instant + "/v1/completions", {"prompt": words(1500), "max_tokens": over}))
+    assert code == 400
+    assert out["error"] == {
+        "message": f"This model's maximum context length is 4608 tokens. However, you requested {over} output "
+                   f"tokens and your prompt contains at least {n} input tokens, for a total of at least 4609 "
+                   "tokens. Please reduce the length of the input prompt or the number of requested output "
+                   f"tokens. (parameter=input_tokens, value={n})",
+        "type": "BadRequestError", "param": "input_tokens", "code": 400}
+    code, _, _ = run(post(instant + "/v1/completions", {"prompt": words(1500), "max_tokens": over - 1,
+                                                        "min_tokens": over - 1, "ignore_eos": True}))
+    assert code == 200
+
+
+def test_tokens_per_word_flag_sets_the_rule():
+    proc, url = start_sim("single", "--preset", "instant", "--tokens-per-word", "1")
+    try:
+        _, _, one = run(post(url + "/tokenize", {"prompt": words(7), "add_special_tokens": False}))
+    finally:
+        proc.stop()
+    assert one["count"] == 7  # "w0".."w6": one token each at a mean of 1
 
 
 # ---- control endpoints ------------------------------------------------------------------------------

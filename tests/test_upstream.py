@@ -1,15 +1,24 @@
 """The legs' HTTP/1.1 client (pdproxy/upstream.py) against raw servers on loopback: framing, keep-alive,
-the failure kinds the retry rules tell apart, timeouts, back-pressure, cancellation and TLS."""
+the failure kinds the retry rules tell apart, timeouts, back-pressure, cancellation and TLS.
+
+Timing: bounds are lower bounds (a loaded machine only makes waits longer), or the test holds the
+event loop itself to make a race happen in a fixed order."""
 
 import asyncio
+import json
+import os
+import socket
 import ssl
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from pdproxy.upstream import (ConnectFailed, ConnectTimeout, Disconnected, MalformedResponse, ReadTimeout,
+from pdproxy.upstream import (HIGH_WATER, ConnectFailed, ConnectTimeout, Disconnected, MalformedResponse, ReadTimeout,
                               UpstreamClient)
+from procs import HOST, Proc, free_port, unaccepting_listener
 
 HEADERS = {"Content-Type": "application/json", "X-Request-Id": "r1"}
 
@@ -123,7 +132,7 @@ def test_bytes_after_the_answer_retire_the_connection():
     run(main())
 
 
-def test_refused_and_connect_timeout_say_the_request_never_arrived():
+def test_a_refused_connection_fails_at_once():
     async def main():
         server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
@@ -132,24 +141,174 @@ def test_refused_and_connect_timeout_say_the_request_never_arrived():
         client = UpstreamClient(1.0, 5.0)
         with pytest.raises(ConnectFailed):
             await client.post(f"http://127.0.0.1:{port}", "/", b"{}", HEADERS)
-        # a non-routable address (TEST-NET-1) never answers the handshake; or the network refuses
-        client = UpstreamClient(0.2, 5.0)
-        with pytest.raises((ConnectTimeout, ConnectFailed)) as info:
-            await client.post("http://192.0.2.1:9", "/", b"{}", HEADERS)
-        assert not isinstance(info.value, ReadTimeout)
+    run(main())
+
+
+def test_a_handshake_never_completed_is_a_connect_timeout():
+    listener, fillers = unaccepting_listener()  # its SYNs are dropped: nothing refuses, nothing answers
+    try:
+        async def main():
+            client = UpstreamClient(0.3, 5.0)
+            started = time.monotonic()
+            with pytest.raises(ConnectTimeout) as info:
+                await client.post(f"http://{HOST}:{listener.getsockname()[1]}", "/", b"{}", HEADERS)
+            assert not isinstance(info.value, ConnectFailed | ReadTimeout)
+            assert time.monotonic() - started >= 0.3  # it waited out --connect-timeout: not a refusal
+            await client.close()
+        run(main())
+    finally:
+        for s in (listener, *fillers):
+            s.close()
+
+
+def test_transfer_encoding_is_recognised_in_any_case():
+    async def main():
+        whole = answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: CHUNKED\r\n\r\n2\r\nok\r\n0\r\n\r\n")
+        cut = answer(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n5\r\nhello\r\n", then="close")
+        async with RawServer(whole, cut) as server:
+            client = UpstreamClient(1.0, 5.0)
+            r = await client.post(server.url, "/", b"{}", HEADERS)
+            assert await r.read() == b"ok"
+            r.release()
+            r = await client.post(server.url, "/", b"{}", HEADERS)
+            assert server.connections == 1  # the chunked answer ended where it said: kept alive
+            with pytest.raises(Disconnected):  # no last chunk: truncated, not a body ended by the close
+                await r.read()
+            await client.close()
+    run(main())
+
+
+# -- keep-alive: idle limits, expiry, and connections the instance closed ---------------------------
+
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+async def fetch(client, url):
+    r = await client.post(url, "/", b"{}", HEADERS)
+    body = await r.read()
+    r.release()
+    return body
+
+
+def test_at_most_max_idle_connections_stay_open():
+    async def main():
+        async with RawServer(*[answer(OK)] * 3) as server:
+            client = UpstreamClient(1.0, 5.0, max_idle=1)
+            both = [await client.post(server.url, "/", b"{}", HEADERS) for _ in range(2)]  # two at once
+            assert server.connections == 2
+            for r in both:
+                assert await r.read() == b"ok"
+                r.release()
+            await asyncio.wait_for(server.closed.wait(), 10)  # one of them was closed, not kept
+            assert await fetch(client, server.url) == b"ok" and server.connections == 2  # the other was reused
+            await client.close()
+    run(main())
+
+
+def test_idle_connections_are_closed_when_their_keep_alive_runs_out():
+    async def main():
+        async with RawServer(answer(OK)) as server:
+            client = UpstreamClient(1.0, 5.0, keepalive=0.2)
+            assert await fetch(client, server.url) == b"ok"
+            await asyncio.wait_for(server.closed.wait(), 10)  # closed by the proxy's side, unasked
+            assert not client._pools[server.url].idle
+            await client.close()
+    run(main())
+
+
+def test_an_expired_connection_is_not_reused_even_by_a_lagging_loop():
+    """The loop is held past the keep-alive, so the sweeper never ran: the age is checked when taken."""
+    async def main():
+        async with RawServer(answer(OK), answer(OK)) as server:
+            client = UpstreamClient(1.0, 5.0, keepalive=0.2)
+            assert await fetch(client, server.url) == b"ok"
+            time.sleep(0.3)  # a lagging loop (blocking on purpose)
+            assert await fetch(client, server.url) == b"ok"
+            assert server.connections == 2 and client.stale_retries == 0
+            await client.close()
+    run(main())
+
+
+@pytest.fixture(scope="module")
+def uvicorn_server():
+    """vLLM's HTTP server (uvicorn, httptools) closing idle connections after 300 ms instead of 5 s."""
+    port = free_port()
+    proc = Proc([sys.executable, str(Path(__file__).with_name("keepalive_backend.py")), "--port", str(port),
+                 "--timeout-keep-alive", "0.3"], name="uvicorn")
+    url = f"http://{HOST}:{port}"
+    try:
+        proc.wait_http(url + "/")
+        yield url
+    finally:
+        proc.stop()
+
+
+def wait_until_peer_closed(client, url, timeout=10.0):
+    """Block the loop (a lagging proxy) until the instance's FIN sits unread in the idle connection's
+    socket: the proxy has not noticed, so its next request is written to a connection already closed."""
+    (conn,) = client._pools[url].idle
+    sock = socket.socket(fileno=os.dup(conn.transport.get_extra_info("socket").fileno()))
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    return
+            except BlockingIOError:
+                pass
+            assert time.monotonic() < deadline, "the instance never closed its idle connection"
+            time.sleep(0.01)
+    finally:
+        sock.close()  # the duplicate only: the connection stays open
+
+
+def test_a_connection_uvicorn_closed_while_idle_is_resent_on_a_fresh_one(uvicorn_server):
+    async def main():
+        client = UpstreamClient(1.0, 5.0, keepalive=60.0)  # longer than the instance's: the race is possible
+        first = json.loads(await fetch(client, uvicorn_server))
+        wait_until_peer_closed(client, uvicorn_server)
+        second = json.loads(await fetch(client, uvicorn_server))  # not a Disconnected: sent again
+        assert client.stale_retries == 1
+        assert second["request"] == first["request"] + 1  # the instance ran it once
+        assert second["peer_port"] != first["peer_port"]  # on a new connection
+        await client.close()
+    run(main())
+
+
+def test_only_a_reused_connection_closed_before_any_answer_byte_is_resent():
+    async def main():
+        async with RawServer(answer(OK), answer(then="close"), answer(OK),  # read, then closed unanswered
+                             answer(b"HTTP/1.1 2", then="close"),  # part of an answer: it did get it
+                             answer(then="close")) as server:  # on a fresh connection: it did get it
+            client = UpstreamClient(1.0, 5.0)
+            assert await fetch(client, server.url) == b"ok"
+            assert await fetch(client, server.url) == b"ok"
+            assert (client.stale_retries, server.connections, len(server.requests)) == (1, 2, 3)
+            with pytest.raises(Disconnected):
+                await client.post(server.url, "/", b"{}", HEADERS)
+            with pytest.raises(Disconnected):
+                await client.post(server.url, "/", b"{}", HEADERS)
+            assert (client.stale_retries, server.connections, len(server.requests)) == (1, 3, 5)
+            await client.close()
     run(main())
 
 
 def test_silence_drop_and_garbage_are_told_apart():
     async def main():
-        async with RawServer(answer(b"", pause=2.0),
+        silent = asyncio.Event()  # never set: this instance never answers
+
+        async def never(writer, reader):
+            await silent.wait()
+
+        async with RawServer(never,
                              answer(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial", then="close"),
                              answer(b"not http at all\r\n\r\n")) as server:
             client = UpstreamClient(1.0, 0.3)
             started = time.monotonic()
             with pytest.raises(ReadTimeout):
                 await client.post(server.url, "/", b"{}", HEADERS)
-            assert 0.25 < time.monotonic() - started < 1.5
+            assert time.monotonic() - started >= 0.3 - 0.01  # not before the silence lasted the read timeout
             r = await client.post(server.url, "/", b"{}", HEADERS)
             with pytest.raises(Disconnected):
                 await r.read()
@@ -160,12 +319,51 @@ def test_silence_drop_and_garbage_are_told_apart():
 
 
 def test_read_timeout_counts_silences_not_the_whole_answer():
+    read_timeout = 1.0
+    took = []
+
+    async def trickle(writer, reader):
+        """One byte every 20 ms (50x shorter than the read timeout) until the answer outlasted it twice."""
+        started = time.monotonic()
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        while time.monotonic() - started < 2 * read_timeout:
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        writer.write(b"0\r\n\r\n")
+        took.append(time.monotonic() - started)
+
     async def main():
-        slow = answer(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", *[b"x"] * 5, pause=0.15)
-        async with RawServer(slow) as server:
-            client = UpstreamClient(1.0, 0.4)  # the answer takes 0.9 s, no silence is longer than 0.15 s
+        async with RawServer(trickle) as server:
+            client = UpstreamClient(1.0, read_timeout)
             r = await client.post(server.url, "/", b"{}", HEADERS)
-            assert await r.read() == b"xxxxx"
+            body = await r.read()
+            assert body and set(body) == {ord("x")} and took[0] >= 2 * read_timeout
+            await client.close()
+    run(main())
+
+
+def test_reading_again_after_a_pause_rearms_the_read_timeout():
+    """Paused reading is not silence, but once the reader resumes, the instance's silence counts again."""
+    size = 4 * HIGH_WATER
+
+    async def stall(writer, reader):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (size + 1) + b"x" * size)
+        await writer.drain()
+        await asyncio.Event().wait()  # the last byte never comes
+
+    async def main():
+        async with RawServer(stall) as server:
+            client = UpstreamClient(1.0, 0.3)
+            r = await client.post(server.url, "/", b"{}", HEADERS)
+            while not r._conn.paused:  # the buffer filled up: reading from the instance stopped
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # longer than the read timeout while paused: no timeout
+            got = 0
+            with pytest.raises(ReadTimeout):
+                while data := await r.readany():
+                    got += len(data)
+            assert got == size  # everything sent was read, then the silence timed out
             await client.close()
     run(main())
 

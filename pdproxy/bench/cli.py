@@ -58,8 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds (default 600)")
     w = p.add_argument_group("workload (flags override the --workload file)")
     w.add_argument("--workload", metavar="FILE.yaml", help="YAML with workload/classes, url, label, conditions, sweep")
-    w.add_argument("--prompt-len", help=f"prompt words: N, LOW-HIGH or {'/'.join(PROMPT_PRESETS)}")
-    w.add_argument("--output-len", help=f"max_tokens: N, LOW-HIGH or {'/'.join(OUTPUT_PRESETS)}")
+    w.add_argument("--prompt-len", help="prompt tokens of the server's tokenizer (as usage.prompt_tokens counts "
+                                        f"them): N, LOW-HIGH or {'/'.join(PROMPT_PRESETS)}; sized with its "
+                                        "/tokenize (docs/bench.md)")
+    w.add_argument("--output-len", help=f"output tokens (max_tokens = min_tokens): N, LOW-HIGH or "
+                                        f"{'/'.join(OUTPUT_PRESETS)}")
     w.add_argument("--corpus", help="fixed prompts: JSONL with 'prompt' (+ 'max_tokens') or a text file, one per line")
     w.add_argument("--concurrency", type=int, help="closed loop: this many requests in flight")
     w.add_argument("--rate", type=float, help="open loop: requests per second")
@@ -71,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--seed", type=int, help="seed: same seed, same request bodies (default 0)")
     w.add_argument("--temperature", type=float, help="sampling temperature sent with every request (default 0)")
     w.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos=true")
+    w.add_argument("--no-min-tokens", action="store_true",
+                   help="do not send min_tokens = max_tokens (for servers that reject vLLM's extension; outputs "
+                        "may then end early)")
     w.add_argument("--no-continuous-usage", action="store_true",
                    help="do not ask for usage on every chunk (then ITL is per chunk only)")
     w.add_argument("--sweep", metavar="AXIS=V1,V2,...",
@@ -117,6 +123,8 @@ def build(args: argparse.Namespace) -> tuple[Workload, runner.Target, str, dict[
             setattr(wl, name, v)
     if args.no_ignore_eos:
         wl.ignore_eos = False
+    if args.no_min_tokens:
+        wl.min_tokens = False
     if args.no_continuous_usage:
         wl.continuous_usage = False
     class_flags = {k: getattr(args, k) for k in CLASS_FLAGS if getattr(args, k) is not None}
@@ -167,6 +175,19 @@ def _progress_bar(console: Console, wl: Workload, label: str) -> tuple[Progress,
     return prog, update
 
 
+def say_prompts(console: Console) -> Any:
+    """Tell the user once how prompts are sized when it is not exact (no /tokenize, no word boundaries)."""
+    said: set[str] = set()
+
+    def say(sized: Any) -> None:
+        for note in sized.notes:
+            if note not in said:
+                said.add(note)
+                console.print(f"[yellow]pdproxy bench: {note}[/]")
+
+    return say
+
+
 def run_many(wl: Workload, target: runner.Target, label: str, conditions: dict[str, Any], sweep: str | None,
              out: str | None, out_dir: str, save_text: bool, progress: bool, console: Console) -> list[runner.RunResult]:
     """One run, or one run per sweep value; returns results in order."""
@@ -180,6 +201,7 @@ def run_many(wl: Workload, target: runner.Target, label: str, conditions: dict[s
     else:
         plans.append((label, wl, None))
     results = []
+    say = say_prompts(console)
     for run_label, w, sw in plans:
         cond = dict(conditions)
         cond["pd.run"] = run_label if sweep else cond.get("pd.run", run_label)
@@ -189,9 +211,10 @@ def run_many(wl: Workload, target: runner.Target, label: str, conditions: dict[s
         if progress:
             prog, update = _progress_bar(console, w, run_label)
             with prog:
-                res = asyncio.run(runner.run_async(w, target, path, header, save_text=save_text, progress=update))
+                res = asyncio.run(runner.run_async(w, target, path, header, save_text=save_text, progress=update,
+                                                   on_prompts=say))
         else:
-            res = asyncio.run(runner.run_async(w, target, path, header, save_text=save_text))
+            res = asyncio.run(runner.run_async(w, target, path, header, save_text=save_text, on_prompts=say))
         results.append(res)
     return results
 

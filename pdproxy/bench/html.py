@@ -1,7 +1,9 @@
 """The report as one self-contained HTML page: tables in HTML, plots drawn as SVG by inline JS.
 
 No CDN, no network: the report data is embedded as JSON and a small script (below) draws the
-TTFT and ITL CDFs, the per-request tail ITL (CDF and over time) and the stage breakdown. When
+TTFT and ITL CDFs, the per-request tail ITL (CDF and over time) and the stage breakdown. Times
+that span decades are on log axes (CDFs' x, the tail-over-time scatter's y): one 9 s outlier must
+not squeeze every other point against the axis. When
 every plot is drawn the script sets `data-rendered` on <body> to the number of plots (a test
 reads it back from a real browser); an error is shown on the page instead of failing silently.
 """
@@ -12,7 +14,8 @@ import html
 import json
 from typing import Any
 
-from pdproxy.bench.table import condition_rows, metric_rows, ms, pairing_text, results_title, split_text, stalls_text
+from pdproxy.bench.table import (INSTANCE_COLUMNS, condition_rows, instance_rows, metric_rows, ms, pairing_text,
+                                 results_title, split_text, stalls_text)
 
 CSS = """
 body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1a1a1a;max-width:1400px}
@@ -40,31 +43,45 @@ function ticks(lo, hi, n){ const span = hi - lo || 1; const step0 = span / n;
   const mag = Math.pow(10, Math.floor(Math.log10(step0))); const err = step0 / mag;
   const step = (err >= 5 ? 10 : err >= 2 ? 5 : err >= 1 ? 2 : 1) * mag; const out = [];
   for (let v = Math.ceil(lo / step) * step; v <= hi + 1e-12; v += step) out.push(+v.toPrecision(12)); return out; }
-function frame(container, title, xlabel, ylabel, xmax, ymax, W, H, noY){
+// An axis from lo to hi onto pixels a..b: linear, or log10 (times spanning decades: one 9 s gap must not
+// squeeze every other point against the axis); values at or below 0 sit at a log axis' start.
+function axis(lo, hi, log, a, b){
+  if (log) { const l0 = Math.floor(Math.log10(lo)), l1 = Math.max(Math.ceil(Math.log10(hi)), l0 + 1);
+    const s = v => a + (Math.log10(Math.max(v, Math.pow(10, l0))) - l0) / (l1 - l0) * (b - a); const t = [];
+    for (let k = l0; k <= l1; k++) for (const m of [1, 2, 5]) { const v = m * Math.pow(10, k);
+      if (v <= Math.pow(10, l1) * 1.0001) t.push(+v.toPrecision(6)); }
+    return {s, ticks: t}; }
+  return {s: v => a + (hi ? v / hi : 0) * (b - a), ticks: ticks(0, hi, 6)};
+}
+function frame(container, title, xlabel, ylabel, xr, yr, W, H, noY){
   const box = document.createElement('div'); box.className = 'plot';
   const h = document.createElement('h3'); h.textContent = title; box.appendChild(h);
   const svg = el('svg', {width: W, height: H, viewBox: `0 0 ${W} ${H}`, role: 'img'}); box.appendChild(svg);
   container.appendChild(box);
   const m = {l: 56, r: 12, t: 8, b: noY ? 56 : 40}; const pw = W - m.l - m.r, ph = H - m.t - m.b;
-  const sx = v => m.l + (xmax ? v / xmax : 0) * pw, sy = v => m.t + ph - (ymax ? v / ymax : 0) * ph;
+  const xa = axis(xr.lo, xr.hi, xr.log, m.l, m.l + pw), ya = axis(yr.lo, yr.hi, yr.log, m.t + ph, m.t);
+  const sx = xa.s, sy = ya.s;
   el('rect', {x: m.l, y: m.t, width: pw, height: ph, fill: '#fff', stroke: '#bbb'}, svg);
-  for (const t of ticks(0, xmax, 6)) { el('line', {x1: sx(t), x2: sx(t), y1: m.t, y2: m.t + ph, stroke: '#eee'}, svg);
+  for (const t of xa.ticks) { el('line', {x1: sx(t), x2: sx(t), y1: m.t, y2: m.t + ph, stroke: '#eee'}, svg);
     const tx = el('text', {x: sx(t), y: m.t + ph + 14, 'font-size': 10, 'text-anchor': 'middle'}, svg); tx.textContent = t; }
-  if (!noY) for (const t of ticks(0, ymax, 5)) { el('line', {x1: m.l, x2: m.l + pw, y1: sy(t), y2: sy(t), stroke: '#eee'}, svg);
+  if (!noY) for (const t of ya.ticks) { el('line', {x1: m.l, x2: m.l + pw, y1: sy(t), y2: sy(t), stroke: '#eee'}, svg);
     const ty = el('text', {x: m.l - 4, y: sy(t) + 3, 'font-size': 10, 'text-anchor': 'end'}, svg); ty.textContent = t; }
   const xl = el('text', {x: m.l + pw / 2, y: H - 6, 'font-size': 11, 'text-anchor': 'middle'}, svg); xl.textContent = xlabel;
   const yl = el('text', {x: 12, y: m.t + ph / 2, 'font-size': 11, 'text-anchor': 'middle',
     transform: `rotate(-90 12 ${m.t + ph / 2})`}, svg); yl.textContent = ylabel;
+  if (xr.log) svg.setAttribute('data-log-x', '1'); if (yr.log) svg.setAttribute('data-log-y', '1');
   return {svg, sx, sy, m, pw, ph, box};
 }
+function positive(vals){ const p = vals.filter(v => v > 0); return p.length ? Math.min(...p) : 1; }
 function legend(f, names){ names.forEach((n, i) => {
   const y = f.m.t + 14 + 14 * i, x = f.m.l + f.pw - 150;
   el('rect', {x: x, y: y - 8, width: 10, height: 10, fill: COLORS[i % COLORS.length]}, f.svg);
   const t = el('text', {x: x + 14, y: y + 1, 'font-size': 11}, f.svg); t.textContent = n; }); }
 function cdf(container, key, title, xlabel){
-  const runs = data.runs; let xmax = 0;
-  runs.forEach(r => (r.plots[key] || []).forEach(p => { xmax = Math.max(xmax, p[0] * 1000); }));
-  const f = frame(container, title, xlabel, 'fraction of samples', xmax * 1.05 || 1, 1, 560, 300);
+  const runs = data.runs; let xmax = 0; const xs = [];
+  runs.forEach(r => (r.plots[key] || []).forEach(p => { xmax = Math.max(xmax, p[0] * 1000); xs.push(p[0] * 1000); }));
+  const f = frame(container, title, xlabel + ', log scale', 'fraction of samples',
+                  {lo: positive(xs), hi: xmax || 1, log: true}, {lo: 0, hi: 1}, 560, 300);
   f.box.dataset.plot = key;
   if (!xmax) { const t = el('text', {x: f.m.l + 10, y: f.m.t + 20, 'font-size': 12, 'data-empty': '1'}, f.svg);
     t.textContent = key === 'itl' && data.definitions.itl_pooled ? data.definitions.itl_pooled : 'no data'; }
@@ -75,10 +92,11 @@ function cdf(container, key, title, xlabel){
   legend(f, runs.map(r => r.label));
 }
 function scatter(container){
-  const runs = data.runs; let xmax = 0, ymax = 0;
-  runs.forEach(r => (r.plots.tail_itl_by_start || []).forEach(p => { xmax = Math.max(xmax, p[0]); ymax = Math.max(ymax, p[1] * 1000); }));
-  const f = frame(container, 'Tail ITL per request (max gap) over the run', 'request start (s)', 'max gap (ms)',
-                  xmax * 1.02 || 1, ymax * 1.1 || 1, 560, 300);
+  const runs = data.runs; let xmax = 0, ymax = 0; const ys = [];
+  runs.forEach(r => (r.plots.tail_itl_by_start || []).forEach(p => { xmax = Math.max(xmax, p[0]); ymax = Math.max(ymax, p[1] * 1000);
+    ys.push(p[1] * 1000); }));
+  const f = frame(container, 'Tail ITL per request (max gap) over the run', 'request start (s)', 'max gap (ms), log scale',
+                  {lo: 0, hi: xmax * 1.02 || 1}, {lo: positive(ys), hi: ymax || 1, log: true}, 560, 300);
   f.box.dataset.plot = 'tail_itl_by_start';
   runs.forEach((r, i) => { const g = el('g', {'data-run': r.label, fill: COLORS[i % COLORS.length], 'fill-opacity': 0.6}, f.svg);
     for (const p of (r.plots.tail_itl_by_start || [])) el('circle', {cx: f.sx(p[0]).toFixed(1), cy: f.sy(p[1] * 1000).toFixed(1), r: 2.2}, g); });
@@ -89,7 +107,8 @@ function stages(container){
   const vals = runs.map(r => names.map(s => (r.stages && r.stages[s] && r.stages[s].count) ? r.stages[s].mean * 1000 : 0));
   vals.forEach(v => { xmax = Math.max(xmax, v.reduce((a, b) => a + b, 0)); });
   const H = 70 + 34 * runs.length;
-  const f = frame(container, 'Stage breakdown (mean per request, from the proxy traces)', 'ms', '', xmax * 1.05 || 1, 1, 560, H, true);
+  const f = frame(container, 'Stage breakdown (mean per request, from the proxy traces)', 'ms', '',
+                  {lo: 0, hi: xmax * 1.05 || 1}, {lo: 0, hi: 1}, 560, H, true);
   f.box.dataset.plot = 'stages';
   const bh = f.ph / runs.length * 0.6;
   runs.forEach((r, i) => { let x0 = 0; const y = f.m.t + (i + 0.2) * f.ph / runs.length;
@@ -132,9 +151,12 @@ def _table(head: list[str], rows: list[list[str]], num_from: int = 1) -> str:
 
 
 def _verdict(report: dict[str, Any]) -> str:
-    v = report.get("verdict")
-    if not v:
-        return ""
+    """Each verdict (same resources first, then capacity); the first keeps the ids the page always had."""
+    verdicts = report.get("verdicts") or ([report["verdict"]] if report.get("verdict") else [])
+    return "".join(_one_verdict(v, "" if i == 0 else f"-{i + 1}") for i, v in enumerate(verdicts))
+
+
+def _one_verdict(v: dict[str, Any], suffix: str) -> str:
     cls = "adopt" if v["decision"] == "adopt" else "reject"
     rows = []
     for c in v["criteria"]:
@@ -143,10 +165,23 @@ def _verdict(report: dict[str, Any]) -> str:
         name = c["criterion"] + (f" vs {c['baseline']}" if c.get("baseline") else "")
         rows.append(f"<tr><td>{mark}</td><td>{_e(name)}</td><td>{_e(c['detail'])}</td></tr>")
     notes = "".join(f"<div class=flag>{_e(n)}</div>" for n in v.get("notes") or [])
-    return (f"<div class='verdict {cls}' id=verdict><b>Verdict: {_e(v['decision'].upper())}</b> "
-            f"({_e(v['candidate'])} vs {_e(', '.join(v['baselines']))})<br>decided by: {_e(v['reason'])}</div>"
-            f"<table id=criteria><thead><tr><th></th><th>criterion</th><th>detail</th></tr></thead>"
+    kind = f" · <b>{_e(v['resources_text'])}</b>" if v.get("resources_text") else ""
+    return (f"<div class='verdict {cls}' id=verdict{suffix}><b>Verdict: {_e(v['decision'].upper())}</b> "
+            f"({_e(v['candidate'])} vs {_e(', '.join(v['baselines']))}){kind}<br>decided by: {_e(v['reason'])}</div>"
+            f"<table id=criteria{suffix}><thead><tr><th></th><th>criterion</th><th>detail</th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table>{notes}")
+
+
+def _instances(report: dict[str, Any]) -> str:
+    """One table per run that spread over more than one instance (bench/instances.py)."""
+    out = []
+    for e in report["runs"]:
+        rows = instance_rows(e)
+        if len(rows) > 1:
+            out.append(f"<h2>Per instance, {_e(e['label'])} (from the traces; ms)</h2>"
+                       + _table(list(INSTANCE_COLUMNS), rows, num_from=2).replace("<table>", f"<table class=instances "
+                                                                                  f"data-run='{_e(e['label'])}'>", 1))
+    return "".join(out)
 
 
 def _drill(report: dict[str, Any]) -> str:
@@ -181,7 +216,9 @@ def render(report: dict[str, Any]) -> str:
     d = report["definitions"]
     comp = report["comparison"]
     flags = "".join(f"<div class=flag>{_e(f)}</div>" for f in comp.get("flags") or [])
-    notes = "".join(f"<div class=flag>{_e(e['label'])}: {_e(n)}</div>" for e in runs for n in e["condition_notes"])
+    notes = "".join(f"<div class=flag>{_e(e['label'])}: {_e(n)}</div>" for e in runs
+                    for n in [*e["condition_notes"], *(e.get("length_flags") or []),
+                              *((e.get("prompts") or {}).get("notes") or [])])
     defs = "".join(f"<li><b>{_e(k)}</b>: {_e(v)}</li>" for k, v in d.items() if v is not None)
     payload = json.dumps({"runs": [{"label": e["label"], "plots": e["plots"], "stages": e["stages"]} for e in runs],
                           "definitions": d}, separators=(",", ":")).replace("</", "<\\/")
@@ -201,6 +238,7 @@ def render(report: dict[str, Any]) -> str:
 {''.join('<tr><td>' + _e(n) + '</td>' + ''.join(f'<td class=num>{_e(c)}</td>' for c in cells) + '</tr>'
          for n, cells in metric_rows(report))}
 </tbody></table>
+{_instances(report)}
 <h2>Plots</h2><div id=js-error></div><div class=plots id=plots></div>
 {_drill(report)}
 <h2>Definitions</h2><ul>{defs}</ul>

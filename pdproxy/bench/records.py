@@ -60,6 +60,7 @@ def request_record(
     start_wall: float,
     start_offset: float,
     prompt_words: int,
+    prompt_tokens_requested: int | None,
     max_tokens: int,
     outcome: Any,
 ) -> dict[str, Any]:
@@ -77,7 +78,8 @@ def request_record(
         "start_time": round(start_wall, 6),
         "start_offset": round(start_offset, 6),
         "prompt_words": prompt_words,
-        "max_tokens": max_tokens,
+        "prompt_tokens_requested": prompt_tokens_requested,  # what the workload asked (None: a corpus prompt)
+        "max_tokens": max_tokens,  # the output asked for (min_tokens too, unless --no-min-tokens)
         "status": outcome.status,
         "ok": outcome.ok,
         "error": outcome.error,

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from pdproxy import __version__
-from pdproxy.bench import attribution, engine_spans, stats, traces
+from pdproxy.bench import attribution, engine_spans, instances, stats, traces
 from pdproxy.bench.records import Run
 from pdproxy.bench.verdict import Slo, decide
 
@@ -172,9 +172,14 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
         if t:
             maxes.append(t[1])
             by_start.append([r["start_offset"], t[1]])
+    length_flags = [f"class {c}: {what} tokens {v['actual']:g} at the median, {v['requested']:g} asked "
+                    f"({v['off']:+.1%})" for c, ls in (st.get("lengths") or {}).items()
+                    for what, v in ls.items() if v["flagged"]]
     return {
         "label": run.label,
         "run_id": run.header.get("run_id"),
+        "prompts": run.header.get("prompts"),
+        "length_flags": length_flags,
         "source": run.source,
         "tool": run.header.get("tool", "pdproxy bench"),
         "measured_at": run.header.get("measured_at", "client"),
@@ -194,6 +199,7 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
         "stages": stages,
         "kv_transfer": kv,
         "engine_split": _engine_split(ok_infos),
+        "instances": instances.breakdown(run.requests, joined, unit=u, stall_threshold=stall_threshold),
         "stall_attribution": attribution.run_attribution(ok, joined, timeline, threshold=stall_threshold, unit=u)
         if timeline is not None and joined else None,
         "slowest": {"ttft": [brief(r) for r in by_ttft], "tail_itl": [brief(r) for r in by_tail]},
@@ -212,7 +218,8 @@ def _workload_axes(w: dict[str, Any] | None) -> dict[str, Any]:
         "output cap": [(c.get("name"), c.get("output")) for c in classes],
         "load": [(c.get("name"), c.get("concurrency"), c.get("rate"), c.get("arrival")) for c in classes],
         "other workload": {k: w.get(k) for k in ("model", "endpoint", "temperature", "seed", "requests", "duration",
-                                                 "warmup_requests", "warmup_seconds", "ignore_eos")},
+                                                 "warmup_requests", "warmup_seconds", "ignore_eos",
+                                                 "min_tokens")},
     }
 
 
@@ -340,6 +347,35 @@ def build(runs: list[Run], idx: traces.TraceIndex | None = None, *, unit: str = 
             bases = [e for e in entries if e["label"] in baselines and e is not cand]
         else:
             bases = [e for e in entries if e is not cand]
-        if bases:
-            report["verdict"] = decide(cand, bases, slo or Slo())
+        verdicts = [{**decide(cand, group, slo or Slo()), "resources": kind, "resources_text": text}
+                    for kind, text, group in resource_groups(cand, bases)]
+        if verdicts:
+            report["verdicts"] = verdicts
+            report["verdict"] = verdicts[0]  # same resources first, when there is such a baseline
+            comp = report["comparison"]
+            if comp["resources"] == "capacity" and verdicts[0]["resources"] == "same resources":
+                comp["resources"] = "same resources and capacity"
+                comp["flags"] = [f.replace("a capacity comparison, not same resources",
+                                           f"{cand['label']} against {', '.join(verdicts[0]['baselines'])} is on the "
+                                           "same resources, against the others a capacity comparison (one verdict "
+                                           "each)") for f in comp["flags"]]
     return report
+
+
+def resource_groups(cand: dict[str, Any], bases: list[dict[str, Any]]) -> list[tuple[str, str, list[dict[str, Any]]]]:
+    """The baselines split as the plan compares them: on the candidate's GPU total first ("same resources",
+    e.g. 1P1D vs two single instances on the same 2 GPUs), then on other totals ("capacity"), then unknown."""
+    cg = cand.get("gpu_total")
+    same = [b for b in bases if cg is not None and b.get("gpu_total") == cg]
+    other = [b for b in bases if cg is not None and b.get("gpu_total") is not None and b.get("gpu_total") != cg]
+    unknown = [b for b in bases if b not in same and b not in other]
+    out = []
+    if same:
+        out.append(("same resources", f"same resources: {cg} GPU{'s' if cg != 1 else ''} each", same))
+    if other:
+        gpus = ", ".join(f"{b['label']} {b['gpu_total']}" for b in other)
+        out.append(("capacity", f"capacity comparison with added resources: {cand['label']} {cg} GPUs vs {gpus}",
+                    other))
+    if unknown:
+        out.append(("unknown", "resources unknown: GPU count not recorded for every run", unknown))
+    return out

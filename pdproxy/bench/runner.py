@@ -18,7 +18,7 @@ from typing import Any, Callable
 import aiohttp
 
 from pdproxy import __version__
-from pdproxy.bench import client, records, stats
+from pdproxy.bench import client, prompts, records, stats
 from pdproxy.bench.workload import PlannedRequest, Workload, arrival_times, class_requests
 
 ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -33,6 +33,10 @@ class Target:
     timeout: float = 600.0
     headers: dict[str, str] = field(default_factory=dict)
 
+    def auth_headers(self) -> dict[str, str]:
+        """The extra headers and the bearer token every request (and every /tokenize call) carries."""
+        return {**self.headers, **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
+
 
 @dataclass
 class RunResult:
@@ -46,7 +50,7 @@ class _Run:
     """State shared by the senders of one run."""
 
     def __init__(self, wl: Workload, target: Target, writer: records.RecordWriter, header: dict[str, Any],
-                 save_text: bool, on_done: Callable[[dict[str, Any]], None]):
+                 save_text: bool, on_done: Callable[[dict[str, Any]], None], sized: prompts.Prompts):
         self.wl, self.target, self.writer, self.header = wl, target, writer, header
         self.save_text, self.on_done = save_text, on_done
         self.run_id: str = header["run_id"]
@@ -58,6 +62,7 @@ class _Run:
         self.per_class: dict[str, int] = {}
         self.records: list[dict[str, Any]] = []
         self.iters = [class_requests(wl, i) for i in range(len(wl.classes))]
+        self.prompts = sized
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -82,11 +87,10 @@ class _Run:
     async def one(self, session: aiohttp.ClientSession, req: PlannedRequest, seq: int) -> None:
         request_id = f"{self.prefix}{req.cls}-{req.index}"
         traceparent, trace_id, _ = client.new_traceparent()
-        headers = {"X-Request-Id": request_id, "traceparent": traceparent, **self.target.headers}
-        if self.target.api_key:
-            headers["Authorization"] = f"Bearer {self.target.api_key}"
+        headers = {"X-Request-Id": request_id, "traceparent": traceparent, **self.target.auth_headers()}
+        text, words = self.prompts.make(req)
         start, outcome = await client.send(
-            session, self.url, req.body(self.wl), headers,
+            session, self.url, req.body(self.wl, text), headers,
             chat=self.wl.endpoint == "chat", timeout=self.target.timeout, save_text=self.save_text,
         )
         start_offset = start - self.t0
@@ -94,8 +98,10 @@ class _Run:
         rec = records.request_record(
             run_id=self.run_id, request_id=request_id, trace_id=trace_id, cls=req.cls, index=req.index,
             seq=seq, warmup=warmup, start_wall=self.wall0 + start_offset, start_offset=start_offset,
-            prompt_words=req.prompt_words, max_tokens=req.max_tokens, outcome=outcome,
+            prompt_words=words, prompt_tokens_requested=req.prompt_tokens, max_tokens=req.max_tokens,
+            outcome=outcome,
         )
+        self.prompts.observe(words, outcome.prompt_tokens)
         self.records.append(rec)
         self.writer.write(rec)
         self.on_done(rec)
@@ -149,25 +155,33 @@ def make_header(wl: Workload, target: Target, label: str, conditions: dict[str, 
 
 async def run_async(wl: Workload, target: Target, out: Path, header: dict[str, Any], *,
                     save_text: bool = False, progress: Any = None,
-                    stall_threshold: float = stats.DEFAULT_STALL_THRESHOLD) -> RunResult:
-    """Run the workload to completion (or cancellation) and write header, records and summary."""
-    writer = records.RecordWriter(out)
-    writer.write(header)
-    counts = {"ok": 0, "failed": 0}
+                    stall_threshold: float = stats.DEFAULT_STALL_THRESHOLD,
+                    on_prompts: Callable[[prompts.Prompts], None] | None = None) -> RunResult:
+    """Run the workload to completion (or cancellation) and write header, records and summary.
 
-    def on_done(rec: dict[str, Any]) -> None:
-        counts["ok" if rec["ok"] else "failed"] += 1
+    First the prompts are sized on the server (bench/prompts.py; `on_prompts` hears how, once): a
+    workload the server cannot take stops there with a WorkloadError, before any request or file."""
+    counts = {"ok": 0, "failed": 0}
+    interrupted = False
+    tasks: list[asyncio.Task[None]] = []
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
+        sized = await prompts.prepare(session, target.url, target.auth_headers(), wl, target.timeout)
+        header["prompts"] = sized.describe()
+        if on_prompts is not None:
+            on_prompts(sized)
+        writer = records.RecordWriter(out)
+        writer.write(header)
+
+        def on_done(rec: dict[str, Any]) -> None:
+            counts["ok" if rec["ok"] else "failed"] += 1
+            if progress is not None:
+                progress(state, counts)
+
+        state = _Run(wl, target, writer, header, save_text, on_done, sized)
         if progress is not None:
             progress(state, counts)
-
-    state = _Run(wl, target, writer, header, save_text, on_done)
-    if progress is not None:
-        progress(state, counts)
-    interrupted = False
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    tasks: list[asyncio.Task[None]] = []
-    try:
-        async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
+        try:
             for ci, c in enumerate(wl.classes):
                 if c.concurrency is not None:
                     tasks += [asyncio.ensure_future(state.closed_loop(session, ci)) for _ in range(c.concurrency)]
@@ -178,22 +192,22 @@ async def run_async(wl: Workload, target: Target, out: Path, header: dict[str, A
                 await asyncio.gather(*tasks)
             finally:
                 ticker.cancel()
-    except asyncio.CancelledError:
-        interrupted = True
-        for t in tasks:
-            t.cancel()
-    finally:
-        summary = {
-            "type": "summary",
-            "run_id": header["run_id"],
-            "label": header["label"],
-            "wall_s": round(state.elapsed(), 3),
-            "interrupted": interrupted,
-            "conditions": header["conditions"],
-            "stats": stats.run_stats(state.records, stall_threshold=stall_threshold),
-        }
-        writer.write(summary)
-        writer.close()
+        except asyncio.CancelledError:
+            interrupted = True
+            for t in tasks:
+                t.cancel()
+        finally:
+            summary = {
+                "type": "summary",
+                "run_id": header["run_id"],
+                "label": header["label"],
+                "wall_s": round(state.elapsed(), 3),
+                "interrupted": interrupted,
+                "conditions": header["conditions"],
+                "stats": stats.run_stats(state.records, stall_threshold=stall_threshold),
+            }
+            writer.write(summary)
+            writer.close()
     if interrupted:
         raise asyncio.CancelledError
     return RunResult(out, header, summary, state.records)

@@ -128,6 +128,27 @@ def request_tail(rec: dict[str, Any], unit: str) -> tuple[float, float] | None:
     return tail(request_gaps(rec, unit))
 
 
+LENGTH_TOLERANCE = 0.05  # a class whose actual median length is further off than this is flagged
+
+
+def lengths(ok: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per class: the median prompt and output length asked for and the one the server counted
+    (`usage`), and how far off (a fraction; flagged beyond LENGTH_TOLERANCE)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in sorted({str(r.get("class")) for r in ok}):
+        rs = [r for r in ok if str(r.get("class")) == name]
+        entry: dict[str, Any] = {}
+        for what, asked_key, got_key in (("prompt", "prompt_tokens_requested", "prompt_tokens"),
+                                         ("output", "max_tokens", "output_tokens")):
+            asked = percentile([float(r[asked_key]) for r in rs if r.get(asked_key) is not None], 50)
+            got = percentile([float(r[got_key]) for r in rs if r.get(got_key) is not None], 50)
+            off = (got - asked) / asked if asked and got is not None else None
+            entry[what] = {"requested": asked, "actual": got, "off": off,
+                           "flagged": off is not None and abs(off) > LENGTH_TOLERANCE}
+        out[name] = entry
+    return out
+
+
 def run_stats(
     requests: Sequence[dict[str, Any]],
     *,
@@ -194,6 +215,7 @@ def run_stats(
         stats["itl"]["available"] = False
         stats["itl"]["note"] = POOLED_UNAVAILABLE
     if by_class:
+        stats["lengths"] = lengths(ok)
         names = sorted({str(r.get("class")) for r in measured})
         if len(names) > 1:
             stats["classes"] = {

@@ -97,6 +97,10 @@ def metric_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
         rows.append((name, [fn(e) for e in runs]))
 
     row("requests measured (ok / failed)", lambda e: "{measured} ({ok} / {failed})".format(**e["stats"]["requests"]))
+    length_classes = sorted({c for e in runs for c in (e["stats"].get("lengths") or {})})
+    for what in ("prompt", "output"):
+        for c in length_classes:
+            row(f"{what} tokens asked → actual (p50), class {c}", lambda e, c=c, what=what: _asked(e, c, what))
     row("TTFT", lambda e: trio(e["stats"]["ttft"]))
     classes = sorted({c for e in runs for c in (e["stats"].get("classes") or {})})
     for c in classes:
@@ -140,6 +144,51 @@ def metric_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
         row("records joined to traces",
             lambda e: "{joined}/{records}".format(**e["traces"]) if e.get("traces") else "no traces")
     return rows
+
+
+INSTANCE_COLUMNS = ("role", "address", "requests", "failed (by reason)", "TTFT p50 / p99", "KV wait p50 / p99",
+                    "max ITL p50 / p99", "stalls")
+
+
+def instance_rows(e: dict[str, Any]) -> list[list[str]]:
+    """A run's per-instance breakdown (bench/instances.py) as cells; shared by the terminal and HTML."""
+    rows = []
+    for i in e.get("instances") or []:
+        reasons = ", ".join(f"{k}: {v}" for k, v in i["failures"].items())
+        failed = f"{i['failed']}" + (f" ({reasons})" if reasons else "")
+        rows.append([i["role"], i["address"], str(i["requests"]), failed,
+                     trio(i["ttft"], ("p50", "p99")),
+                     trio(i["kv_wait"], ("p50", "p99")) if i["kv_wait"]["count"] else "n/a",
+                     trio(i["max_itl"], ("p50", "p99")), str(i["stalls"])])
+    return rows
+
+
+def shows_instances(report: dict[str, Any]) -> bool:
+    """The breakdown is worth a table when some run spreads over more than one instance."""
+    return any(len(e.get("instances") or []) > 1 for e in report["runs"])
+
+
+def instances_tables(report: dict[str, Any]) -> list[Table]:
+    out = []
+    for e in report["runs"]:
+        rows = instance_rows(e)
+        if len(rows) < 2:
+            continue
+        t = Table(title=f"Per instance, {e['label']} (from the traces; ms)", title_justify="left")
+        for c in INSTANCE_COLUMNS:
+            t.add_column(c, overflow="fold", justify="left" if c in ("role", "address") else "right")
+        for r in rows:
+            t.add_row(*map(Text, r))
+        out.append(t)
+    return out
+
+
+def _asked(e: dict[str, Any], cls: str, what: str) -> str:
+    v = ((e["stats"].get("lengths") or {}).get(cls) or {}).get(what)
+    if not v or v["actual"] is None:
+        return "n/a"
+    asked = "?" if v["requested"] is None else f"{v['requested']:g}"
+    return f"{asked} → {v['actual']:g}" + (" (off)" if v["flagged"] else "")
 
 
 def _pooled_itl(e: dict[str, Any]) -> str:
@@ -222,12 +271,19 @@ def stalls_text(stalls: list[dict[str, Any]], total: int) -> str:
 
 
 def verdict_text(report: dict[str, Any]) -> Group | None:
-    v = report.get("verdict")
-    if not v:
+    """One verdict per kind of comparison: same resources first, then capacity, each named."""
+    verdicts = report.get("verdicts") or ([report["verdict"]] if report.get("verdict") else [])
+    if not verdicts:
         return None
+    return Group(*(_one_verdict(v) for v in verdicts))
+
+
+def _one_verdict(v: dict[str, Any]) -> Group:
     style = "bold green" if v["decision"] == "adopt" else "bold red"
     head = Text.assemble(("Verdict: ", "bold"), (v["decision"].upper(), style),
                          f"  ({v['candidate']} vs {', '.join(v['baselines'])})")
+    if v.get("resources_text"):
+        head.append(f" · {v['resources_text']}", style="bold")
     t = Table(show_header=True, box=None, padding=(0, 1))
     for col in ("", "criterion", "detail"):
         t.add_column(col, overflow="fold")
@@ -287,6 +343,9 @@ def render(report: dict[str, Any], console: Console | None = None, drilldown: bo
             console.print(f"[yellow]note[/] {e['label']}: {wrong} vLLM span(s) under this run's requests carry another "
                           "request's gen_ai.request.id (expected cmpl-<X-Request-Id>-0): their split may be wrong")
     console.print(metrics_table(report))
+    if shows_instances(report):
+        for t in instances_tables(report):
+            console.print(t)
     d = report["definitions"]
     console.print(Text(
         f"Percentiles: {d['percentiles']}. ITL unit: {d['itl_unit']}"
@@ -307,6 +366,12 @@ def render(report: dict[str, Any], console: Console | None = None, drilldown: bo
         console.print(Text(f"Comparison: {comp['resources']}", style="bold"))
     for f in comp.get("flags") or []:
         console.print(Text(f"FLAG: {f}", style="bold yellow"))
+    for e in report["runs"]:
+        for f in e.get("length_flags") or []:
+            console.print(Text(f"FLAG: {e['label']}: {f}: more than 5 % off what the workload asked",
+                               style="bold yellow"))
+        for n in (e.get("prompts") or {}).get("notes") or []:
+            console.print(Text(f"note: {e['label']}: {n}", style="yellow"))
     vt = verdict_text(report)
     if vt is not None:
         console.print(vt)

@@ -7,10 +7,9 @@ constant or Poisson). Everything random comes from one seed, so two runs with th
 send identical request bodies in the same per-class order (request ids differ: they carry a
 per-run prefix so runs never collide in a shared trace file).
 
-Synthetic prompts are made of words; pdproxy's simulator counts one token per
-whitespace-separated word, so for it "prompt length" is exact. Against a real model the word
-count only approximates the token count; the server-reported `usage.prompt_tokens` is recorded
-next to it.
+Lengths are tokens of the target's tokenizer: this module draws each request's prompt length and
+output cap and a seed for its words; `bench/prompts.py` turns that into text of exactly that many
+tokens, learned from the server's `/tokenize`.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ class WorkloadError(ValueError):
 
 @dataclass(frozen=True)
 class LengthDist:
-    """A length in words/tokens: a fixed value, a uniform range, or a named preset."""
+    """A length in tokens: a fixed value, a uniform range, or a named preset."""
 
     low: int
     high: int
@@ -109,6 +108,7 @@ class Workload:
     endpoint: str = "completions"  # or "chat"
     temperature: float = 0.0
     ignore_eos: bool = True
+    min_tokens: bool = True  # send min_tokens = max_tokens (vLLM's extension), so outputs are exactly max_tokens
     continuous_usage: bool = True
     seed: int = 0
     requests: int | None = None
@@ -167,15 +167,16 @@ class Workload:
 
 @dataclass(frozen=True)
 class PlannedRequest:
-    """One request body, before it is sent."""
+    """One request before it is sent: its lengths and what its words are drawn from."""
 
     cls: str
     index: int  # position within its class
-    prompt: str
-    prompt_words: int
+    prompt_tokens: int | None  # the prompt's length in the server's tokens; None for a corpus prompt
     max_tokens: int
+    seed: tuple[int, ...]  # seeds this request's words (bench/prompts.py)
+    text: str | None = None  # a corpus prompt, sent as it is
 
-    def body(self, wl: Workload) -> dict[str, Any]:
+    def body(self, wl: Workload, prompt: str) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": wl.model,
             "max_tokens": self.max_tokens,
@@ -187,10 +188,12 @@ class PlannedRequest:
             body["stream_options"]["continuous_usage_stats"] = True
         if wl.ignore_eos:
             body["ignore_eos"] = True
+        if wl.min_tokens:
+            body["min_tokens"] = self.max_tokens  # exactly max_tokens: the output is what the workload says
         if wl.endpoint == "chat":
-            body["messages"] = [{"role": "user", "content": self.prompt}]
+            body["messages"] = [{"role": "user", "content": prompt}]
         else:
-            body["prompt"] = self.prompt
+            body["prompt"] = prompt
         return body
 
 
@@ -238,11 +241,9 @@ def class_requests(wl: Workload, class_index: int) -> Iterator[PlannedRequest]:
         max_tokens = out_d.draw(rng)
         if corpus:
             text, mt = corpus[i % len(corpus)]
-            max_tokens = int(mt) if mt else max_tokens
+            yield PlannedRequest(c.name, i, None, int(mt) if mt else max_tokens, (wl.seed, class_index, i), text)
         else:
-            n = prompt_d.draw(rng)
-            text = " ".join(VOCAB[j] for j in rng.integers(0, len(VOCAB), n))
-        yield PlannedRequest(c.name, i, text, len(text.split()), max_tokens)
+            yield PlannedRequest(c.name, i, prompt_d.draw(rng), max_tokens, (wl.seed, class_index, i))
         i += 1
 
 

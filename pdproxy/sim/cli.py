@@ -18,7 +18,7 @@ from pdproxy.sim.settings import ROLES, SimSettings, preset_with
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("Presets: " + "; ".join(f"{p.name}: {p.description}" for p in PRESETS.values())
-                     + ". Token rule: one token per whitespace-separated word (see docs/sim.md).")
+                     + ". Token rule: 1-3 tokens per word, --tokens-per-word on average (see docs/sim.md).")
     g = parser.add_argument_group("instance")
     g.add_argument("--role", choices=ROLES, default="single",
                    help="prefill, decode (both run a NIXL-like KV connector) or single (no connector: "
@@ -84,6 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="decode: keep stepping during KV pulls (the one-GPU and instant presets' default)")
     g.add_argument("--skip-kv-pull", action="store_true",
                    help="decode: trust kv_transfer_params without contacting the prefill (no transfer time)")
+
+    g.add_argument("--tokens-per-word", type=float, default=2.3,
+                   help="mean tokens of the simulated tokenizer per word, 1 to 3 (default 2.3, what Llama-3's "
+                        "tokenizer makes of the bench's words); /tokenize and usage count with it")
 
     g = parser.add_argument_group("output")
     g.add_argument("--stream-interval", type=int, default=1,
@@ -151,7 +155,8 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         kv_lease_seconds=args.kv_lease_seconds, skip_kv_pull=args.skip_kv_pull,
         enable_per_request_metrics=args.enable_per_request_metrics,
         enable_request_id_headers=args.enable_request_id_headers, stream_interval=args.stream_interval,
-        eos_after_tokens=args.eos_after_tokens, seed=args.seed, refuse_connections=args.refuse_connections,
+        eos_after_tokens=args.eos_after_tokens, tokens_per_word=args.tokens_per_word, seed=args.seed,
+        refuse_connections=args.refuse_connections,
         journal_size=args.journal_size, faults=faults, otlp_traces_endpoint=args.otlp_traces_endpoint,
         otlp_traces_file=args.otlp_traces_file,
     )

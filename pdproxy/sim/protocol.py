@@ -16,7 +16,8 @@ from http import HTTPStatus
 from typing import Any
 from collections.abc import Mapping
 
-from pdproxy.sim.tokens import CHAT_TOKENS_PER_MESSAGE, chat_content_words, count_text, prompt_seed
+from pdproxy.sim import tokens
+from pdproxy.sim.tokens import prompt_seed
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                404: "NotFoundError", 408: "TimeoutError", 409: "ConflictError", 410: "GoneError",
@@ -66,6 +67,7 @@ class GenerationRequest:
     kv_transfer_params: dict[str, Any] | None
     external_id: str  # the response id: cmpl-<X-Request-Id> / chatcmpl-<X-Request-Id>
     internal_id: str  # the engine's id: external id (+ "-0" for completions) + "-<8 hex>"
+    prompt_ids: list[int] | None = None  # the prompt as the model sees it (template and BOS included)
 
     @property
     def do_remote_decode(self) -> bool:
@@ -89,18 +91,13 @@ def parse_generation(kind: str, body: Any, headers: Mapping[str, str], served_mo
     """Validate a request; returns it with the number of tokens to generate and the finish reason then."""
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
-    model = body.get("model")
-    if model is None:
-        model = served_model
-    elif not isinstance(model, str):
-        raise APIError(400, "model: Input should be a valid string", "model")
-    elif model != served_model:
-        raise APIError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
-
+    model = _check_model(body, served_model)
     if kind == "completion":
-        prompt_tokens, material = _completion_prompt(body.get("prompt"), vocab_size)
+        prompt_ids, material = completion_prompt(body.get("prompt"), vocab_size,
+                                                 _optional_bool(body, "add_special_tokens", True))
     else:
-        prompt_tokens, material = _chat_prompt(body.get("messages"))
+        prompt_ids, material = chat_prompt(body.get("messages"), _optional_bool(body, "add_generation_prompt", True))
+    prompt_tokens = len(prompt_ids)
 
     n = body.get("n")
     if n is not None and (_not_int(n) or n != 1):
@@ -127,14 +124,16 @@ def parse_generation(kind: str, body: Any, headers: Mapping[str, str], served_mo
 
     if prompt_tokens >= max_model_len and max_tokens is None:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
-                            f"request has {prompt_tokens} input tokens. Please reduce the length of the input.")
+                            f"request has {prompt_tokens} input tokens. Please reduce the length of the input "
+                            f"prompt. (parameter=input_tokens, value={prompt_tokens})", "input_tokens")
     if max_tokens is None:
         max_tokens = max_model_len - prompt_tokens
-    if prompt_tokens + max_tokens > max_model_len:
+    if prompt_tokens + max_tokens > max_model_len:  # vLLM 0.23's words (research/vllm023-api-shapes.md)
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
-                            f"{max_tokens} in the completion). Please reduce the length of the messages or "
-                            "completion.")
+                            f"requested {max_tokens} output tokens and your prompt contains at least "
+                            f"{prompt_tokens} input tokens, for a total of at least {prompt_tokens + max_tokens} "
+                            "tokens. Please reduce the length of the input prompt or the number of requested "
+                            f"output tokens. (parameter=input_tokens, value={prompt_tokens})", "input_tokens")
     if min_tokens > max_tokens:
         raise APIError(400, f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
                        "min_tokens")
@@ -166,12 +165,14 @@ def parse_generation(kind: str, body: Any, headers: Mapping[str, str], served_mo
         kind=kind, model=model, prompt_tokens=prompt_tokens, seed=prompt_seed(material, seed_field),
         max_tokens=max_tokens, min_tokens=min_tokens, ignore_eos=ignore_eos, stream=stream,
         include_usage=include_usage, continuous_usage=continuous_usage, kv_transfer_params=kv,
-        external_id=external, internal_id=internal,
+        external_id=external, internal_id=internal, prompt_ids=prompt_ids,
     )
     return req, target, reason
 
 
-def _completion_prompt(prompt: Any, vocab_size: int) -> tuple[int, str]:
+def completion_prompt(prompt: Any, vocab_size: int, add_special_tokens: bool = True) -> tuple[list[int], str]:
+    """A completion's prompt as token ids (text is tokenized, BOS first unless `add_special_tokens` is
+    false, as vLLM does) and the material its output words are seeded from."""
     if prompt is None:
         raise APIError(400, "prompt: Field required", "prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -180,10 +181,10 @@ def _completion_prompt(prompt: Any, vocab_size: int) -> tuple[int, str]:
         raise APIError(400, "batched prompts (a list of prompts) are not supported by the simulator; send one "
                             "prompt per request", "prompt")
     if isinstance(prompt, str):
-        tokens = count_text(prompt)
-        if tokens == 0:
+        ids = tokens.encode(prompt)
+        if not ids:
             raise APIError(400, "Prompt cannot be empty", "prompt")
-        return tokens, prompt
+        return ([tokens.BOS] if add_special_tokens else []) + ids, prompt
     if isinstance(prompt, list):
         if not prompt:
             raise APIError(400, "Prompt cannot be empty", "prompt")
@@ -192,14 +193,14 @@ def _completion_prompt(prompt: Any, vocab_size: int) -> tuple[int, str]:
                 raise APIError(400, "prompt: token ids must be integers", "prompt")
             if not 0 <= tok < vocab_size:
                 raise APIError(400, f"Token id {tok} is out of vocabulary", "prompt")
-        return len(prompt), "ids:" + ",".join(map(str, prompt))
+        return prompt, "ids:" + ",".join(map(str, prompt))
     raise APIError(400, "prompt: Input should be a string or a list of token ids", "prompt")
 
 
-def _chat_prompt(messages: Any) -> tuple[int, str]:
+def chat_prompt(messages: Any, add_generation_prompt: bool = True) -> tuple[list[int], str]:
+    """Chat messages through the template (`tokens.Tokenizer.encode_chat`), and the output seed material."""
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages: a non-empty list of messages is required", "messages")
-    words = 0
     parts: list[str] = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
@@ -207,9 +208,49 @@ def _chat_prompt(messages: Any) -> tuple[int, str]:
         content = msg.get("content")
         if content is not None and not isinstance(content, (str, list)):
             raise APIError(400, f"messages[{i}].content: Input should be a string or a list of parts", "messages")
-        words += chat_content_words(content)
         parts.append(msg["role"] + ":" + (content if isinstance(content, str) else json.dumps(content)))
-    return words + CHAT_TOKENS_PER_MESSAGE * len(messages), "\n".join(parts)
+    return tokens.tokenizer().encode_chat(messages, add_generation_prompt), "\n".join(parts)
+
+
+def parse_tokenize(body: Any, served_model: str, vocab_size: int) -> tuple[list[int], bool]:
+    """vLLM's `POST /tokenize` body: `prompt` (+ `add_special_tokens`, default true) or `messages`
+    (+ `add_generation_prompt`, default true); returns the ids and whether `token_strs` are wanted."""
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    _check_model(body, served_model)
+    strs = _optional_bool(body, "return_token_strs", False)
+    if "messages" in body:
+        return chat_prompt(body["messages"], _optional_bool(body, "add_generation_prompt", True))[0], strs
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str):
+        raise APIError(400, "prompt: Field required (a string), or give messages", "prompt")
+    ids = tokens.encode(prompt)
+    return ([tokens.BOS] if _optional_bool(body, "add_special_tokens", True) else []) + ids, strs
+
+
+def parse_detokenize(body: Any, served_model: str, vocab_size: int) -> list[int]:
+    """vLLM's `POST /detokenize` body: `tokens`, a list of ids in the vocabulary."""
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    _check_model(body, served_model)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or any(_not_int(t) for t in ids):
+        raise APIError(400, "tokens: Input should be a list of integers", "tokens")
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise APIError(400, f"Token id {t} is out of vocabulary", "tokens")
+    return ids
+
+
+def _check_model(body: dict[str, Any], served_model: str) -> str:
+    model = body.get("model")
+    if model is None:
+        return served_model
+    if not isinstance(model, str):
+        raise APIError(400, "model: Input should be a valid string", "model")
+    if model != served_model:
+        raise APIError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
+    return model
 
 
 def _not_int(value: Any) -> bool:

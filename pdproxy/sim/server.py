@@ -25,10 +25,12 @@ from pdproxy.sim.engine import Engine, Sequence
 from pdproxy.sim.faults import Fault, FaultBook, FaultSpecError, RequestFaults
 from pdproxy.sim.kv import HEARTBEAT_PATH, PULL_PATH, KVPuller, PullRejected, RemoteKV, TransferLink
 from pdproxy.sim.metrics import SimMetrics
-from pdproxy.sim.protocol import APIError, GenerationRequest, error_body, parse_generation, parse_json
+from pdproxy.sim.protocol import (APIError, GenerationRequest, error_body, parse_detokenize, parse_generation,
+                                  parse_json, parse_tokenize)
 from pdproxy.sim.render import DONE, Renderer, request_metrics, usage
 from pdproxy.sim.settings import SimSettings
 from pdproxy.sim.timing import PreciseClock
+from pdproxy.sim import tokens
 from pdproxy.sim.tokens import OutputText
 
 log = logging.getLogger("pdproxy.sim")
@@ -82,6 +84,7 @@ class SimServer:
         self.faults = FaultBook(s.faults, s.seed)
         self.journal = Journal(s.journal_size)
         self.frontend_delay = s.scaled(s.preset.frontend_overhead_ms)
+        tokens.configure(s.tokens_per_word)
         self._engine_task: asyncio.Task[None] | None = None
         self.tracer = None
         if s.otlp_traces_endpoint or s.otlp_traces_file:
@@ -96,6 +99,8 @@ class SimServer:
             web.post(COMPLETIONS, self.generate),
             web.post(CHAT, self.generate),
             web.get("/v1/models", self.models),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
             web.get("/health", self.health),
             web.get("/metrics", self.prometheus),
             web.get("/version", self.version),
@@ -336,6 +341,24 @@ class SimServer:
         return _json({"object": "list", "data": [{
             "id": s.model, "object": "model", "created": int(time.time()), "owned_by": "vllm", "root": s.model,
             "parent": None, "max_model_len": s.preset.max_model_len}]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: `count`, `max_model_len`, `tokens`, `token_strs` (when asked)."""
+        s = self.settings
+        try:
+            ids, strs = parse_tokenize(parse_json(await request.read()), s.model, s.vocab_size)
+        except APIError as exc:
+            return _json(exc.body(), exc.status)
+        return _json({"count": len(ids), "max_model_len": s.preset.max_model_len, "tokens": ids,
+                      "token_strs": [tokens.piece(t) for t in ids] if strs else None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        s = self.settings
+        try:
+            ids = parse_detokenize(parse_json(await request.read()), s.model, s.vocab_size)
+        except APIError as exc:
+            return _json(exc.body(), exc.status)
+        return _json({"prompt": tokens.decode(ids)})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)

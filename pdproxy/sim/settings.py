@@ -33,6 +33,7 @@ class SimSettings:
     stream_interval: int = 1
     eos_after_tokens: int = 0
     vocab_size: int = 128256
+    tokens_per_word: float = 2.3  # the tokenizer's mean (pdproxy/sim/tokens.py)
     seed: int | None = None
     refuse_connections: bool = False
     journal_size: int = 1000
@@ -47,6 +48,8 @@ class SimSettings:
             self.engine_id = f"sim-{self.role}-{uuid.uuid4().hex[:12]}"
         if self.time_scale <= 0:
             raise ValueError("time scale must be > 0")
+        if not 1.0 <= self.tokens_per_word <= 3.0:
+            raise ValueError(f"tokens per word must be between 1 and 3, got {self.tokens_per_word:g}")
         if self.stream_interval < 1:
             raise ValueError("stream interval must be >= 1")
         p = self.preset
@@ -92,7 +95,8 @@ class SimSettings:
         p = self.preset
         preset = {f.name: getattr(p, f.name) for f in fields(p) if f.name not in ("notes",)}
         return {"role": self.role, "model": self.model, "engine_id": self.engine_id, "time_scale": self.time_scale,
-                "kv_lease_seconds": self.kv_lease_seconds, "stream_interval": self.stream_interval,
+                "kv_lease_seconds": self.kv_lease_seconds, "tokens_per_word": self.tokens_per_word,
+                "stream_interval": self.stream_interval,
                 "preset": preset}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from pdproxy.config import Settings
+from pdproxy.config import Settings, redact_url
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import ModelNames
 from pdproxy.telemetry.recorder import Recorder, RequestTrace
@@ -69,7 +69,8 @@ def trace_destination(settings: Settings) -> TraceDestination:
     sampler = env.get("OTEL_TRACES_SAMPLER")
     if sampler and env.get("OTEL_TRACES_SAMPLER_ARG"):
         sampler += f" {env['OTEL_TRACES_SAMPLER_ARG']}"
-    return TraceDestination(protocol, endpoint, settings.trace_file, sampler or None)
+    shown = redact_url(endpoint) if endpoint else None  # the log and /status never show its credentials
+    return TraceDestination(protocol, shown, settings.trace_file, sampler or None)
 
 
 def setup(settings: Settings) -> tuple[Recorder, Tracing | None]:
@@ -81,7 +82,8 @@ def setup(settings: Settings) -> tuple[Recorder, Tracing | None]:
         if destination.otlp_endpoint:
             sinks.append(otlp_transport(settings.otlp_endpoint, settings.otlp_protocol))
         if settings.trace_file:
-            sinks.append(TraceFileExporter(settings.trace_file))
+            sinks.append(TraceFileExporter(settings.trace_file, settings.trace_file_max_bytes,
+                                           settings.trace_file_backups))
         # both reasons exist from the start: a healthy export shows 0 dropped, not "no data"
         for reason in ("queue_full", "export_failed"):
             metrics.spans_dropped.labels(reason)
@@ -90,6 +92,7 @@ def setup(settings: Settings) -> tuple[Recorder, Tracing | None]:
     models = ModelNames([*settings.served_model_name, *([settings.model] if settings.model else [])])
     recorder = Recorder(metrics, tracing, stall_threshold=settings.stall_threshold, run_label=settings.run_label,
                         capture_content=settings.capture_content, models=models,
+                        rejected_trace_rate=settings.trace_rejected_rate,
                         stalls=StallRecords() if settings.stall_attribution else None)
     return recorder, tracing
 

@@ -197,6 +197,14 @@ class Metrics:
         self.spans_dropped = Counter("pdproxy_spans_dropped", "Spans lost before reaching the collector", ("reason",),
                                      registry=r)
         self.shadow = Counter("pdproxy_shadow_requests", "Shadow mirroring outcomes", ("outcome",), registry=r)
+        self.tracestate_cut = Counter("pdproxy_tracestate_cut", "Client tracestate headers not carried on whole: "
+                                      "too_long (cut to 512 characters), invalid (discarded)", ("reason",), registry=r)
+        self.untraced_refusals = Counter("pdproxy_untraced_refusals",
+                                         "Requests refused before admission whose trace was not recorded "
+                                         "(--trace-rejected-rate reached); all are in pdproxy_requests_total",
+                                         registry=r)
+        self.invalid_traceparent = Counter("pdproxy_invalid_traceparent", "Requests whose malformed traceparent "
+                                           "was ignored (each started a new trace)", registry=r)
         Gauge("pdproxy_build_info", "pdproxy version", ("version",), registry=r).labels(__version__).set(1)
         self._series: dict[tuple[str, ...], _Series] = {}
 

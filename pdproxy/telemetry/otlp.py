@@ -18,6 +18,7 @@ from __future__ import annotations
 import gzip
 import http.client
 import os
+import select
 import ssl
 import struct
 from collections.abc import Iterable
@@ -260,23 +261,56 @@ class HttpTransport:
         return http.client.HTTPConnection(host, port or 80, timeout=self.timeout)
 
     def send(self, payload: bytes) -> bool:
+        """Post one batch. Sent at most once: only a request the collector provably did not take is
+        retried, once, on a new connection (see `_unanswered`); a timeout is never retried, since the
+        collector may be storing the batch right now."""
         body = gzip.compress(payload) if self.gzip else payload
-        for _ in range(2):  # a kept-alive connection the collector closed is retried once on a new one
+        if self.conn is not None and _dropped(self.conn):
+            self.close()  # the collector closed it while idle: do not even try it
+        for _ in range(2):
+            reused = self.conn is not None and self.conn.sock is not None
+            written = False
             try:
                 if self.conn is None:
                     self.conn = self._connect()
                 self.conn.request("POST", self.path, body, self.headers)
+                written = True
                 resp = self.conn.getresponse()
                 resp.read()
                 return 200 <= resp.status < 300
-            except (OSError, http.client.HTTPException):
+            except (OSError, http.client.HTTPException) as exc:
                 self.close()
+                if not (reused and _unanswered(exc, written)):
+                    return False
         return False
 
     def close(self) -> None:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+
+
+def _dropped(conn: http.client.HTTPConnection) -> bool:
+    """An idle kept-alive connection that is readable has been closed by the peer (or holds bytes
+    nobody asked for): either way it cannot carry a request."""
+    if conn.sock is None:
+        return False
+    poller = select.poll()  # not select(): a busy proxy's sockets may be numbered past FD_SETSIZE
+    poller.register(conn.sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _unanswered(exc: BaseException, written: bool) -> bool:
+    """Whether a request that failed on a reused connection certainly did not reach the collector:
+    the connection was found closed or reset while writing, or closed before any byte of an answer
+    (the collector closing an idle keep-alive connection as the request went out). Never a timeout,
+    nor anything after an answer started."""
+    if isinstance(exc, TimeoutError):
+        return False
+    if not written:
+        return isinstance(exc, (BrokenPipeError, ConnectionResetError, ConnectionAbortedError))
+    # RemoteDisconnected: EOF where the status line should be; a reset while waiting for it
+    return isinstance(exc, (http.client.RemoteDisconnected, ConnectionResetError))
 
 
 class GrpcTransport:

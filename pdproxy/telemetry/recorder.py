@@ -33,7 +33,7 @@ _STAGE_SPANS = {QUEUE: (n.QUEUE_SPAN, KIND_INTERNAL), PREFILL: (n.PREFILL_SPAN, 
 class Recorder:
     def __init__(self, metrics: Metrics, tracing: Tracing | None, *, stall_threshold: float, run_label: str = "",
                  capture_content: bool = False, models: ModelNames | None = None,
-                 stalls: StallRecords | None = None) -> None:
+                 rejected_trace_rate: float = 10.0, stalls: StallRecords | None = None) -> None:
         self.metrics = metrics
         self.stalls = stalls  # live stall attribution; None: off
         self.models = models if models is not None else ModelNames()
@@ -41,6 +41,8 @@ class Recorder:
         self.stall_threshold = stall_threshold
         self.run_label = run_label
         self.capture_content = capture_content
+        # refusals cost a client nothing to send: their traces are rate-limited, their counts are not
+        self.refusal_traces = RateLimit(rejected_trace_rate)
 
     def begin(self, *, route: str, operation: str, chat: bool, headers: Any, request_id: str, pd_mode: bool,
               deployment: str = "primary", parent_ids: TraceIds | None = None) -> RequestTrace:
@@ -48,7 +50,32 @@ class Recorder:
         ids = None
         if self.tracing is not None:
             ids = self.tracing.child_ids(parent_ids) if parent_ids else self.tracing.new_ids(headers)
+            if ids.tracestate_cut:
+                self.metrics.tracestate_cut.labels(ids.tracestate_cut).inc()
         return RequestTrace(self, route, operation, chat, request_id, pd_mode, deployment, ids, headers)
+
+    def forwarded(self, route: str, headers: Any, instance: str | None, status: int, start: float,
+                  error_type: str | None = None) -> None:
+        """One SERVER span for a request passed through to an instance as it is (`POST /tokenize`):
+        no stages, no metrics; `start` on the telemetry clock, the end is now."""
+        if self.tracing is None:
+            return
+        try:
+            ids = self.tracing.new_ids(headers)
+            if not ids.sampled:
+                return
+            attributes: dict[str, Any] = {"http.request.method": "POST", "http.route": route,
+                                          "http.response.status_code": status}
+            if instance:
+                attributes[n.DECODE_INSTANCE] = instance
+            if error_type:
+                attributes["error.type"] = error_type
+            self.tracing.emit([SpanData(f"POST {route}", KIND_SERVER, ids.trace_id, ids.root, ids.parent_span_id,
+                                        to_unix_ns(start), to_unix_ns(now()), attributes,
+                                        f"HTTP {status}" if status >= 500 else None, ids.tracestate,
+                                        ids.parent_remote)])
+        except Exception:  # telemetry must never break serving
+            log.exception("could not record the span of %s", route)
 
 
 class RequestTrace:
@@ -173,7 +200,7 @@ class RequestTrace:
         self.model_label = models.label(self.model, answered)
         stalls = self._attribute_stalls(m)
         trace_id = None
-        if self.ids is not None and self.ids.sampled:
+        if self.ids is not None and self.ids.sampled and self._trace_allowed(m):
             trace_id = f"{self.ids.trace_id:032x}"
             try:
                 self._emit_spans(m, stalls)
@@ -186,6 +213,13 @@ class RequestTrace:
         return m
 
     # -- internals ----------------------------------------------------------------------
+
+    def _trace_allowed(self, m: Measurement) -> bool:
+        """Requests refused before admission (401, 400, 413, 503 ...) are traced within the rate limit."""
+        if m.ok or self.t.admitted is not None or self.recorder.refusal_traces.take():
+            return True
+        self.recorder.metrics.untraced_refusals.inc()
+        return False
 
     def _activity_started(self, kind: str, address: str, start: int | None) -> None:
         """Its KV arrival (P/D decode) or prefill (single) began on `address`: others' stalls may be its doing."""
@@ -356,3 +390,22 @@ def _leg_attributes(address: str | None, phase: str, status: int | None) -> dict
 
 def _trace_headers(headers: Any) -> dict[str, str]:
     return {k: headers[k] for k in ("traceparent", "tracestate") if headers is not None and k in headers}
+
+
+class RateLimit:
+    """A token bucket: at most `rate` per second on average, in bursts of up to max(rate, 1); 0 allows none."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+        self.burst = max(rate, 1.0) if rate > 0 else 0.0
+        self.tokens = self.burst
+        self.stamp = now()
+
+    def take(self) -> bool:
+        t = now()
+        self.tokens = min(self.burst, self.tokens + (t - self.stamp) / 1e9 * self.rate)
+        self.stamp = t
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False

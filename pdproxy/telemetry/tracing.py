@@ -9,8 +9,10 @@ A finished request's spans are encoded to OTLP protobuf bytes on the event loop 
 otlp.py: no SDK span objects) and queued; a background thread frames them in batches and sends
 them. The queue is bounded: spans that do not fit, or that the collector refuses, are dropped and
 counted, a whole request at a time, so a slow or dead collector never slows serving and a trace
-is never cut in half by the queue. The OpenTelemetry SDK still provides the sampler and the
-resource (OTEL_TRACES_SAMPLER, OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME work as usual).
+is never cut in half by the queue. The OpenTelemetry SDK still provides the resource
+(OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME work as usual) and, when the operator sets
+OTEL_TRACES_SAMPLER, the sampler. Without it every request is traced, whatever the client's
+`sampled` flag says: the proxy exists to trace every request, and a client must not turn that off.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ _NO_PARENT = Context()
 
 DropCounter = Callable[[str, int], None]
 MAX_BATCH = 512  # spans per export request
+# W3C Trace Context: vendors SHOULD propagate at least 512 characters of tracestate, and when cutting,
+# drop members longer than 128 characters first, then members from the right (the oldest)
+TRACESTATE_MAX_CHARS, TRACESTATE_LONG_MEMBER = 512, 128
 
 __all__ = ["SpanData", "TraceIds", "Tracing", "Sink", "otlp_transport"]
 
@@ -58,6 +63,7 @@ class TraceIds:
     tracestate: str | None
     parent_span_id: int | None = None  # the root's parent: the client's span, or the primary's root for a shadow
     parent_remote: bool = False
+    tracestate_cut: str | None = None  # why the client's tracestate was not kept whole: "too_long", "invalid"
 
     def traceparent(self, span_id: int) -> str:
         return f"00-{self.trace_id:032x}-{span_id:016x}-{'01' if self.sampled else '00'}"
@@ -74,9 +80,11 @@ class Tracing:
     def __init__(self, resource_attrs: dict[str, str], sinks: list[Sink], queue_size: int,
                  on_drop: DropCounter) -> None:
         provider = TracerProvider(resource=_resource(resource_attrs))  # for its env-configured sampler and resource
-        self.sampler = provider.sampler
-        # the default sampler samples every trace that starts here: no need to ask it (a few us per request)
-        self._sample_new_traces = self.sampler is sampling.DEFAULT_ON
+        # the SDK's own default (parentbased_always_on) would let a client's sampled=00 switch the proxy's spans off
+        self.sampler = provider.sampler if os.environ.get("OTEL_TRACES_SAMPLER", "").strip() else sampling.ALWAYS_ON
+        # samplers that keep every trace starting here, or every trace: no need to ask them (a few us per request)
+        self._sample_all = self.sampler is sampling.ALWAYS_ON
+        self._sample_new_traces = self._sample_all or self.sampler is sampling.DEFAULT_ON
         self.resource = provider.resource
         self.resource_field, self.scope_field = frame_prefix(dict(self.resource.attributes), "pdproxy", __version__)
         self.sinks = sinks
@@ -100,11 +108,14 @@ class Tracing:
         parent = _propagator.extract(headers)
         parent_span = trace_api.get_current_span(parent).get_span_context()
         trace_id = parent_span.trace_id if parent_span.is_valid else random.getrandbits(128)
-        decision = self.sampler.should_sample(parent, trace_id, "request", SpanKind.SERVER)
-        state = parent_span.trace_state.to_header() if parent_span.is_valid and parent_span.trace_state else None
+        sampled = self._sample_all or self.sampler.should_sample(parent, trace_id, "request",
+                                                                 SpanKind.SERVER).decision.is_sampled()
+        state, cut = None, None
+        if parent_span.is_valid:
+            state, cut = _tracestate(parent_span.trace_state, headers.get("tracestate"))
         return TraceIds(parent, trace_id, random.getrandbits(64), random.getrandbits(64), random.getrandbits(64),
-                        decision.decision.is_sampled(), state or None,
-                        parent_span.span_id if parent_span.is_valid else None, parent_span.is_remote)
+                        sampled, state, parent_span.span_id if parent_span.is_valid else None, parent_span.is_remote,
+                        cut)
 
     def child_ids(self, primary: TraceIds) -> TraceIds:
         """Ids for a second request (the shadow) whose root is a child of `primary`'s root."""
@@ -131,7 +142,13 @@ class Tracing:
             self.wake.clear()
             self._drain()
             if self.stopping:
-                return
+                break
+        # closed here, by their only user, never under a send() still in progress
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception:
+                pass
 
     def _drain(self) -> None:
         queue = self.queue
@@ -153,15 +170,29 @@ class Tracing:
                     self.on_drop("export_failed", len(batch))
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Flush what can be flushed within `timeout`; a dead collector must not hold up exit."""
+        """Flush what can be flushed within `timeout`; a dead collector must not hold up exit. A worker
+        still sending then closes the sinks itself when it is done (or dies with the process)."""
         self.stopping = True
         self.wake.set()
         self.worker.join(timeout)
-        for sink in self.sinks:
-            try:
-                sink.close()
-            except Exception:
-                pass
+        if self.worker.is_alive():
+            log.warning("span export still in progress after %gs at shutdown; %d span(s) not yet sent", timeout,
+                        len(self.queue))
+
+
+def _tracestate(state: trace_api.TraceState | None, header: str | None) -> tuple[str | None, str | None]:
+    """The client's tracestate as the proxy carries it on: within the W3C limits (at most 32 members,
+    which the parser enforces, and 512 characters), and why it was cut, if it was."""
+    if not state:
+        # the parser discards a whole tracestate that breaks the rules (a bad member, over 32 or 8192)
+        return None, ("invalid" if header and header.strip(" \t,") else None)
+    members = [f"{key}={value}" for key, value in state.items()]
+    if len(",".join(members)) <= TRACESTATE_MAX_CHARS:
+        return ",".join(members), None
+    members = [m for m in members if len(m) <= TRACESTATE_LONG_MEMBER]
+    while len(",".join(members)) > TRACESTATE_MAX_CHARS:
+        members.pop()
+    return ",".join(members) or None, "too_long"
 
 
 def _resource(attrs: dict[str, str]) -> Resource:

@@ -1,0 +1,79 @@
+"""pdproxy serve passes vLLM's /tokenize and /detokenize to a decode instance: same auth, errors, a span."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from otlp import attrs
+from procs import free_port, start_proxy, start_sim
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def spans(path: Path) -> list[dict]:
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        for rs in json.loads(line).get("resourceSpans", []):
+            for ss in rs.get("scopeSpans", []):
+                out.extend(ss.get("spans", []))
+    return out
+
+
+def wait_spans(path: Path, name: str, n: int) -> list[dict]:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        found = [s for s in spans(path) if s["name"] == name]
+        if len(found) >= n:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"{n} {name} spans not written to {path}: {spans(path)}")
+
+
+def test_tokenize_and_detokenize_through_the_proxy(tmp_path):
+    sim, sim_url = start_sim("decode", "--preset", "instant", "--max-model-len", "8192")
+    trace_file = tmp_path / "t.jsonl"
+    proxy, url = start_proxy("--decode", sim_url, "--api-key", "k1", "--trace-file", str(trace_file))
+    auth = {"Authorization": "Bearer k1"}
+    try:
+        body = {"model": "sim-model", "prompt": "bakodu fimeta one two"}
+        direct = requests.post(sim_url + "/tokenize", json=body, timeout=10).json()
+        r = requests.post(url + "/tokenize", json=body, headers=auth, timeout=10)
+        assert r.status_code == 200 and r.json() == direct and direct["max_model_len"] == 8192
+        chat = requests.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}, headers=auth,
+                             timeout=10).json()
+        assert chat["count"] == len(chat["tokens"]) > 5
+        back = requests.post(url + "/detokenize", json={"tokens": direct["tokens"][1:]}, headers=auth, timeout=10)
+        assert back.status_code == 200 and back.json() == {"prompt": "bakodu fimeta one two"}
+        # the proxy's own key is checked and never forwarded; the instance's errors come back as they are
+        denied = requests.post(url + "/tokenize", json=body, timeout=10)
+        assert denied.status_code == 401 and "API key" in denied.json()["error"]["message"]
+        unknown = requests.post(url + "/tokenize", json={"model": "nope", "prompt": "a"}, headers=auth, timeout=10)
+        assert unknown.status_code == 404 and "does not exist" in unknown.json()["error"]["message"]
+        journal = requests.get(sim_url + "/sim/requests", timeout=10).json()["requests"]
+        assert all("authorization" not in e["headers"] for e in journal)
+        got = wait_spans(trace_file, "POST /tokenize", 4)
+    finally:
+        proxy.stop()
+        sim.stop()
+    by_status = {attrs(s)["http.response.status_code"]: attrs(s) for s in got}
+    assert set(by_status) == {200, 401, 404}
+    ok = by_status[200]
+    assert ok["http.route"] == "/tokenize" and ok["pd.decode.instance"] == sim_url.removeprefix("http://")
+    assert by_status[401]["error.type"] == "unauthorized" and by_status[404]["error.type"] == "upstream_4xx"
+
+
+def test_tokenize_with_the_decode_down_is_a_502_json_error():
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy, url = start_proxy("--decode", dead, "--health-check-interval", "0")
+    try:
+        r = requests.post(url + "/tokenize", json={"prompt": "a"}, timeout=30)
+    finally:
+        proxy.stop()
+    assert r.status_code == 502
+    err = r.json()["error"]
+    assert "did not answer /tokenize" in err["message"] and err["code"] == "connect_error"
