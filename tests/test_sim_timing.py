@@ -185,28 +185,29 @@ def test_kv_transfer_time_grows_with_prompt_length(sims):
 
 
 def test_concurrent_transfers_queue_on_the_prefill_link(sims):
-    prefill = sims.sim("prefill", "--preset", "h200-llama8b-2gpu")
-    # the link alone: a decode that holds its steps during pulls would also delay their scheduling
-    decode = sims.sim("decode", "--preset", "h200-llama8b-2gpu", "--enable-per-request-metrics",
-                      "--no-kv-pull-stalls-decode")
+    # the link alone, slow enough that its queueing stands out of this host's noise (the 2-GPU preset's
+    # 11.2 GB/s moves 2048 tokens in ~28 ms); a decode that holds its steps during pulls would also delay
+    # their scheduling
+    slow = ("--preset", "h200-llama8b-2gpu", "--kv-bandwidth-gbps", "2.4", "--kv-latency-ms", "0.5")
+    prefill = sims.sim("prefill", *slow)
+    decode = sims.sim("decode", *slow, "--enable-per-request-metrics", "--no-kv-pull-stalls-decode")
 
     async def scenario() -> list[float]:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-            bodies = [{"prompt": ids(4096), "max_tokens": 1} for _ in range(4)]
+            bodies = [{"prompt": ids(2048), "max_tokens": 1} for _ in range(4)]
             kvs = []
             for body in bodies:
                 async with s.post(prefill + COMPLETIONS, json=prefill_body(body)) as r:
                     kvs.append((await r.json())["kv_transfer_params"])
-            # all four decodes at once: each transfer is ~52 ms on the 11.2 GB/s link
+            # all four decodes at once: each transfer is ~112 ms on the 2.4 GB/s link
             results = await asyncio.gather(*[
                 timed_request(s, decode + COMPLETIONS, dict(b, kv_transfer_params=kv)) for b, kv in zip(bodies, kvs)])
             assert all(r.ok for r in results), [r.error for r in results]
             return sorted(r.metrics["queue_time_ms"] for r in results)
     waits = run(scenario())
     # FIFO on one link: the k-th transfer waits for the k-1 before it
-    per = 4.0 + 4096 * 131072 / 11.2e6  # ms per transfer: the preset's 11.2 GB/s + 4 ms
-    assert waits[-1] > 2.5 * per and waits[-1] > 2.5 * waits[0]
-    assert all(b - a > 0.6 * per for a, b in zip(waits, waits[1:]))
+    assert waits[-1] > 3 * 100 and waits[-1] > 2.5 * waits[0]
+    assert all(b - a > 60 for a, b in zip(waits, waits[1:]))
 
 
 # ---- 3. KV-cache capacity -----------------------------------------------------------------------------
