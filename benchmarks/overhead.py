@@ -398,10 +398,10 @@ def recorder_cost(rounds: int, requests: int, stall_every: int, every_ms: float 
     """CPU µs per request of the one recorder (pdproxy/telemetry/recorder.py) with the live stall attribution
     on and off, in this process, interleaved round by round so both see the same machine state.
 
-    Each request goes the P/D way (admitted, prefill done, decode sent, 16 token events 5 ms apart, finished)
-    on one decode, every `stall_every`-th with one 150 ms gap in the middle (0: none), a new one every `every_ms` of its own timeline (100 requests/s
-    on the decode by default: a stall then coincides with ~15 other KV arrivals), `inflight` of them open
-    at once. The attribution path (the record's query, the pd.stall event's cause, the links) runs once
+    Each request goes the P/D way (admitted, prefill done, decode sent, 16 token events 5 ms apart,
+    finished) on one decode, every `stall_every`-th with one 150 ms gap in the middle (0: none); a new one
+    every `every_ms` of its own timeline (100 requests/s on the decode by default: a stall then coincides
+    with ~15 other KV arrivals), `inflight` of them open at once. The attribution path (the record's query, the pd.stall event's cause, the links) runs once
     per request. Spans are built and encoded to OTLP, then dropped; metrics are recorded.
     """
     sys.path.insert(0, str(REPO))

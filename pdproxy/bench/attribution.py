@@ -22,9 +22,9 @@ instance comes from the other requests' traces, all of them (both deployments, e
 
 A stall with several candidate causes takes the first of preemption, kv_arrival, prefill; its
 coinciding requests are listed largest prompt first. That rule (window, tolerance, priority) is
-pdproxy/telemetry/stalls.py's, which the proxy applies live: one definition for both. Where no per-gap times exist, the
-request-level view still holds: requests whose decode window contains a large KV arrival on
-their decode instance, against the others, compared by their per-request max gap.
+pdproxy/telemetry/stalls.py's, which the proxy applies live: one definition for both. Where no
+per-gap times exist, the request-level view still holds: requests whose decode window contains a
+large KV arrival on their decode instance, against the others, compared by their per-request max gap.
 """
 
 from __future__ import annotations
