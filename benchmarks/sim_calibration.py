@@ -2,7 +2,7 @@
 """Does `pdproxy sim` with its default preset reproduce real vLLM on one H200?
 
 Starts simulated instances as processes on 127.0.0.1 and compares with
-/work/shared/research/real-vllm-h200.md (numbers copied into pdproxy/sim/presets.py):
+tests/fixtures/vllm023/real-vllm-h200.md (numbers copied into pdproxy/sim/presets.py):
 
 1. calibration curves, each point PASS when within 15 %:
    - prefill TTFT of a lone request at 128..4096 prompt tokens (median of 7, token-id prompts);
@@ -56,7 +56,7 @@ from pdproxy.sim.probe import Timed, pd_request, timed_request  # noqa: E402
 HOST = "127.0.0.1"
 TOLERANCE = 0.15
 COMPLETIONS = "/v1/completions"
-REAL_MIXED = {  # real-vllm-h200.md, mixed-load table
+REAL_MIXED = {  # tests/fixtures/vllm023/real-vllm-h200.md, mixed-load table
     "single-16384": dict(ttft=(200, 236, 318), itl=(5.6, 6.7, 35.4), max_itl=(85, 100, 198), gap100=10.8,
                          long_ttft=(147, 304), chunks=3291),
     "single-chunked-2048": dict(ttft=(166, 231, 321), itl=(5.6, 6.6, 36.6), max_itl=(53, 71, 75), gap100=0.0,

@@ -29,7 +29,9 @@ ENV_HELP = ("Every flag can also be set as an environment variable PDPROXY_<FLAG
             "comma-separated) or as a key of the --config YAML file (read-timeout: 30). A flag wins over the "
             "environment, which wins over the file.")
 TOY_DEFAULTS = {"prefiller_hosts": ["localhost"], "prefiller_ports": [8100], "decoder_hosts": ["localhost"], "decoder_ports": [8200]}
-POLICIES = ("round_robin", "least_inflight")
+# routing policies, one module each in pdproxy/policies/ (a test keeps the two lists equal)
+POLICIES = ("round_robin", "least_inflight", "power_of_two", "consistent_hash", "cache_aware", "load_aware")
+DEFAULT_HASH_KEY = "header:X-Session-Id,body:user"
 # flags named other than their setting: the flag's name works in the environment and the file too
 FLAG_NAMES = {"resource_attrs": "resource_attr", "shadow_prefill_urls": "shadow_prefill"}
 NEGATED_FLAGS = {"tracing": "no_tracing", "stall_attribution": "no_stall_attribution"}  # PDPROXY_NO_TRACING=1 is tracing off
@@ -48,6 +50,12 @@ class Settings:
     model: str | None = None
     prefill_policy: str = "round_robin"
     decode_policy: str = "round_robin"
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    max_tree_size: int = 1 << 18
+    hash_key: str = DEFAULT_HASH_KEY
+    load_metrics_interval: float = 2.0
     connect_timeout: float = 10.0
     read_timeout: float = 600.0
     upstream_keep_alive: float = 4.0
@@ -122,9 +130,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     urls.add_argument("--model", "-m", help="served model name (reported in /v1/models when no instance answers)")
 
     route = parser.add_argument_group("routing and reliability")
-    route.add_argument("--policy", choices=POLICIES, help="selection policy for both pools (default round_robin)")
-    route.add_argument("--prefill-policy", choices=POLICIES, help="selection policy for prefill instances")
-    route.add_argument("--decode-policy", choices=POLICIES, help="selection policy for decode instances")
+    route.add_argument("--policy", choices=POLICIES, help="routing policy for both pools (default round_robin)")
+    route.add_argument("--prefill-policy", choices=POLICIES, help="routing policy for prefill instances")
+    route.add_argument("--decode-policy", choices=POLICIES, help="routing policy for decode instances")
+    route.add_argument("--cache-threshold", type=float,
+                       help="cache_aware: shortest prefix match, as a fraction of the prompt, that routes to the "
+                            "instance holding it; below it the instance with the least indexed goes (default 0.3)")
+    route.add_argument("--balance-abs-threshold", type=int,
+                       help="cache_aware: load is imbalanced when max - min in-flight exceeds this (and the "
+                            "relative threshold): then the least loaded instance goes (default 64)")
+    route.add_argument("--balance-rel-threshold", type=float,
+                       help="cache_aware: ... and when max in-flight exceeds this times the min (default 1.5)")
+    route.add_argument("--max-tree-size", type=int,
+                       help="cache_aware: entries of each pool's prefix index (least recently used evicted; "
+                            "per worker process) (default 262144)")
+    route.add_argument("--hash-key",
+                       help="consistent_hash: where the session key comes from, first present wins: "
+                            f"header:NAME and body:FIELD, comma-separated (default {DEFAULT_HASH_KEY})")
+    route.add_argument("--load-metrics-interval", type=float,
+                       help="load_aware: seconds between reads of each instance's /metrics (default 2)")
     route.add_argument("--connect-timeout", type=float, help="seconds to open a connection to an instance (default 10)")
     route.add_argument("--read-timeout", type=float, help="seconds an instance may stay silent mid-response (default 600)")
     route.add_argument("--upstream-keep-alive", type=float,
@@ -241,7 +265,8 @@ def load_settings(args: argparse.Namespace, environ: dict[str, str] | None = Non
     for side in ("prefill_policy", "decode_policy"):
         values.setdefault(side, policy or "round_robin")
         if values[side] not in POLICIES:
-            raise ConfigError(f"{side.replace('_', '-')} must be one of {', '.join(POLICIES)}")
+            raise ConfigError(f"{side.replace('_', '-')} {values[side]!r} is not a routing policy; choose one "
+                              f"of {', '.join(POLICIES)}")
     if "upstream_api_key" not in values and env.get("OPENAI_API_KEY"):
         values["upstream_api_key"] = env["OPENAI_API_KEY"]
 
@@ -442,6 +467,29 @@ def _validate(s: Settings) -> None:
         raise ConfigError("--shadow-prefill needs --shadow-url (the shadow pool's decode instance)")
     if s.workers < 1:
         raise ConfigError("workers must be >= 1")
+    if not 0.0 <= s.cache_threshold <= 1.0:
+        raise ConfigError("cache-threshold must be between 0 and 1")
+    if s.balance_abs_threshold < 0 or s.balance_rel_threshold < 1.0:
+        raise ConfigError("balance-abs-threshold must be >= 0 and balance-rel-threshold >= 1")
+    if s.max_tree_size < 1:
+        raise ConfigError("max-tree-size must be >= 1")
+    if s.load_metrics_interval <= 0:
+        raise ConfigError("load-metrics-interval must be > 0")
+    try:
+        parse_hash_key(s.hash_key)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def parse_hash_key(spec: str) -> tuple[tuple[str, str], ...]:
+    """--hash-key 'header:X-Session-Id,body:user' -> (("header", "X-Session-Id"), ("body", "user"))."""
+    sources = []
+    for item in (s.strip() for s in spec.split(",")):
+        where, sep, name = item.partition(":")
+        if not sep or where not in ("header", "body") or not name.strip():
+            raise ValueError(f"hash-key source {item!r} is not header:NAME or body:FIELD")
+        sources.append((where, name.strip()))
+    return tuple(sources)
     if not 0 <= s.port < 65536:
         raise ConfigError(f"port {s.port} is out of range")
 

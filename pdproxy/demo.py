@@ -9,7 +9,7 @@ the same resources comes first: P/D against as many single instances behind the 
 GPUs (`dp`, data parallel); the one against the 1-GPU single and chunked set-ups is a capacity
 comparison, and says so.
 
-The load is the shape measured on real H200s (research/real-vllm-h200.md): closed-loop streams
+The load is the shape measured on real H200s (tests/fixtures/vllm023/real-vllm-h200.md): closed-loop streams
 with short prompts plus one long prompt at a steady rate. Long prefills stall the streams'
 decode steps on a single instance; chunked prefill bounds the stall; P/D moves prefill off the
 decode instance but pays a KV transfer. The simulated instances run `--time-scale` times slower
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -29,6 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -70,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     stall = p.add_mutually_exclusive_group()
     stall.add_argument("--kv-pull-stalls-decode", dest="kv_pull_stalls_decode", action="store_true", default=None,
                        help="P/D decodes start no step for a KV pull's link time, as recorded on two real H200s "
-                            "(research/real-traces): the decode's streams stall on other requests' KV arrivals "
+                            "(tests/fixtures/vllm023): the decode's streams stall on other requests' KV arrivals "
                             "(the default preset h200-llama8b-2gpu does)")
     stall.add_argument("--no-kv-pull-stalls-decode", dest="kv_pull_stalls_decode", action="store_false",
                        help="P/D decodes keep stepping during KV pulls")
@@ -103,16 +105,11 @@ class Child:
     log: Path
     url: str
 
-    def stop(self, timeout: float = 8.0) -> None:
+    def send(self, signum: int) -> None:
+        """Signal the child's whole session (it may have started processes of its own)."""
         if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGTERM)
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
-            except ProcessLookupError:
-                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, signum)
 
 
 @dataclass
@@ -151,10 +148,26 @@ class Processes:
                     raise DemoError(f"{c.name} not healthy after {timeout:g}s; see {c.log}")
                 time.sleep(0.05)
 
-    def stop_all(self) -> None:
-        for c in reversed(self.children):
-            c.stop()
-        self.children.clear()
+    def stop_all(self, timeout: float = 8.0) -> None:
+        """SIGTERM every child at once (each flushes its trace file), wait for them together, then SIGKILL
+        what is left: a Ctrl-C takes as long as the slowest child, not the sum of them. A second Ctrl-C
+        meanwhile is ignored, so that no child is left running."""
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+        try:
+            for c in reversed(self.children):
+                c.send(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for c in reversed(self.children):
+                try:
+                    c.popen.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.send(signal.SIGKILL)
+                    c.popen.wait()
+            self.children.clear()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
 
 
 def parse_xpyd(spec: str) -> tuple[int, int]:

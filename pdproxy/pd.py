@@ -35,6 +35,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
 from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, retry_after_seconds
+from pdproxy.policies import RequestView
 from pdproxy.pool import Instance, Pool
 from pdproxy.protocol import (Route, check_body_encoding, decode_payload, new_uuid4, parse_body, prefill_body,
                               request_id, valid_traceparent, validate)
@@ -92,7 +93,8 @@ class Proxy:
             if self.shadow is not None:
                 self.shadow.mirror(body, route, trace, headers)
             return await self.forward(body, route, trace, headers,
-                                      lambda upstream: self._respond(request, upstream, trace, reply_headers), raw)
+                                      lambda upstream: self._respond(request, upstream, trace, reply_headers), raw,
+                                      RequestView(body, request.headers, route.chat))
         except (ProxyError, UpstreamResponse) as err:
             trace.fail(err.status, err.error_type, err.message)
             response = err.response(reply_headers)
@@ -111,15 +113,22 @@ class Proxy:
             trace.finish()
 
     async def forward(self, body: dict[str, Any], route: Route, trace: RequestTrace, headers: dict[str, str],
-                      deliver: Callable[[Response], Awaitable[T]], raw: bytes | None = None) -> T:
+                      deliver: Callable[[Response], Awaitable[T]], raw: bytes | None = None,
+                      view: RequestView | None = None) -> T:
         """Admit, choose instances, prefill, open the decode and hand its answer to `deliver`.
 
         The same path serves client requests and their shadow copies; only `deliver` differs. `raw`:
-        the client's bytes of `body` when the decode may get them as they are (`protocol.parse_body`).
+        the client's bytes of `body` when the decode may get them as they are (`protocol.parse_body`);
+        `view`: what the routing policies may read of the request (its body and the client's headers).
         """
+        view = view or RequestView(body, None, route.chat)
         async with self.admission.slot():
-            prefill_instance = self.prefill.choose() if self.prefill else None
-            decode_instance = self.decode.choose()
+            prefill_instance = None
+            if self.prefill:
+                prefill_instance, decision = self.prefill.pick(view)
+                trace.routed(PREFILL, decision)
+            decode_instance, decision = self.decode.pick(view)
+            trace.routed(DECODE, decision)
             trace.admitted(prefill_instance and prefill_instance.address, decode_instance.address)
             kv_params = None
             if prefill_instance is not None:

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from pdproxy.errors import ProxyError
+from pdproxy.policies import REASON_RETRY, Decision, Policy, RequestView, create
 
 log = logging.getLogger("pdproxy.pool")
 
@@ -75,24 +76,28 @@ class Instance:
 
 
 class Pool:
-    """The instances of one role and the policy that picks among those in rotation."""
+    """The instances of one role, which of them are in rotation, and the policy that picks among those
+    (pdproxy/policies/)."""
 
-    def __init__(self, role: str, urls: list[str], policy: str = "round_robin", eject_after: int = 3,
+    def __init__(self, role: str, urls: list[str], policy: str | Policy = "round_robin", eject_after: int = 3,
                  eject_seconds: float = EJECT_SECONDS, max_ejection_percent: float = MAX_EJECTION_PERCENT) -> None:
         self.role = role
         self.instances = [Instance(url, role) for url in urls]
-        self.policy = policy
+        self.policy = create(policy) if isinstance(policy, str) else policy
         self.eject_after = eject_after  # 0 disables passive ejection
         self.eject_seconds = eject_seconds
         # instances that may be ejected at once: the share, rounded down, and never all of them
         self.max_ejected = min(len(self.instances) - 1, int(len(self.instances) * max_ejection_percent / 100))
-        self._next = 0
 
     def __len__(self) -> int:
         return len(self.instances)
 
     def choose(self, exclude: Instance | None = None) -> Instance:
-        """Pick an instance; `exclude` steers a retry away from the one that just failed."""
+        """Pick an instance by load alone; `exclude` steers a retry away from the one that just failed."""
+        return self.pick(None, exclude)[0]
+
+    def pick(self, request: RequestView | None, exclude: Instance | None = None) -> tuple[Instance, Decision]:
+        """Pick an instance in rotation for `request` (None: nothing known of it) and say why."""
         now = time.monotonic()
         others = [i for i in self.instances if i is not exclude]
         candidates = [i for i in others if i.available(now)]
@@ -103,12 +108,19 @@ class Pool:
         if not candidates:
             raise ProxyError(503, f"no healthy {self.role} instance available (all fail their health checks)",
                              error_type="no_healthy_instance", stage=self.role, retry_after=1)
-        start = self._next % len(candidates)
-        self._next += 1
-        if self.policy == "least_inflight":
-            rotated = candidates[start:] + candidates[:start]  # ties go round-robin
-            return min(rotated, key=lambda i: i.inflight)
-        return candidates[start]
+        instance, decision = self.policy.choose(candidates, request)
+        if exclude is not None:
+            decision.reason = REASON_RETRY
+        return instance, decision
+
+    def start(self, session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
+        """Start what the policy runs in the background (load_aware's engine readings)."""
+        if hasattr(self.policy, "start"):
+            self.policy.start(self.instances, session, headers)
+
+    async def stop(self) -> None:
+        if hasattr(self.policy, "stop"):
+            await self.policy.stop()
 
     @staticmethod
     def wait_for(instance: Instance) -> float:

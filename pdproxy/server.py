@@ -15,6 +15,7 @@ from aiohttp import web
 
 from pdproxy import __version__, workers
 from pdproxy.admission import Admission
+from pdproxy import policies
 from pdproxy.config import Settings
 from pdproxy.errors import DECODE, ProxyError, error_body
 from pdproxy.listener import handler_options, listen
@@ -64,15 +65,19 @@ async def _lifecycle(app: web.Application, settings: Settings):
                               keepalive=settings.upstream_keep_alive)
     ejection = {"eject_after": settings.eject_after_failures, "eject_seconds": settings.eject_seconds,
                 "max_ejection_percent": settings.max_ejection_percent}
-    prefill = (Pool(PREFILL, settings.prefill_urls, settings.prefill_policy, **ejection)
+    params = policies.params_of(settings)
+    prefill = (Pool(PREFILL, settings.prefill_urls, policies.create(settings.prefill_policy, params), **ejection)
                if settings.prefill_urls else None)
-    decode = Pool(DECODE, settings.decode_urls, settings.decode_policy, **ejection)
+    decode = Pool(DECODE, settings.decode_urls, policies.create(settings.decode_policy, params), **ejection)
     pools = [p for p in (prefill, decode) if p is not None]
     admission = Admission(settings.max_inflight, settings.max_queue, settings.queue_timeout)
     recorder.metrics.watch(
         lambda: [(p.role, i.address, i.inflight, i.healthy) for p in pools for i in p.instances],
         lambda: (admission.inflight, admission.waiting),
     )
+    recorder.metrics.watch_engine_reads(
+        lambda: [(p.role, i.address, p.policy.failures.get(i.url, 0)) for p in pools
+                 if hasattr(p.policy, "failures") for i in p.instances])
     shadow = None
     if settings.shadow_url:
         from pdproxy.shadow import Shadow
@@ -89,6 +94,8 @@ async def _lifecycle(app: web.Application, settings: Settings):
         checker = HealthChecker(pools, session, settings.health_check_path, settings.health_check_interval,
                                 settings.health_check_timeout, auth)
         checker.start()
+    for pool in pools:
+        pool.start(session, auth)  # load_aware reads the engines' /metrics
     # the model names that may label telemetry: what the instances serve (pdproxy/telemetry/models.py)
     learning = asyncio.create_task(recorder.models.watch(
         session, [i.url for p in pools for i in p.instances], auth, settings.health_check_interval,
@@ -101,6 +108,8 @@ async def _lifecycle(app: web.Application, settings: Settings):
     await lag.stop()
     if checker:
         await checker.stop()
+    for pool in pools:
+        await pool.stop()
     if shadow is not None:
         await shadow.close()
     await upstream.close()
@@ -185,13 +194,17 @@ async def status(request: web.Request) -> web.Response:
     prefill = proxy.prefill.instances if proxy.prefill else []
     decode = proxy.decode.instances
 
-    def describe(instances):
-        return [{"url": i.url, "healthy": i.healthy, "ejected": i.ejected, "inflight": i.inflight} for i in instances]
+    def describe(pool):
+        if pool is None:
+            return []
+        scores = pool.policy.status(pool.instances)
+        return [{"url": i.url, "healthy": i.healthy, "ejected": i.ejected, "inflight": i.inflight,
+                 "policy": pool.policy.name, "scores": scores.get(i.address, {})} for i in pool.instances]
 
     return web.json_response({
         "prefill_node_count": len(prefill), "decode_node_count": len(decode),
         "prefill_nodes": [i.address for i in prefill], "decode_nodes": [i.address for i in decode],
-        "instances": {"prefill": describe(prefill), "decode": describe(decode)},
+        "instances": {"prefill": describe(proxy.prefill), "decode": describe(proxy.decode)},
         "mode": proxy.settings.mode, "version": __version__,
         "tracing": trace_destination(proxy.settings).as_dict(),
         "model_labels": proxy.recorder.models.describe(),

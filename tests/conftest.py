@@ -1,9 +1,20 @@
 import json
+import os
 import urllib.request
 
 import pytest
 
 from procs import start_proxy, start_scripted
+from waits import SCALE
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """pytest-timeout's per-test bound (pyproject's `timeout`) stretches with PDPROXY_TEST_TIMEOUT_SCALE too,
+    unless --timeout or PYTEST_TIMEOUT names one."""
+    ini = config.getini("timeout")
+    if SCALE != 1 and ini and config.getoption("timeout", None) is None and not os.environ.get("PYTEST_TIMEOUT"):
+        config.option.timeout = float(ini) * SCALE
 
 
 class Scripted:

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from procs import HOST, Proc, free_port
+from waits import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 COLLECTOR_DIR = REPO / "collector"
@@ -137,7 +138,7 @@ class Collector:
             return
         ids = self.config.get("receivers") or {}
         receivers = [port for name, port in self.ports.items() if any(name.startswith(rid + "/") for rid in ids)]
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         for port in receivers:
             while True:
                 if self.proc.popen.poll() is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gotools import build
 from procs import HOST, Proc, free_port
+from waits import scaled
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "deploy" / "jaeger" / "jaeger.yaml"
@@ -41,7 +42,7 @@ class Jaeger:
         before the OTLP receiver listens."""
         proc = Proc(self.args, env=self.env, name=self.name)
         health = f"http://{self.env['JAEGER_HEALTH_ENDPOINT']}/status"
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         while True:
             if proc.popen.poll() is not None:
                 raise RuntimeError(f"{self.name} exited {proc.popen.returncode}:\n{proc.output()[-4000:]}")

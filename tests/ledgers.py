@@ -16,6 +16,7 @@ import httpx
 
 from otlp import attrs
 from procs import HOST, Proc, free_port
+from waits import scaled
 
 
 # -- counters -----------------------------------------------------------------------------
@@ -70,7 +71,7 @@ def spans_in(path: Path) -> list[dict]:
 
 def trace_of(path: Path, request_id: str, timeout: float = 10.0) -> dict[str, dict]:
     """The spans of the trace whose root has `pd.request_id` == request_id, by name (root as 'root')."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while True:
         spans = spans_in(path)
         roots = [s for s in spans if s.get("kind") == 2 and attrs(s).get("pd.request_id") == request_id

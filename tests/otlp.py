@@ -9,6 +9,7 @@ import time
 from concurrent import futures
 
 from procs import Proc, free_port
+from waits import scaled
 
 
 def attrs(span: dict) -> dict:
@@ -37,7 +38,7 @@ class TapReceiver:
         args = [exe, "--port", str(self.port)] if exe != sys.executable else [exe, "-m", "oteltap", "--port", str(self.port)]
         self.proc = Proc(args, name="oteltap")
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while "Listening" not in self.proc.output():
             if time.monotonic() > deadline:
                 raise TimeoutError(self.proc.output())
@@ -54,7 +55,7 @@ class TapReceiver:
 
     def trace(self, trace_id: str, count: int, timeout: float = 10.0) -> list[dict]:
         """The spans of one trace, once `count` of them have arrived."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         while True:
             found = [s for s in self.spans() if s["traceId"] == trace_id]
             if len(found) >= count or time.monotonic() > deadline:

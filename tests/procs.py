@@ -13,6 +13,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from waits import scaled
+
 HOST = "127.0.0.1"
 
 
@@ -38,7 +40,8 @@ class Proc:
         return self.log.read_text(errors="replace")
 
     def wait_http(self, url: str, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
+        """Until `url` answers below 500 (the process is up); fails at once if the process exits."""
+        deadline = time.monotonic() + scaled(timeout)
         while time.monotonic() < deadline:
             if self.popen.poll() is not None:
                 raise RuntimeError(f"{self.args} exited {self.popen.returncode}:\n{self.output()}")
@@ -48,13 +51,13 @@ class Proc:
                         return
             except Exception:
                 time.sleep(0.05)
-        raise TimeoutError(f"{url} not ready after {timeout}s:\n{self.output()}")
+        raise TimeoutError(f"{url} not ready after {scaled(timeout):.0f}s:\n{self.output()}")
 
     def stop(self, timeout: float = 10.0) -> int:
         if self.popen.poll() is None:
             os.killpg(self.popen.pid, signal.SIGTERM)
             try:
-                self.popen.wait(timeout)
+                self.popen.wait(scaled(timeout))
             except subprocess.TimeoutExpired:
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait()
@@ -85,11 +88,11 @@ def start_proxy(*args: str, env: dict[str, str] | None = None, port: int | None 
     return proc, url
 
 
-def start_scripted(role: str, port: int | None = None) -> tuple[Proc, str]:
+def start_scripted(role: str, *extra: str, port: int | None = None) -> tuple[Proc, str]:
     """The scripted vLLM-like instance of tests/scripted_backend.py (exact bytes and faults)."""
     port = port or free_port()
     script = str(Path(__file__).with_name("scripted_backend.py"))
-    proc = Proc([sys.executable, script, "--port", str(port), "--role", role], name=f"scripted-{role}")
+    proc = Proc([sys.executable, script, "--port", str(port), "--role", role, *extra], name=f"scripted-{role}")
     url = f"http://{HOST}:{port}"
     proc.wait_http(url + "/health")
     return proc, url

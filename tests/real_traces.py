@@ -1,6 +1,6 @@
-"""Where the recorded vLLM 0.23 traces are: shared/research/real-traces beside the clone (CI: ../shared).
+"""The recorded vLLM 0.23 traces and bench records: a fixture in the repository (tests/fixtures/vllm023).
 
-A git worktree sits one level deeper than the main clone, so its parent's parent is looked at too.
+Their provenance (vLLM 0.23.0, NIXL, one and two H200s, pdproxy 0.1.0 in front) is in that folder's README.
 """
 
 from __future__ import annotations
@@ -9,19 +9,7 @@ import gzip
 import json
 from pathlib import Path
 
-import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-CANDIDATES = [REPO.parent / "shared", REPO.parent.parent / "shared"]
-
-
-def real_traces_dir() -> Path:
-    for base in CANDIDATES:
-        d = base / "research" / "real-traces"
-        if (d / "vllm023-pd-2gpu.otlp.jsonl.gz").is_file():
-            return d
-    pytest.fail("the recorded traces are missing: expected shared/research/real-traces beside the clone ("
-                + ", ".join(str(c) for c in CANDIDATES) + ")")
+REAL_TRACES = Path(__file__).resolve().parent / "fixtures" / "vllm023"
 
 
 def bench_records(path: Path) -> list[dict]:

@@ -9,9 +9,12 @@ By default it answers like a vLLM instance of its role (a prefill returns `kv_tr
 a decode streams a fixed SSE body). Tests queue exact answers with `POST /_script` (a list of
 steps, one consumed per inference request) and read what arrived with `GET /_journal`.
 A step may set: status, headers, body (JSON or string), chunks (list of strings written one by
-one), repeat (send the chunks that many times), delay (before the status line), chunk_delay, stall_after (chunks before a long pause),
+one), repeat (send the chunks that many times), hold (answer only once a test posts /_release),
+delay (before the status line), chunk_delay, stall_after (chunks before a long pause),
 abort_after (chunks before the connection is cut), drop (close the connection without answering).
-`--delay` and `--chunk-delay` set the defaults for requests without a step.
+`--delay` and `--chunk-delay` set the defaults for requests without a step. `--echo-model` answers
+every request as the model it asked for (some OpenAI-compatible servers do), while /v1/models
+still lists only `scripted-model`.
 """
 
 from __future__ import annotations
@@ -28,26 +31,30 @@ PREFILL_KV = {
 }
 
 
-def default_stream(rid: str, chat: bool) -> list[str]:
+def default_stream(rid: str, chat: bool, model: str | None = None) -> list[str]:
     rid = ("chatcmpl-" if chat else "cmpl-") + rid
+    named = {"model": model} if model is not None else {}
     chunks = []
     if chat:  # vLLM opens a chat stream with a role-only delta
         role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        chunks.append("data: " + json.dumps({"id": rid, "choices": [role]}) + "\n\n")
+        chunks.append("data: " + json.dumps({"id": rid, **named, "choices": [role]}) + "\n\n")
     for word in ["Hello", " P/D", " world", "!"]:
         choice = {"index": 0, "delta": {"content": word}} if chat else {"index": 0, "text": word}
-        chunks.append("data: " + json.dumps({"id": rid, "choices": [{**choice, "finish_reason": None}]}) + "\n\n")
+        chunks.append("data: " + json.dumps({"id": rid, **named, "choices": [{**choice, "finish_reason": None}]})
+                      + "\n\n")
     chunks.append('data: {"id":"x","choices":[],"usage":{"prompt_tokens":4,"completion_tokens":4,"total_tokens":8}}\n\n')
     chunks.append("data: [DONE]\n\n")
     return chunks
 
 
 class Backend:
-    def __init__(self, role: str, delay: float = 0.0, chunk_delay: float = 0.005) -> None:
+    def __init__(self, role: str, delay: float = 0.0, chunk_delay: float = 0.005, echo_model: bool = False) -> None:
         self.role = role
+        self.echo_model = echo_model
         self.defaults = {"delay": delay, "chunk_delay": chunk_delay}
         self.script: list[dict] = []
         self.journal: list[dict] = []
+        self.released = asyncio.Event()  # held steps wait for it
 
     async def inference(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -70,6 +77,8 @@ class Backend:
             raise
 
     async def _answer(self, request: web.Request, step: dict, body: dict) -> web.StreamResponse:
+        if step.get("hold"):
+            await self.released.wait()
         await asyncio.sleep(step.get("delay", 0))
         if step.get("drop"):
             request.transport.close()
@@ -78,19 +87,22 @@ class Backend:
         chat = request.path.endswith("chat/completions")
         status = step.get("status", 200)
         headers = step.get("headers", {})
+        model = body.get("model") if self.echo_model and isinstance(body.get("model"), str) else None
         if "chunks" not in step and (status != 200 or "body" in step or self.role == "prefill" or not body.get("stream")):
             answer = step.get("body")
             if answer is None:
                 answer = {"id": ("chatcmpl-" if chat else "cmpl-") + rid, "object": "text_completion",
                           "choices": [{"index": 0, "text": "Hello", "finish_reason": "length"}],
                           "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}
+                if model is not None:
+                    answer["model"] = model
                 if self.role == "prefill":
                     answer["kv_transfer_params"] = PREFILL_KV
             text = answer if isinstance(answer, str) else json.dumps(answer)
             return web.Response(status=status, text=text, headers={"Content-Type": "application/json", **headers})
         response = web.StreamResponse(status=status, headers={"Content-Type": "text/event-stream", **headers})
         await response.prepare(request)
-        chunks = (step.get("chunks") or default_stream(rid, chat)) * step.get("repeat", 1)
+        chunks = (step.get("chunks") or default_stream(rid, chat, model)) * step.get("repeat", 1)
         for i, chunk in enumerate(chunks):
             if i == step.get("abort_after"):
                 request.transport.abort()
@@ -112,6 +124,11 @@ class Backend:
     async def reset(self, request: web.Request) -> web.Response:
         self.script.clear()
         self.journal.clear()
+        self.released = asyncio.Event()
+        return web.json_response({})
+
+    async def release(self, request: web.Request) -> web.Response:
+        self.released.set()
         return web.json_response({})
 
 
@@ -121,8 +138,9 @@ def main() -> None:
     parser.add_argument("--role", choices=("prefill", "decode"), default="decode")
     parser.add_argument("--delay", type=float, default=0.0, help="default delay before the status line")
     parser.add_argument("--chunk-delay", type=float, default=0.005, help="default pause before each chunk")
+    parser.add_argument("--echo-model", action="store_true", help="answer as whatever model was requested")
     args = parser.parse_args()
-    backend = Backend(args.role, args.delay, args.chunk_delay)
+    backend = Backend(args.role, args.delay, args.chunk_delay, args.echo_model)
     app = web.Application()
     app.router.add_post("/v1/completions", backend.inference)
     app.router.add_post("/v1/chat/completions", backend.inference)
@@ -132,6 +150,7 @@ def main() -> None:
     app.router.add_post("/_script", backend.set_script)
     app.router.add_get("/_journal", backend.get_journal)
     app.router.add_post("/_reset", backend.reset)
+    app.router.add_post("/_release", backend.release)
     asyncio.run(_serve(app, args.port))
 
 

@@ -32,18 +32,19 @@ def test_distinct_model_names_leave_series_and_memory_flat() -> None:
     assert after["model_labels"] == ["other", "sim-model"]  # the served model keeps its own label
 
 
-def test_learned_names_are_capped_and_given_names_are_not() -> None:
+def test_listed_names_are_capped_given_names_are_not_and_answers_add_none() -> None:
     from pdproxy.telemetry.models import OTHER, ModelNames
 
     names = ModelNames(["given"], max_learned=3)
-    for i in range(10):  # a backend that echoes every requested name back
-        names.learn(f"echoed-{i}")
+    for i in range(10):  # an instance listing more models in /v1/models than the cap
+        names.learn(f"listed-{i}")
     names.learn("x" * 1000)
-    assert names.learned == {"echoed-0", "echoed-1", "echoed-2"}
-    assert names.label("given") == "given" and names.label("echoed-1") == "echoed-1"
-    assert names.label("echoed-7") == OTHER and names.label(None) == OTHER and names.label(["a"]) == OTHER
+    assert names.learned == {"listed-0", "listed-1", "listed-2"}
+    assert names.label("given") == "given" and names.label("listed-1") == "listed-1"
+    assert names.label("listed-7") == OTHER and names.label(None) == OTHER and names.label(["a"]) == OTHER
     assert names.label("alias-of-given", answered="given") == "given"  # answered by a known model
-    assert names.label("made-up", answered="made-up") == OTHER  # an answer names it only once learned
+    assert names.label("made-up", answered="made-up") == OTHER  # an echoed name is the client's own
+    assert names.label("made-up") == OTHER and names.learned == {"listed-0", "listed-1", "listed-2"}
 
 
 def test_status_codes_outside_the_known_set_are_labelled_by_class() -> None:
@@ -69,3 +70,97 @@ def test_the_collector_keys_only_on_bounded_attributes() -> None:
             keys |= {a["key"] for a in rule.get("attributes") or []}
             keys |= {a["key"] for a in rule.get("include_resource_attributes") or []}
         assert keys <= bounded, (path.name, keys - bounded)
+
+
+def test_an_echoing_backend_teaches_no_model_names() -> None:
+    """An instance that answers as whatever model was asked for (some OpenAI-compatible servers do): the
+    answers' `model` picks among the names it lists in /v1/models but adds none. Before, every echoed
+    name up to the cap of 100 got its own label (~300 series each)."""
+    import asyncio
+
+    import httpx
+
+    from procs import start_proxy, start_scripted
+    from waits import wait_until
+
+    procs = []
+    try:
+        backend, burl = start_scripted("decode", "--echo-model")
+        procs.append(backend)
+        proxy, url = start_proxy("--decode", burl, "--health-check-interval", "0")
+        procs.append(proxy)
+        wait_until(lambda: httpx.get(url + "/status").json()["model_labels"]["learned"] == ["scripted-model"],
+                   "the proxy to read the instance's /v1/models")
+
+        async def send(models: list[str], concurrency: int = 16) -> dict[str, int]:
+            """Answers by status; each 200 is checked to name the model that was asked for."""
+            queue, statuses = list(models), {}
+            async with httpx.AsyncClient(timeout=30) as client:
+                async def worker() -> None:
+                    while queue:
+                        model = queue.pop()
+                        r = await client.post(url + "/v1/completions",
+                                              json={"model": model, "prompt": "a", "max_tokens": 1})
+                        statuses[str(r.status_code)] = statuses.get(str(r.status_code), 0) + 1
+                        assert r.status_code != 200 or r.json()["model"] == model, "the backend does not echo"
+                await asyncio.gather(*(worker() for _ in range(concurrency)))
+            return statuses
+
+        # every series a request can open, for the listed name and for `other`, before counting
+        assert asyncio.run(send(["scripted-model", "warm-1", "warm-2"] * 3)) == {"200": 9}
+        before = series(httpx.get(url + "/metrics").text)
+        made_up = [f"made-up-{i:04d}" for i in range(1000)]
+        assert asyncio.run(send(made_up)) == {"200": 1000}  # every one answered as the made-up model
+        after = series(httpx.get(url + "/metrics").text)
+        assert after == before, f"{len(after - before)} new series, e.g. {sorted(after - before)[:3]}"
+        labels = {dict(labels).get("model") for _, labels in after} - {None}
+        assert labels == {"other", "scripted-model"}
+        status = httpx.get(url + "/status").json()["model_labels"]
+        assert status["learned"] == ["scripted-model"], status
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def series(text: str) -> set[tuple[str, tuple[tuple[str, str], ...]]]:
+    """Every (name, labels) sample of a Prometheus text page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items())))
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_with_health_checks_off_the_listing_is_asked_until_every_instance_answered(monkeypatch) -> None:
+    """Answers teach no names, so an instance that comes up after the proxy must still be asked: with
+    `interval` 0 the watch retries (every MIN_REFRESH_SECONDS, shortened here) until each one listed."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from pdproxy.telemetry import models
+    from procs import HOST, free_port
+
+    monkeypatch.setattr(models, "MIN_REFRESH_SECONDS", 0.05)
+    port = free_port()
+
+    async def scenario() -> tuple[set[str], bool]:
+        names = models.ModelNames()
+        app = web.Application()
+        async def listing(request: web.Request) -> web.Response:
+            return web.json_response({"data": [{"id": "late-model"}]})
+
+        app.router.add_get("/v1/models", listing)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        async with aiohttp.ClientSession() as session:
+            watch = asyncio.create_task(names.watch(session, [f"http://{HOST}:{port}"], {}, 0, 1.0))
+            await asyncio.sleep(0.3)  # several refreshes against a port nothing listens on yet
+            assert not watch.done() and names.learned == set()
+            await web.TCPSite(runner, HOST, port).start()
+            await asyncio.wait_for(watch, 10)  # returns once the instance has answered
+        await runner.cleanup()
+        return names.learned, watch.done()
+
+    learned, done = asyncio.run(scenario())
+    assert learned == {"late-model"} and done

@@ -42,6 +42,7 @@ from otlp import GrpcReceiver, attrs, duration_ns
 from procs import HOST, Proc, free_port, start_proxy, start_sim
 from test_grafana_dashboards import load_dashboards, prom_targets, substitute, variable_values
 from test_prometheus_live import SLACK, Prometheus, allowed_range, bounds_for, client_truth, drive
+from waits import wait_until
 
 RUN = "collector-e2e"
 MODEL = "sim-model"
@@ -126,14 +127,6 @@ def start_instances(otlp_endpoint: str) -> tuple[list[Proc], dict[str, str]]:
     return [prefill, decode_a, decode_b, single], {"prefill": p_url, "a": a_url, "b": b_url, "shadow": s_url}
 
 
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.5)
-
-
 def count(prom: PromServer, expr: str) -> float:
     result = prom.instant(expr, time.time())
     return sum(float(s["value"][1]) for s in result)
@@ -178,7 +171,8 @@ def stack():
             records = asyncio.run(drive(url, 16, 4, first=10_000))  # warm-up: every label set exists before the window
             for prom in proms.values():
                 prom.wait_for(f'pdproxy_ttft_seconds_count{{deployment="shadow", run="{RUN}"}}', timeout=30)
-            time.sleep(2.5)
+            for prom in proms.values():
+                prom.wait_scrapes(2)  # the warm-up is in every store before the window opens
             start = time.time()
             records += asyncio.run(drive(url, 160, 8, abort_every=20))
             proms["prometheus 2"].wait_for("sum(pdproxy_inflight_requests) == 0 and sum(pdproxy_instance_inflight) == 0")
@@ -194,9 +188,13 @@ def stack():
                            count(p, f'sum(traces_span_metrics_calls_total{{pd_run="{RUN}", span_name="pd.decode"}})')
                            == want_decode for p in proms.values())
 
-            wait_until(caught_up, 60, "the collector's derived metrics never caught up with the trace file:\n"
-                       + collector.output()[-3000:])
-            time.sleep(2.5)
+            try:
+                wait_until(caught_up, "the collector's derived metrics to catch up with the trace file", timeout=60,
+                           interval=0.5)
+            except AssertionError as e:
+                raise AssertionError(f"{e}:\n{collector.output()[-3000:]}") from None
+            for prom in proms.values():
+                prom.wait_scrapes(2)
             end = time.time()
             proxy_metrics = httpx.get(url + "/metrics", timeout=10).text
             yield Stack(proms, records, spans_in(trace_file), start, end, proxy_metrics, collector.output())

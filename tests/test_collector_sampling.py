@@ -22,6 +22,7 @@ vLLM-like spans) and the policies read from the configuration (tests/sampling.py
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import subprocess
 import sys
@@ -37,8 +38,9 @@ from jaeger import Jaeger
 from otlp import VllmSpans
 from procs import HOST, start_proxy, start_sim
 from sampling import Policies, binomial_interval, read_trace_file
+from waits import scaled, wait_until
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(scaled(240))
 
 MODEL = "sim-model"
 RUN = "sampling-test"
@@ -85,24 +87,33 @@ async def one_request(session: aiohttp.ClientSession, url: str, i: int) -> dict:
             "ttft": None if first is None else first - sent, "e2e": time.perf_counter() - sent}
 
 
-async def drive(url: str, n: int, concurrency: int = CONCURRENCY, seconds: float = 90.0) -> list[dict]:
-    """`n` requests from `concurrency` clients, or fewer if `seconds` run out first."""
-    queue = list(range(n))
+async def drive(url: str, n: int | None, concurrency: int = CONCURRENCY, seconds: float | None = None) -> list[dict]:
+    """`n` requests (None: no count bound) from `concurrency` clients, for at most `seconds` (default: a
+    scaled bound that only stops a hung run; a test that needs all `n` asserts it got them)."""
+    issued = itertools.count()
     out: list[dict] = []
-    deadline = time.monotonic() + seconds
+    deadline = time.monotonic() + (seconds if seconds is not None else scaled(90.0))
 
     async def worker(session: aiohttp.ClientSession) -> None:
-        while queue and time.monotonic() < deadline:
-            out.append(await one_request(session, url, queue.pop(0)))
+        for i in issued:  # shared by the workers: each request number once
+            if (n is not None and i >= n) or time.monotonic() >= deadline:
+                return
+            out.append(await one_request(session, url, i))
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=scaled(60))) as session:
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
     return out
 
 
 async def drive_for(url: str, seconds: float, concurrency: int) -> list[dict]:
-    """The same mix of requests for `seconds` (at most 5000 requests)."""
-    return await drive(url, 5000, concurrency, seconds)
+    """The same mix of requests for `seconds`, bounded by time only: no count can end it early."""
+    return await drive(url, None, concurrency, seconds)
+
+
+def decisions(collector_metrics: str) -> float:
+    """Traces the tail sampler has decided, kept or not (its own telemetry)."""
+    return sum(float(line.split()[-1]) for line in collector_metrics.splitlines()
+               if line.startswith("otelcol_processor_tail_sampling_global_count_traces_sampled"))
 
 
 @dataclass
@@ -157,9 +168,11 @@ def run(tmp_path_factory):
         start = time.time()
         client = asyncio.run(drive(url, REQUESTS))
         end = time.time()
+        assert len(client) == REQUESTS, f"only {len(client)} of {REQUESTS} requests in the time bound"
         vllm.stop()
         assert not vllm.errors, vllm.errors[:5]
-        time.sleep(0.5)  # the proxy's last export (200 ms schedule)
+        # the proxy's last export (200 ms schedule): every request's trace in its file
+        wait_until(lambda: len(read_trace_file(trace_file)) >= REQUESTS, f"{REQUESTS} traces in the proxy's file")
 
         sent = read_trace_file(trace_file)
         for trace_id, spans in vllm.spans.items():
@@ -168,12 +181,14 @@ def run(tmp_path_factory):
 
         # Wait for the decisions: every trace a deterministic policy selects must arrive, whole.
         must_keep = {t for t, spans in sent.items() if policies.matching(spans)}
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         pending = set(must_keep)
         while pending and time.monotonic() < deadline:
             pending = {t for t in pending if len(jaeger.trace(t)) < len(sent[t])}
             time.sleep(0.5)
-        time.sleep(2.0)  # and the baseline draws decided in the same ticks
+        # and every other trace decided too (the baseline's draws): the sampler's own count of decisions
+        wait_until(lambda: decisions(collector.metrics()) >= len(sent), f"the sampler to decide all {len(sent)} traces",
+                   timeout=30, interval=0.5)
         stored = {t: jaeger.trace(t) for t in sent}
         yield Run(sent, policies, stored, client, jaeger, prom, prom_spans, start, end)
 

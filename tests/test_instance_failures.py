@@ -6,7 +6,6 @@ A hostile client must not be able to eject a whole pool nor take `/health` to 50
 """
 
 import concurrent.futures
-import time
 import uuid
 
 import httpx
@@ -15,6 +14,7 @@ import pytest
 from ledgers import ScriptedGroup, trace_of
 from otlp import attrs
 from procs import HOST, start_proxy, start_sim, unaccepting_listener
+from waits import wait_until
 
 ENV = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
 STRICT = ("--eject-after-failures", "1", "--eject-seconds", "60", "--retry-backoff", "0.01")
@@ -60,13 +60,6 @@ def proxy_up(started, *args, **kwargs):
     proxy, url = start_proxy(*args, **kwargs)
     started.append(proxy)
     return url
-
-
-def wait_for(predicate, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.05)
 
 
 def test_a_connect_timeout_is_retried_with_the_prefills_kv_params(tmp_path, started):
@@ -148,7 +141,7 @@ def test_a_lone_instance_is_never_ejected_and_health_follows_the_active_checks(s
         assert post(url)[0].status_code == 502
     assert ejected(url) == {d.url: False} and health(url) == 200
     d.stop()  # now it fails its health check too: that, and only that, takes /health down
-    wait_for(lambda: health(url) == 503)
+    wait_until(lambda: health(url) == 503, "/health to answer 503", timeout=15)
 
 
 @pytest.mark.parametrize("mode", ["single", "pd"])

@@ -13,6 +13,7 @@ import httpx
 
 from ledgers import ScriptedGroup, proc_rss, spans_in
 from procs import HOST, start_proxy
+from waits import scaled
 
 KEY = "intake-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -186,7 +187,7 @@ def test_expect_100_continue_comes_only_after_the_key_size_and_capacity_checks()
 
         busy = threading.Thread(target=hold_the_slot)
         busy.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + scaled(20)
         while len(d.journal()) < 1 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(d.journal()) == 1
@@ -228,7 +229,7 @@ def test_an_invalid_traceparent_is_ignored_counted_and_starts_a_new_trace(tmp_pa
         assert sent[-1]["headers"]["traceparent"].split("-")[1] == client_trace  # a valid one is continued
         metrics = httpx.get(url + "/metrics").text
         assert f"pdproxy_invalid_traceparent_total {float(len(invalid))}" in metrics
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while len([s for s in spans_in(trace_file) if s["kind"] == 2]) < len(sent) and time.monotonic() < deadline:
             time.sleep(0.1)
         roots = [s for s in spans_in(trace_file) if s["kind"] == 2]

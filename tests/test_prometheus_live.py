@@ -40,12 +40,14 @@ import yaml
 
 from procs import HOST, Proc, free_port, start_proxy, start_sim
 from test_grafana_dashboards import load_dashboards, prom_targets, substitute, variable_values
+from waits import scaled, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "deploy" / "prometheus" / "rules"
 RUN = "live-test"
 MODEL = "sim-model"
 STALL_THRESHOLD = 0.1
+SCRAPE_INTERVAL = 1.0  # seconds
 
 # Series that only the collector's connectors produce (see collector/otelcol.yaml).
 COLLECTOR_SERIES = re.compile(r"\b(traces_span_metrics_\w+|pdproxy_trace_\w+)")
@@ -176,7 +178,8 @@ class Prometheus:
         if not self.binary:
             pytest.skip("prometheus not installed (Debian package prometheus; .ci/run installs it)")
         self.dir = Path(tempfile.mkdtemp(prefix="pdproxy-prom-"))
-        config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+        config = {"global": {"scrape_interval": f"{SCRAPE_INTERVAL:g}s", "scrape_timeout": "1s",
+                             "evaluation_interval": "1s"},
                   "rule_files": [str(RULES / "*.yml")],  # the shipped recording rules and alerts, as they are
                   "scrape_configs": [{"job_name": "pdproxy", "static_configs": [{"targets": [target]}]}]}
         (self.dir / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -208,12 +211,24 @@ class Prometheus:
         return self.api("/api/v1/query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=step)["result"]
 
     def wait_for(self, expr: str, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         while time.monotonic() < deadline:
             if self.instant(expr, time.time()):
                 return
             time.sleep(0.25)
         raise TimeoutError(f"no data for {expr}:\n{self.proc.output()}")
+
+    def last_scrape(self) -> float:
+        """When Prometheus last scraped the proxy (0 before the first scrape)."""
+        got = self.instant('timestamp(up{job="pdproxy"})', time.time())
+        return float(got[0]["value"][1]) if got else 0.0
+
+    def wait_scrapes(self, n: int = 2) -> None:
+        """Until n scrapes have happened after now: what the proxy counted so far is in the store, with
+        a sample after it (rate() over a window from now on sees everything that follows)."""
+        since = time.time()
+        wait_until(lambda: self.last_scrape() >= since + (n - 1) * SCRAPE_INTERVAL, f"{n} scrapes after {since:.1f}",
+                   timeout=20, interval=0.2)
 
     def stop(self) -> None:
         self.proc.stop()
@@ -257,14 +272,13 @@ def run() -> Run:
         asyncio.run(drive(url, 16, 4, first=10_000))
         prom.wait_for(f'pdproxy_ttft_seconds_count{{deployment="shadow", route="chat_completions", run="{RUN}"}}')
         prom.wait_for('pdproxy_spans_dropped_total')
-        time.sleep(2.5)
+        prom.wait_scrapes(2)  # the warm-up is in the store before the window opens
         start = time.time()
-        time.sleep(1.2)
+        prom.wait_scrapes(1)  # a sample inside the window before the load
         records = asyncio.run(drive(url, 160, 8, abort_every=20))
-        time.sleep(1.2)
         # shadow copies finish after the client's requests; the last scrapes must include them
         prom.wait_for(f'sum(pdproxy_inflight_requests) == 0 and sum(pdproxy_instance_inflight) == 0')
-        time.sleep(2.5)
+        prom.wait_scrapes(2)
         end = time.time()
         yield Run(prom, records, start, end, proxy.output())
     finally:
@@ -514,7 +528,7 @@ def test_exemplars_link_observations_to_trace_ids(run):
 
 def rule_state(prom: Prometheus, timeout: float = 45.0) -> list[dict]:
     """The rule groups once every rule has been evaluated (the SLO group runs every 30 s)."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while True:
         groups = prom.get("/api/v1/rules")["groups"]
         if all(r.get("lastEvaluation", "").startswith("0001") is False and r["health"] != "unknown"
@@ -559,7 +573,7 @@ def test_recording_rules_equal_their_expressions_under_load(run):
         name, _, matchers = recorded.partition("{")
         extra = ", " + matchers.rstrip("}") if matchers else ""
         # an evaluation after the load (the SLO group runs every 30 s)
-        deadline = time.monotonic() + 40
+        deadline = time.monotonic() + scaled(40)
         while True:
             got = run.prom.instant(f"timestamp({name}{{{sel}{extra}}})", time.time())
             if (got and min(float(s["value"][1]) for s in got) > run.end) or time.monotonic() > deadline:

@@ -3,12 +3,12 @@
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
 
 from procs import HOST, free_port, start_proxy, start_scripted
+from waits import scaled, wait_until
 
 BODY = {"model": "m", "prompt": "a b", "max_tokens": 4, "stream": False}
 
@@ -25,6 +25,18 @@ def two_by_two():
     finally:
         for proc in procs:
             proc.stop()
+
+
+def instances(url, role):
+    return httpx.get(url + "/status").json()["instances"][role]
+
+
+def healthy(url, role):
+    return [i["healthy"] for i in instances(url, role)]
+
+
+def inflight(url, role):
+    return [i["inflight"] for i in instances(url, role)]
 
 
 def journal_sizes(urls):
@@ -50,17 +62,19 @@ def test_toy_flags_and_round_robin_on_each_pool(two_by_two):
 def test_least_inflight_avoids_the_busy_decode(two_by_two):
     p, d = two_by_two["prefill"], two_by_two["decode"]
     sizes = journal_sizes(p + d)
-    httpx.post(d[0] + "/_script", json=[{"delay": 3}])  # the first request ties up decode 0
+    httpx.post(d[0] + "/_script", json=[{"hold": True}])  # the first request ties up decode 0 until released
     proc, url = start_proxy("--prefill", p[0], "--decode", *d, "--decode-policy", "least_inflight")
     try:
         with httpx.Client(timeout=10) as client:
             slow = threading.Thread(target=client.post, args=(url + "/v1/completions",), kwargs={"json": BODY})
             slow.start()
-            time.sleep(0.5)
+            wait_until(lambda: sizes()[2] == 1 and inflight(url, "decode") == [1, 0], "decode 0 to hold the first request")
             for _ in range(4):
                 assert client.post(url + "/v1/completions", json=BODY).status_code == 200
-            slow.join()
-        assert sizes()[2:] == [1, 4]
+            assert sizes()[2:] == [1, 4]  # all four went around the busy one
+            httpx.post(d[0] + "/_release", json={})
+            slow.join(scaled(10))
+            assert not slow.is_alive()
     finally:
         proc.stop()
 
@@ -73,16 +87,13 @@ def test_unhealthy_instance_is_skipped_until_it_recovers(two_by_two):
     proc, url = start_proxy("--prefill", p, "--decode", f"http://{HOST}:{dead_port}", healthy_decode,
                             "--health-check-interval", "0.2", "--decode-retries", "0")
     try:
-        time.sleep(0.8)  # a probe or two
-        status = httpx.get(url + "/status").json()["instances"]["decode"]
-        assert [i["healthy"] for i in status] == [False, True]
+        wait_until(lambda: healthy(url, "decode") == [False, True], "the probes to mark the dead decode unhealthy")
         for _ in range(5):
             assert httpx.post(url + "/v1/completions", json=BODY).status_code == 200
         assert sizes() == [5]
         revived, _ = start_scripted("decode", port=dead_port)
         try:
-            time.sleep(0.8)
-            assert all(i["healthy"] for i in httpx.get(url + "/status").json()["instances"]["decode"])
+            wait_until(lambda: healthy(url, "decode") == [True, True], "the probes to see the decode recover")
         finally:
             revived.stop()
     finally:

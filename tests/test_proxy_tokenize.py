@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import requests
 
 from otlp import attrs
 from procs import free_port, start_proxy, start_sim
+from waits import wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -25,13 +25,11 @@ def spans(path: Path) -> list[dict]:
 
 
 def wait_spans(path: Path, name: str, n: int) -> list[dict]:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        found = [s for s in spans(path) if s["name"] == name]
-        if len(found) >= n:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"{n} {name} spans not written to {path}: {spans(path)}")
+    def found() -> list[dict] | None:
+        named = [s for s in spans(path) if s["name"] == name]
+        return named if len(named) >= n else None
+
+    return wait_until(found, f"{n} {name} spans in {path}", timeout=20, interval=0.2)
 
 
 def test_tokenize_and_detokenize_through_the_proxy(tmp_path):

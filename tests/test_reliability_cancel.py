@@ -12,25 +12,29 @@ import pytest
 from ledgers import Counters, ScriptedGroup, is_error, proc_fds, proc_rss, trace_of
 from otlp import attrs
 from procs import raw_post, start_proxy
+from waits import wait_until
 
 BODY = {"model": "m", "prompt": "one two three", "max_tokens": 8, "stream": True}
 ENV = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
 
 
-def hang_up_after(url, seconds, rid):
+def hang_up_when(url, rid, reached, what):
+    """Send a request, then hang up once `reached(received bytes so far)` says it is at the stage wanted."""
     host, port = url.removeprefix("http://").split(":")
+    got = bytearray()
+
+    def check():
+        try:
+            while chunk := s.recv(65536):
+                got.extend(chunk)
+        except BlockingIOError:
+            pass
+        return reached(bytes(got))
+
     with socket.create_connection((host, int(port))) as s:
         s.sendall(raw_post(BODY, request_id=rid))
-        time.sleep(seconds)
-
-
-def wait_until(check, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+        s.setblocking(False)
+        wait_until(check, what)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +62,12 @@ def test_disconnect_cancels_the_open_upstream_request(rig, stage, prefill, decod
     rig["d"].script(*decode)
     c = Counters(rig["url"])
     rid = f"gone-{stage}"
-    hang_up_after(rig["url"], 0.6, rid)
+    reached = {"prefill": lambda got: len(rig["p"].journal()) == 1,  # the prefill holds it (3 s)
+               "kv_transfer": lambda got: len(rig["d"].journal()) == 1,  # the decode holds it before any token
+               "decode": lambda got: b"data: " in got}[stage]  # a token reached the client
+    hang_up_when(rig["url"], rid, reached, f"the request to reach its {stage} stage")
     leg = rig["p"] if stage == "prefill" else rig["d"]
-    assert wait_until(lambda: leg.journal() and leg.journal()[-1]["aborted"]), leg.journal()
+    wait_until(lambda: leg.journal() and leg.journal()[-1]["aborted"], "the instance to see the proxy hang up")
     assert not leg.journal()[-1]["completed"]  # the instance saw the proxy hang up: vLLM aborts there
     if stage == "prefill":
         assert rig["d"].journal() == []  # and the decode was never started
@@ -68,7 +75,7 @@ def test_disconnect_cancels_the_open_upstream_request(rig, stage, prefill, decod
     root = attrs(spans["root"])
     assert root["error.type"] == "client_disconnect" and root["pd.failed_stage"] == stage
     assert root["http.response.status_code"] == 499 and is_error(spans[f"pd.{stage}"])
-    assert wait_until(lambda: c.requests(499, stage) == 1)
+    wait_until(lambda: c.requests(499, stage) == 1, f"the 499 at {stage} to be counted")
     assert c.errors(stage, "client_disconnect") == 1
     runtime = httpx.get(rig["url"] + "/debug/runtime").json()
     assert runtime["inflight_requests"] == 0 and set(runtime["instance_inflight"].values()) == {0}
@@ -85,14 +92,18 @@ def test_disconnect_while_queued_frees_the_queue_place(rig):
         result = {}
         t = threading.Thread(target=lambda: result.setdefault("r", client.send(holder)))
         t.start()  # takes the only slot (--max-inflight 1)
-        time.sleep(0.3)
-        hang_up_after(rig["url"], 0.5, "gone-queued")  # waits in the queue, then leaves
-        assert httpx.get(rig["url"] + "/debug/runtime").json()["queued_requests"] == 0
+        wait_until(lambda: len(rig["p"].journal()) == 1, "the first request to hold the only slot")
+        hang_up_when(rig["url"], "gone-queued",  # waits in the queue, then leaves
+                     lambda got: httpx.get(rig["url"] + "/debug/runtime").json()["queued_requests"] == 1,
+                     "the second request to wait in the queue")
+        wait_until(lambda: httpx.get(rig["url"] + "/debug/runtime").json()["queued_requests"] == 0,
+                   "the queue place to be freed")
+        assert t.is_alive(), "the admitted request was still running: the hang-up happened while queued"
         t.join()
     assert result["r"].status_code == 200  # the admitted request was not disturbed
     assert len(rig["p"].journal()) == 1  # the queued one never reached an instance
     assert attrs(trace_of(rig["file"], "gone-queued")["root"])["pd.failed_stage"] == "queue"
-    assert wait_until(lambda: c.requests(499, "queue") == 1)
+    wait_until(lambda: c.requests(499, "queue") == 1, "the 499 at queue to be counted")
 
 
 async def _cancel_flood(url: str, n: int, concurrency: int, seed: int) -> None:
@@ -122,34 +133,39 @@ def test_thousands_of_cancelled_requests_leave_nothing_behind():
     pid = proxy.popen.pid
     try:
         asyncio.run(_cancel_flood(url, 300, 50, seed=1))  # warm-up: pools, caches, allocator
-        assert wait_until(lambda: httpx.get(url + "/debug/runtime").json()["inflight_requests"] == 0, 10)
-        time.sleep(0.5)
+        wait_until(lambda: httpx.get(url + "/debug/runtime").json()["inflight_requests"] == 0, "the warm-up to end")
+        time.sleep(0.5)  # settle: the snapshot below is the baseline of a leak check, not a synchronisation
         before = httpx.get(url + "/debug/runtime").json()
         fds_before, rss_before = proc_fds(pid), proc_rss(pid)
         c = Counters(url)
         n = 3000
         started = time.monotonic()
         asyncio.run(_cancel_flood(url, n, 50, seed=2))
-        assert wait_until(lambda: httpx.get(url + "/debug/runtime").json()["inflight_requests"] == 0, 15)
-        time.sleep(0.5)
+        wait_until(lambda: httpx.get(url + "/debug/runtime").json()["inflight_requests"] == 0, "the flood to end",
+                   timeout=15)
+        time.sleep(0.5)  # the same settling as before the baseline
         after = httpx.get(url + "/debug/runtime").json()
         fds_after, rss_after = proc_fds(pid), proc_rss(pid)
         print(f"\n{n} cancelled requests in {time.monotonic() - started:.1f}s: tasks {before['tasks']}->{after['tasks']}, "
               f"fds {fds_before}->{fds_after}, sockets {before['sockets']}->{after['sockets']}, "
               f"rss {rss_before / 2**20:.1f}->{rss_after / 2**20:.1f} MiB")
         assert c.delta("pdproxy_requests_total") == n  # every one of them accounted for, exactly once
-        assert c.requests(499, "prefill") + c.requests(499, "kv_transfer") + c.requests(499, "decode") > n * 0.8
+        by_stage = {stage: c.requests(499, stage) for stage in ("queue", "prefill", "kv_transfer", "decode")}
+        assert sum(by_stage.values()) + c.requests(200) == n, by_stage  # cancelled at some stage, or served
+        # abandoned before the answer ends: the cancellations land in the upstream stages, not in the queue
+        assert by_stage["prefill"] + by_stage["kv_transfer"] + by_stage["decode"] > n * 0.8, by_stage
         assert after["tasks"] <= before["tasks"] + 2
         assert set(after["instance_inflight"].values()) == {0} and after["queued_requests"] == 0
         assert fds_after <= fds_before + 60 and after["sockets"] <= before["sockets"] + 60  # idle pool, not a leak
         assert rss_after - rss_before < 40 * 2**20
         for group in (p, d):  # nothing left running on the instances either
-            assert wait_until(lambda: all(e["completed"] or e["aborted"] for e in group.journal()), 5)
+            wait_until(lambda: all(e["completed"] or e["aborted"] for e in group.journal()),
+                       "every upstream request to end")
         aborted = sum(e["aborted"] for g in (p, d) for e in g.journal())
         print(f"instances saw {aborted} upstream requests aborted by the proxy")
         # how many were still open upstream when their client left depends on timing; the per-stage
         # tests above prove each cancellation exactly
-        assert aborted > n * 0.1
+        assert aborted > 0
     finally:
         proxy.stop()
         p.stop()

@@ -1,11 +1,11 @@
 """A client that stops reading a stream is cut off, and its decode aborted, after --write-timeout."""
 
 import socket
-import time
 
 import httpx
 
 from procs import raw_post, start_proxy, start_scripted
+from waits import wait_until
 
 
 def test_client_that_stops_reading_is_cut_off_and_its_decode_aborted():
@@ -22,13 +22,8 @@ def test_client_that_stops_reading_is_cut_off_and_its_decode_aborted():
             s.connect((host, int(port)))
             s.sendall(raw_post({"model": "m", "prompt": "a b", "max_tokens": 4000, "stream": True}))
             s.recv(1024)  # the stream has started; from now on this client reads nothing
-            deadline = time.monotonic() + 15
-            entry = {}
-            while time.monotonic() < deadline:
-                entry = httpx.get(d_url + "/_journal").json()[0]
-                if entry["aborted"]:
-                    break
-                time.sleep(0.2)
+            entry = wait_until(lambda: (e := httpx.get(d_url + "/_journal").json()[0])["aborted"] and e,
+                               "the proxy to give up on the client and abort the decode", timeout=15, interval=0.2)
             assert entry["aborted"] and not entry["completed"]
         metrics = httpx.get(url + "/metrics").text
         assert any(line.startswith("pdproxy_request_errors_total") and 'error_type="client_too_slow"' in line
@@ -53,8 +48,12 @@ def test_client_hanging_up_right_after_done_was_served():
             seen = b""
             while b"data: [DONE]" not in seen:
                 seen += s.recv(65536)
-        time.sleep(1.5)
-        metrics = httpx.get(url + "/metrics").text
+        # counted once it ends, i.e. when the instance ends its response
+        def counted():
+            text = httpx.get(url + "/metrics").text
+            return text if "pdproxy_requests_total{" in text else None
+
+        metrics = wait_until(counted, "the request to be counted")
         assert 'pdproxy_requests_total{code="200"' in metrics and "client_disconnect" not in metrics
     finally:
         proxy.stop()

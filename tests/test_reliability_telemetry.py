@@ -14,6 +14,7 @@ import pytest
 from ledgers import ScriptedGroup, counter, proc_rss
 from otlp import HttpReceiver
 from procs import HOST, free_port, start_proxy
+from waits import scaled
 
 BODY = {"model": "m", "prompt": "a b c", "max_tokens": 4, "stream": False}
 N = 150
@@ -67,46 +68,58 @@ def backends():
     d.stop()
 
 
-def serve_load(url):
+@pytest.fixture(scope="module")
+def untraced(backends):
+    """A proxy that creates no spans, on the same instances: the yardstick for serving latency, measured
+    beside the traced proxy, request for request (a baseline from another moment measures the machine)."""
+    p, d = backends
+    proxy, url = start_proxy("--prefill", p.url, "--decode", d.url, "--health-check-interval", "0", "--no-tracing")
+    yield url
+    proxy.stop()
+
+
+def timed_post(client: httpx.Client, url: str) -> tuple[bool, float]:
+    started = time.monotonic()
+    ok = client.post(url + "/v1/completions", json=BODY).status_code == 200
+    return ok, time.monotonic() - started
+
+
+def side_by_side(client: httpx.Client, traced_url: str, untraced_url: str) -> tuple[bool, float, float]:
+    """One request through each proxy, back to back: (both succeeded, traced latency, untraced latency)."""
+    ok_u, untraced = timed_post(client, untraced_url)
+    ok_t, traced = timed_post(client, traced_url)
+    return ok_u and ok_t, traced, untraced
+
+
+def serve_load(url: str, untraced_url: str) -> tuple[list[float], list[float]]:
+    """N requests through the traced proxy, each beside one through the untraced one: both latency lists."""
     with httpx.Client(timeout=10) as client:
         for _ in range(10):
             client.post(url + "/v1/completions", json=BODY)  # warm-up
-        latencies = []
-        for _ in range(N):
-            started = time.monotonic()
-            assert client.post(url + "/v1/completions", json=BODY).status_code == 200
-            latencies.append(time.monotonic() - started)
-    return latencies
-
-
-def untraced_latencies(p: ScriptedGroup, d: ScriptedGroup) -> list[float]:
-    """The same load through a proxy that creates no spans: the yardstick for serving latency."""
-    proxy, url = start_proxy("--prefill", p.url, "--decode", d.url, "--health-check-interval", "0", "--no-tracing")
-    try:
-        return serve_load(url)
-    finally:
-        proxy.stop()
+            client.post(untraced_url + "/v1/completions", json=BODY)
+        pairs = [side_by_side(client, url, untraced_url) for _ in range(N)]
+    assert all(ok for ok, _, _ in pairs)
+    return [t for _, t, _ in pairs], [u for _, _, u in pairs]
 
 
 @pytest.mark.parametrize("collector", [black_hole, refusing, slow, down], ids=["silent", "refusing", "slow", "down"])
-def test_collector_outage_leaves_serving_latency_alone_and_counts_every_span(backends, collector):
+def test_collector_outage_leaves_serving_latency_alone_and_counts_every_span(backends, untraced, collector):
     p, d = backends
-    baseline = untraced_latencies(p, d)
     endpoint, close, received, posted = collector()  # posted: span ids the collector was sent
     proxy, url = start_proxy("--prefill", p.url, "--decode", d.url, "--health-check-interval", "0",
                              "--otlp-endpoint", endpoint, "--otlp-protocol", "http/protobuf", "--span-queue-size", "64",
                              env={"OTEL_BSP_SCHEDULE_DELAY": "50", "OTEL_EXPORTER_OTLP_TIMEOUT": str(TIMEOUT)})
     try:
         rss_before = proc_rss(proxy.popen.pid)
-        latencies = serve_load(url)
+        latencies, baseline = serve_load(url, untraced)
         base, out = statistics.median(baseline), statistics.median(latencies)
-        print(f"\nmedian latency: no tracing {base * 1000:.1f} ms, collector {collector.__name__} "
+        print(f"\nmedian latency side by side: no tracing {base * 1000:.1f} ms, collector {collector.__name__} "
               f"{out * 1000:.1f} ms; p99 {sorted(latencies)[int(N * 0.99)] * 1000:.1f} ms")
         assert out < base * 2 + 0.010  # generous: span creation costs something, the outage nothing
-        assert max(latencies) < 1.0  # no request ever waits for the exporter
+        assert max(latencies) < max(baseline) + scaled(1.0)  # no request ever waits for the exporter
         assert proc_rss(proxy.popen.pid) - rss_before < 30 * 2**20  # the queue is bounded
         made = (N + 10) * SPANS_PER_REQUEST
-        deadline, dropped = time.monotonic() + 20, 0.0
+        deadline, dropped = time.monotonic() + scaled(20), 0.0
         while time.monotonic() < deadline:
             dropped = counter(httpx.get(url + "/metrics").text, "pdproxy_spans_dropped_total")
             if dropped + received() >= made:

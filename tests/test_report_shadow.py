@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from procs import start_proxy, start_sim
+from waits import scaled
 
 REQUESTS = 30
 SHADOW_FAULTS = 3
@@ -57,7 +58,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> dict:
                             "--concurrency", "3", "--prompt-len", "40-400", "--output-len", "6-16", "--seed", "5",
                             "--out", str(rec), "--no-progress", "--quiet"], capture_output=True, text=True, timeout=60)
         assert p.returncode == 0, p.stderr
-        deadline = time.monotonic() + 10  # mirrored copies finish in the background
+        deadline = time.monotonic() + scaled(10)  # mirrored copies finish in the background
         while time.monotonic() < deadline:
             sent = metric(url, "pdproxy_shadow_requests_total", outcome="sent")
             if metric(url, "pdproxy_requests_total", deployment="shadow") == sent:

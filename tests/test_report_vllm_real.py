@@ -16,14 +16,14 @@ import sys
 import numpy as np
 import pytest
 
-from real_traces import bench_records, otlp_spans, real_traces_dir
+from real_traces import REAL_TRACES, bench_records, otlp_spans
 
 from pdproxy.bench import attribution, engine_spans, traces
 
 
 @pytest.fixture(scope="module")
 def real():
-    return real_traces_dir()
+    return REAL_TRACES
 
 
 @pytest.fixture(scope="module")

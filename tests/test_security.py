@@ -8,6 +8,7 @@ import httpx
 
 from ledgers import ScriptedGroup, spans_in
 from procs import HOST, free_port, pdproxy, start_proxy
+from waits import scaled
 
 PROMPT = "PROMPT-SECRET-7f3a the launch code is 0000"
 COMPLETION = "COMPLETION-SECRET-91bc"
@@ -48,7 +49,7 @@ def test_no_prompt_completion_or_key_in_spans_logs_or_metrics(tmp_path):
         exercise(url, p, d)
         assert all(e["headers"]["authorization"] == f"Bearer {UPSTREAM_KEY}" for e in d.journal())  # separate keys
         metrics = httpx.get(url + "/metrics").text
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + scaled(5)
         while len([s for s in spans_in(trace_file) if s["kind"] == 2]) < 5 and time.monotonic() < deadline:
             time.sleep(0.1)
     finally:
@@ -65,7 +66,7 @@ def test_no_prompt_completion_or_key_in_spans_logs_or_metrics(tmp_path):
     try:
         d.script()
         httpx.post(url + "/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 4})
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + scaled(5)
         while "PROMPT-SECRET-7f3a" not in (captured.read_text() if captured.exists() else "") \
                 and time.monotonic() < deadline:
             time.sleep(0.1)

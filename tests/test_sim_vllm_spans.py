@@ -22,7 +22,7 @@ import pytest
 
 from otlp import GrpcReceiver, TapReceiver
 from procs import HOST, free_port, pdproxy, start_proxy
-from real_traces import otlp_spans, real_traces_dir
+from real_traces import REAL_TRACES, otlp_spans
 
 WORKLOAD = """
 requests: 14
@@ -126,7 +126,7 @@ def roles(spans: list[tuple[dict, dict, dict]]) -> dict[str, str]:
 
 
 def test_spans_have_the_recorded_vllm_shape(run):
-    real_spans = otlp_spans(real_traces_dir() / "vllm023-pd-1gpu.otlp.jsonl.gz")
+    real_spans = otlp_spans(REAL_TRACES / "vllm023-pd-1gpu.otlp.jsonl.gz")
     want = _shape(real_spans, roles(real_spans))
     d = run["dir"]
     sim_spans = [s for f in (d / "vllm-prefill.jsonl", d / "vllm-decode.jsonl") for s in otlp_spans(f)]

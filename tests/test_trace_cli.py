@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import pytest
 
-from real_traces import otlp_spans, real_traces_dir
+from real_traces import REAL_TRACES, otlp_spans
 
 REQUEST = "bench-0210e3e3-stream-42"  # a P/D stream of the 2-GPU recording
 CALIBRATION = "b1c08acd-0c94-40c3-942f-8717efff7ae2"  # 1 GPU, 64 prompt tokens
@@ -33,7 +33,7 @@ def trace_cmd(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def real():
-    return real_traces_dir()
+    return REAL_TRACES
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import httpx
 import pytest
 
 from procs import free_port, start_proxy
+from waits import scaled
 
 CLEAN = {name: "" for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
                                "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
@@ -20,7 +21,7 @@ def started(*args: str, env: dict[str, str] | None = None) -> tuple[str, dict]:
                             env={**CLEAN, **(env or {})})
     try:
         status = httpx.get(url + "/status").json()
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + scaled(5)
         while "traces:" not in proc.output() and time.monotonic() < deadline:
             time.sleep(0.05)
         return proc.output(), status

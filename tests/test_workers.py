@@ -8,6 +8,7 @@ import httpx
 
 from otlp import GrpcReceiver
 from procs import start_proxy, start_scripted
+from waits import scaled
 
 BODY = {"model": "m", "prompt": "one two three", "max_tokens": 8, "stream": True}
 
@@ -42,7 +43,7 @@ def test_workers_share_the_port_and_merge_their_metrics():
         om = httpx.get(url + "/metrics", headers={"Accept": "application/openmetrics-text"}).text
         assert om.rstrip().endswith("# EOF") and '# {trace_id="' in om
 
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         instances: set[str] = set()
         while time.monotonic() < deadline and len(instances) < 2:
             instances = {a["value"]["stringValue"] for req in receiver.requests for rs in req["resourceSpans"]

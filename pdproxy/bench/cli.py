@@ -44,7 +44,8 @@ CONDITION_FLAGS = {
     "mode": "pd.mode",
     "proxy_version": "service.version",
 }
-CLASS_FLAGS = ("prompt_len", "output_len", "concurrency", "rate", "arrival", "corpus")
+CLASS_FLAGS = ("prompt_len", "output_len", "concurrency", "rate", "arrival", "corpus", "shared_prefixes", "prefix_len",
+               "sessions", "turns")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="model name sent in the body (default sim-model)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default $OPENAI_API_KEY)")
     g.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds (default 600)")
+    g.add_argument("--engine-metrics", nargs="+", metavar="URL",
+                   help="vLLM instances whose /metrics are read before and after each run: the report shows their "
+                        "prefix-cache hit rate and computed prompt tokens (pdproxy/bench/engine_counters.py)")
     w = p.add_argument_group("workload (flags override the --workload file)")
     w.add_argument("--workload", metavar="FILE.yaml", help="YAML with workload/classes, url, label, conditions, sweep")
     w.add_argument("--prompt-len", help="prompt tokens of the server's tokenizer (as usage.prompt_tokens counts "
@@ -64,6 +68,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--output-len", help=f"output tokens (max_tokens = min_tokens): N, LOW-HIGH or "
                                         f"{'/'.join(OUTPUT_PRESETS)}")
     w.add_argument("--corpus", help="fixed prompts: JSONL with 'prompt' (+ 'max_tokens') or a text file, one per line")
+    w.add_argument("--shared-prefixes", type=int, metavar="N",
+                   help="every prompt starts with one of N system prompts (prefix-cache reuse; default 0: none)")
+    w.add_argument("--prefix-len", help="words of each shared system prompt: N, LOW-HIGH or a preset (default medium)")
+    w.add_argument("--sessions", type=int, metavar="S",
+                   help="multi-turn: S conversations side by side, each turn's prompt repeating the turns before")
+    w.add_argument("--turns", type=int, help="turns per conversation with --sessions (default 4)")
     w.add_argument("--concurrency", type=int, help="closed loop: this many requests in flight")
     w.add_argument("--rate", type=float, help="open loop: requests per second")
     w.add_argument("--arrival", choices=["constant", "poisson"], help="arrival process for --rate (default constant)")
@@ -108,8 +118,8 @@ def _parse_kv(items: list[str], what: str) -> dict[str, str]:
 def build(args: argparse.Namespace) -> tuple[Workload, runner.Target, str, dict[str, Any], str | None, dict[str, Any]]:
     """Merge the YAML file and the flags into (workload, target, label, conditions, sweep, file options)."""
     data = load_yaml(args.workload) if args.workload else {}
-    file_opts = {k: data.pop(k) for k in ("url", "label", "conditions", "sweep", "out_dir", "timeout", "api_key")
-                 if k in data}
+    file_opts = {k: data.pop(k) for k in ("url", "label", "conditions", "sweep", "out_dir", "timeout", "api_key",
+                                          "engine_metrics") if k in data}
     wl_data = data.pop("workload", None)
     if wl_data is None:
         wl_data = data
@@ -130,8 +140,9 @@ def build(args: argparse.Namespace) -> tuple[Workload, runner.Target, str, dict[
     class_flags = {k: getattr(args, k) for k in CLASS_FLAGS if getattr(args, k) is not None}
     if class_flags:
         if wl_data.get("classes"):
-            raise WorkloadError("--prompt-len/--output-len/--concurrency/--rate/--arrival/--corpus cannot be combined "
-                                "with classes from the workload file: edit the file or drop the classes")
+            raise WorkloadError("--prompt-len/--output-len/--concurrency/--rate/--arrival/--corpus and the prefix "
+                                "flags cannot be combined with classes from the workload file: edit the file or drop "
+                                "the classes")
         c = wl.classes[0] if wl.classes else TrafficClass()
         mapping = {"prompt_len": "prompt", "output_len": "output"}
         for k, v in class_flags.items():
@@ -148,7 +159,8 @@ def build(args: argparse.Namespace) -> tuple[Workload, runner.Target, str, dict[
     if not re.match(r"https?://", url):
         raise WorkloadError(f"--url {url!r}: expected http://HOST:PORT")
     timeout = args.timeout or float(file_opts.get("timeout") or 600)
-    target = runner.Target(url=url, api_key=args.api_key or file_opts.get("api_key"), timeout=timeout)
+    target = runner.Target(url=url, api_key=args.api_key or file_opts.get("api_key"), timeout=timeout,
+                           engine_metrics=list(args.engine_metrics or file_opts.get("engine_metrics") or []))
     label = args.label or file_opts.get("label") or "run"
     conditions: dict[str, Any] = {str(k): v for k, v in (file_opts.get("conditions") or {}).items()}
     conditions.update(_parse_kv(args.condition, "--condition"))

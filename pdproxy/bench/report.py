@@ -200,6 +200,7 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
         "kv_transfer": kv,
         "engine_split": _engine_split(ok_infos),
         "instances": instances.breakdown(run.requests, joined, unit=u, stall_threshold=stall_threshold),
+        "engine_counters": (run.summary or {}).get("engine_counters"),
         "stall_attribution": attribution.run_attribution(ok, joined, timeline, threshold=stall_threshold, unit=u)
         if timeline is not None and joined else None,
         "slowest": {"ttft": [brief(r) for r in by_ttft], "tail_itl": [brief(r) for r in by_tail]},

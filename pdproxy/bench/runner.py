@@ -18,7 +18,7 @@ from typing import Any, Callable
 import aiohttp
 
 from pdproxy import __version__
-from pdproxy.bench import client, prompts, records, stats
+from pdproxy.bench import client, engine_counters, prefixes, prompts, records, stats
 from pdproxy.bench.workload import PlannedRequest, Workload, arrival_times, class_requests
 
 ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -32,6 +32,7 @@ class Target:
     api_key: str | None = None
     timeout: float = 600.0
     headers: dict[str, str] = field(default_factory=dict)
+    engine_metrics: list[str] = field(default_factory=list)  # instances whose counters frame the run
 
     def auth_headers(self) -> dict[str, str]:
         """The extra headers and the bearer token every request (and every /tokenize call) carries."""
@@ -63,6 +64,7 @@ class _Run:
         self.records: list[dict[str, Any]] = []
         self.iters = [class_requests(wl, i) for i in range(len(wl.classes))]
         self.prompts = sized
+        self.shapers = {c.name: prefixes.PrefixShaper.of(wl, i) for i, c in enumerate(wl.classes)}
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -89,8 +91,9 @@ class _Run:
         traceparent, trace_id, _ = client.new_traceparent()
         headers = {"X-Request-Id": request_id, "traceparent": traceparent, **self.target.auth_headers()}
         text, words = self.prompts.make(req)
+        body, words = self.shapers[req.cls].wrap(req.index, text, words, req.body(self.wl, text))
         start, outcome = await client.send(
-            session, self.url, req.body(self.wl, text), headers,
+            session, self.url, body, headers,
             chat=self.wl.endpoint == "chat", timeout=self.target.timeout, save_text=self.save_text,
         )
         start_offset = start - self.t0
@@ -181,7 +184,9 @@ async def run_async(wl: Workload, target: Target, out: Path, header: dict[str, A
         state = _Run(wl, target, writer, header, save_text, on_done, sized)
         if progress is not None:
             progress(state, counts)
+        counters: dict[str, Any] | None = None
         try:
+            before = await engine_counters.snapshot(session, target.engine_metrics) if target.engine_metrics else None
             for ci, c in enumerate(wl.classes):
                 if c.concurrency is not None:
                     tasks += [asyncio.ensure_future(state.closed_loop(session, ci)) for _ in range(c.concurrency)]
@@ -192,6 +197,8 @@ async def run_async(wl: Workload, target: Target, out: Path, header: dict[str, A
                 await asyncio.gather(*tasks)
             finally:
                 ticker.cancel()
+            if before is not None:
+                counters = engine_counters.delta(before, await engine_counters.snapshot(session, target.engine_metrics))
         except asyncio.CancelledError:
             interrupted = True
             for t in tasks:
@@ -206,6 +213,8 @@ async def run_async(wl: Workload, target: Target, out: Path, header: dict[str, A
                 "conditions": header["conditions"],
                 "stats": stats.run_stats(state.records, stall_threshold=stall_threshold),
             }
+            if counters is not None:
+                summary["engine_counters"] = counters
             writer.write(summary)
             writer.close()
     if interrupted:

@@ -130,6 +130,10 @@ def metric_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
     if any(e.get("stall_attribution") for e in runs):
         row("stall time by cause", _stall_shares)
         row("max gap p50, large KV in window: yes / no (n)", _overlap)
+    if any(e.get("engine_counters") for e in runs):
+        row("prefix-cache hit rate (instances' counters)", _prefix_hits)
+        row("prompt tokens computed (instances' counters)", lambda e: _num(
+            (e.get("engine_counters") or {}).get("computed"), "{:.0f}") if e.get("engine_counters") else "n/a")
     row("proxy TTFT (trace)", lambda e: trio(e.get("proxy_ttft")) if e.get("proxy_ttft") else "n/a")
     row("throughput, output tokens/s", lambda e: _num(e["stats"]["throughput"]["output_tokens_per_s"]))
     row("throughput, requests/s", lambda e: _num(e["stats"]["throughput"]["requests_per_s"], "{:.2f}"))
@@ -144,6 +148,15 @@ def metric_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
         row("records joined to traces",
             lambda e: "{joined}/{records}".format(**e["traces"]) if e.get("traces") else "no traces")
     return rows
+
+
+def _prefix_hits(e: dict[str, Any]) -> str:
+    c = e.get("engine_counters")
+    if not c:
+        return "n/a"
+    unread = [url for url, i in c["instances"].items() if "error" in i]
+    text = _num(c["hit_rate"], "{:.1%}") + f" ({c['hits']:.0f} of {c['queries']:.0f} tokens)"
+    return text + (f", {len(unread)} unreadable" if unread else "")
 
 
 INSTANCE_COLUMNS = ("role", "address", "requests", "failed (by reason)", "TTFT p50 / p99", "KV wait p50 / p99",

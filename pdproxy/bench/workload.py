@@ -82,6 +82,10 @@ class TrafficClass:
     arrival: str = "constant"  # or "poisson"; only with rate
     requests: int | None = None  # per-class cap (optional)
     corpus: str | None = None  # JSONL/text file of fixed prompts, used in order, cycling
+    shared_prefixes: int = 0  # prompts start with one of this many system prompts (pdproxy/bench/prefixes.py)
+    prefix_len: str = "medium"  # words of each system prompt: N, LOW-HIGH or a preset
+    sessions: int = 0  # multi-turn: this many conversations side by side, each turn repeating the ones before
+    turns: int = 4  # turns per conversation
 
     def validate(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.]+", self.name):
@@ -98,6 +102,9 @@ class TrafficClass:
             raise WorkloadError(f"class {self.name!r}: requests must be >= 1")
         LengthDist.parse(self.prompt, PROMPT_PRESETS, f"class {self.name!r} prompt")
         LengthDist.parse(self.output, OUTPUT_PRESETS, f"class {self.name!r} output")
+        LengthDist.parse(self.prefix_len, PROMPT_PRESETS, f"class {self.name!r} prefix_len")
+        if self.shared_prefixes < 0 or self.sessions < 0 or self.turns < 1:
+            raise WorkloadError(f"class {self.name!r}: shared_prefixes and sessions must be >= 0, turns >= 1")
 
 
 @dataclass

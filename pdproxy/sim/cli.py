@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     chunk.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                        help="prompts must fit the remaining budget whole; one longer than the whole budget "
                             "still runs whole in one step")
+    caching = g.add_mutually_exclusive_group()
+    caching.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
+                         help="keep computed prompt blocks and reuse them for prompts with the same prefix "
+                              "(vLLM's automatic prefix caching; the default, as in vLLM)")
+    caching.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                         help="compute every prompt in full")
     g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step (preset: 1024)")
     g.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV cache size in blocks; requests queue when it is full (preset: 50000; 0 = unbounded)")
@@ -153,6 +159,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         role=args.role, host=args.host, port=args.port, advertise_host=args.advertise_host, model=args.model,
         preset=preset, time_scale=args.time_scale, engine_id=args.engine_id, tp_size=args.tp_size,
         kv_lease_seconds=args.kv_lease_seconds, skip_kv_pull=args.skip_kv_pull,
+        enable_prefix_caching=args.enable_prefix_caching,
         enable_per_request_metrics=args.enable_per_request_metrics,
         enable_request_id_headers=args.enable_request_id_headers, stream_interval=args.stream_interval,
         eos_after_tokens=args.eos_after_tokens, tokens_per_word=args.tokens_per_word, seed=args.seed,

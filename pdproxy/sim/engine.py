@@ -11,7 +11,9 @@ Each iteration ("step") the scheduler builds a batch under a token budget
    prefill (vLLM would refuse to start with such a budget; the simulator lets it run, which is
    what "one big step" means).
 
-KV blocks are allocated as tokens are computed. When a running sequence needs a block and none
+A request that computes its prompt locally first looks up its longest cached prefix
+(pdproxy/sim/prefix_cache.py, vLLM's automatic prefix caching): those tokens count as computed
+and cost no step time. KV blocks are allocated as tokens are computed. When a running sequence needs a block and none
 is free, the newest running sequence is preempted (its blocks freed, recomputed later), as V1
 does; waiting sequences simply queue until blocks are free.
 
@@ -36,6 +38,7 @@ from typing import Any
 
 from pdproxy.sim.kv import BlockPool, KVLeases, KVPuller, PullOutcome, RemoteKV
 from pdproxy.sim.metrics import SimMetrics
+from pdproxy.sim.prefix_cache import UNBOUNDED_BLOCKS, PrefixCache
 from pdproxy.sim.settings import SimSettings
 from pdproxy.sim.timing import PreciseClock
 
@@ -55,11 +58,12 @@ class Sequence:
     __slots__ = ("request_id", "prompt_tokens", "target_tokens", "target_reason", "hold_kv", "remote",
                  "kv_fail", "arrival", "queued_at", "scheduled_at", "first_token_at", "last_token_at",
                  "finished_at", "num_computed", "num_generated", "blocks", "state", "finish_reason", "error",
-                 "kv_loaded", "held_blocks", "pull", "pull_started", "stalls_until", "_waiter", "_threshold")
+                 "kv_loaded", "held_blocks", "pull", "pull_started", "stalls_until", "block_hashes", "cached_blocks",
+                 "_waiter", "_threshold")
 
     def __init__(self, request_id: str, prompt_tokens: int, target_tokens: int, target_reason: str,
                  arrival: float, hold_kv: bool = False, remote: RemoteKV | None = None,
-                 kv_fail: bool = False) -> None:
+                 kv_fail: bool = False, block_hashes: list[int] | None = None) -> None:
         self.request_id = request_id  # internal id (with vLLM's random suffix)
         self.prompt_tokens = prompt_tokens
         self.target_tokens = target_tokens  # tokens to generate before finishing
@@ -84,6 +88,8 @@ class Sequence:
         self.held_blocks: list[int] | None = None  # blocks left under a lease when finished
         self.pull: PullOutcome | None = None
         self.pull_started: asyncio.Event | None = None
+        self.block_hashes = block_hashes or []  # the prompt's full blocks, chained (prefix caching)
+        self.cached_blocks = 0  # leading blocks of the prompt already in the prefix cache
         self._waiter: asyncio.Future[None] | None = None
         self._threshold = 0
 
@@ -126,6 +132,7 @@ class Engine:
         self.max_num_seqs = p.max_num_seqs
         self.chunked = p.enable_chunked_prefill
         self.pool = BlockPool(0 if settings.instant else p.num_gpu_blocks)  # instant: no capacity limits
+        self.prefix_cache = PrefixCache(settings.enable_prefix_caching)
         self.leases = KVLeases(settings.engine_id, self.pool, settings.kv_lease_seconds, metrics,
                                on_free=self._wake) if settings.has_connector else None
         self.puller = puller
@@ -298,23 +305,38 @@ class Engine:
                 continue
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            n = seq.num_tokens - seq.num_computed
+            hit_blocks = self.prefix_cache.cached_blocks(seq.block_hashes) if seq.num_computed == 0 else 0
+            start = seq.num_computed or min(hit_blocks * self.block_size, seq.prompt_tokens - 1)
+            n = seq.num_tokens - start
             if n > budget:
                 if self.chunked:
                     n = budget
                 elif prefill_tokens or n <= self.budget:
                     break  # must fit whole; a prompt longer than the whole budget runs alone
-            need = self._blocks_for(seq.num_computed + n) - len(seq.blocks)
+            need = self._blocks_for(start + n) - len(seq.blocks)
             if need > self.pool.num_free:
                 break
             self.waiting.popleft()
             seq.blocks.extend(self.pool.allocate(need))
+            if seq.num_computed == 0:  # vLLM looks the prompt up when first scheduled (and after a preemption)
+                self._queried(seq, start)
+                seq.num_computed, seq.cached_blocks = start, hit_blocks
+                self.prefix_cache.touch(seq.block_hashes[:hit_blocks])
             self._admit(seq, now)
             batch.append((seq, n))
             budget -= n
             if n > 1:
                 prefill_tokens += n
+        self._trim_cache()
         return batch, prefill_tokens
+
+    def _queried(self, seq: Sequence, hit: int) -> None:
+        if self.prefix_cache.enabled:  # vLLM without prefix caching looks nothing up and counts no queries
+            self.metrics.prompt_queried(seq.prompt_tokens, hit)
+
+    def _trim_cache(self) -> None:
+        """Cached blocks live in the free ones: what running requests and leases take is no longer cached."""
+        self.prefix_cache.trim(UNBOUNDED_BLOCKS if self.pool.total == 0 else self.pool.num_free)
 
     def _admit(self, seq: Sequence, now: float) -> None:
         seq.state = RUNNING
@@ -342,10 +364,18 @@ class Engine:
             prefill_before = seq.num_computed < seq.prompt_tokens
             seq.num_computed += n
             if prefill_before:
-                m.prompt_tokens.inc(min(seq.num_computed, seq.prompt_tokens) - (seq.num_computed - n))
+                m.prompt_computed(min(seq.num_computed, seq.prompt_tokens) - (seq.num_computed - n))
+                self._cache_computed(seq)
             if seq.num_computed < seq.num_tokens:
                 continue  # a prompt chunk: no token yet
             self._emit_token(seq, now)
+
+    def _cache_computed(self, seq: Sequence) -> None:
+        """The prompt's newly computed full blocks become reusable (vLLM caches blocks as they fill)."""
+        full = min(seq.num_computed, seq.prompt_tokens) // self.block_size
+        if full > seq.cached_blocks:
+            self.prefix_cache.touch(seq.block_hashes[seq.cached_blocks:full])
+            seq.cached_blocks = full
 
     def _emit_token(self, seq: Sequence, now: float) -> None:
         m = self.metrics
@@ -410,7 +440,7 @@ class Engine:
                 self._run_instantly(seq)
                 return
             self.ready.append(seq)
-            self.metrics.prompt_tokens.inc(seq.prompt_tokens - 1)
+            self.metrics.prompt_transferred(seq.prompt_tokens - 1)
         else:
             self._finish(seq, "error", self.clock.now(), error=f"KV load failed: {outcome.message}")
         self._publish()
@@ -431,7 +461,12 @@ class Engine:
         m = self.metrics
         m.queue.observe(now - seq.queued_at)
         m.ttft.observe(now - seq.arrival)
-        m.prompt_tokens.inc(seq.prompt_tokens)
+        hit_blocks = self.prefix_cache.cached_blocks(seq.block_hashes)
+        hit = min(hit_blocks * self.block_size, seq.prompt_tokens - 1)
+        self._queried(seq, hit)
+        m.prompt_computed(seq.prompt_tokens - hit)
+        self.prefix_cache.touch(seq.block_hashes)
+        self._trim_cache()
         m.generation_tokens.inc(seq.target_tokens)
         self._finish(seq, seq.target_reason, now)
 
@@ -458,6 +493,7 @@ class Engine:
             "steps": self.steps,
             "busy_seconds": round(self.busy_seconds, 6),
             "preemptions": self.preemptions,
+            "prefix_cache_blocks": len(self.prefix_cache),
             "requests_total": self.requests_total,
         }
 

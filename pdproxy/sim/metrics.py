@@ -20,6 +20,7 @@ NIXL_XFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 
 NIXL_BYTES_BUCKETS = tuple(float(2 ** e) for e in range(11, 34, 2))  # 2 KiB .. 8 GiB, 12 buckets
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")  # vLLM 0.23's `source` label
 
 
 class SimMetrics:
@@ -68,6 +69,15 @@ class SimMetrics:
                                      labels, registry=reg).labels(*values)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
                                          labels, registry=reg).labels(*values)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                      "queried tokens.", labels, registry=reg).labels(*values)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                                   "tokens.", labels, registry=reg).labels(*values)
+        by_source = Counter("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                            (*labels, "source"), registry=reg)
+        self.prompt_by_source = {source: by_source.labels(*values, source) for source in PROMPT_SOURCES}
+        self.prompt_cached = Counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + "
+                                     "external).", labels, registry=reg).labels(*values)
         self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
                                    labels, registry=reg).labels(*values)
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
@@ -82,6 +92,24 @@ class SimMetrics:
                                    " transfers.", labels, registry=reg).labels(*values)
         self.nixl_expired = Counter("vllm:nixl_num_kv_expired_reqs", "Number of requests that had their KV"
                                     " expire.", labels, registry=reg).labels(*values)
+
+    def prompt_computed(self, tokens: int) -> None:
+        self.prompt_tokens.inc(tokens)
+        self.prompt_by_source["local_compute"].inc(tokens)
+
+    def prompt_queried(self, tokens: int, hit: int) -> None:
+        """A request's lookup in the local prefix cache: `hit` of its `tokens` were cached."""
+        self.prefix_queries.inc(tokens)
+        self.prefix_hits.inc(hit)
+        if hit:
+            self.prompt_tokens.inc(hit)  # vLLM counts cached prompt tokens as processed too
+            self.prompt_by_source["local_cache_hit"].inc(hit)
+            self.prompt_cached.inc(hit)
+
+    def prompt_transferred(self, tokens: int) -> None:
+        self.prompt_tokens.inc(tokens)
+        self.prompt_by_source["external_kv_transfer"].inc(tokens)
+        self.prompt_cached.inc(tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,6 +1,6 @@
 """Named parameter sets for the simulator; every field can be overridden from the command line.
 
-`h200-llama8b` (the default) is calibrated on /work/shared/research/real-vllm-h200.md: vLLM 0.23,
+`h200-llama8b` (the default) is calibrated on tests/fixtures/vllm023/real-vllm-h200.md: vLLM 0.23,
 a Llama-3.1-8B-shaped model (bf16) on one H200, NixlConnector between two instances that share
 one GPU. How each number was derived is written next to it, so a preset for another shape can be
 made the same way from the same five measurements (prefill TTFT vs prompt length, decode ITL vs
@@ -20,7 +20,7 @@ REAL_NIXL_XFER_MS: dict[int, float] = {128: 48.7, 512: 225.4, 1024: 429.6, 2048:
 REAL_PD_TTFT_MS: dict[int, float] = {128: 83.7, 512: 267.5, 1024: 488.3, 2048: 937.3, 4096: 1560.0}
 # Two GPUs of one host (P on one H200, D on another), NIXL, one request at a time (real-vllm-h200.md)
 REAL_NIXL_XFER_2GPU_MS: dict[int, float] = {128: 6.3, 512: 10.1, 1024: 14.2, 2048: 27.9, 4096: 59.4}
-# The recorded 2-GPU mixed load (research/real-traces, bench-2gpu-pd): 16 closed-loop streams of 453-token
+# The recorded 2-GPU mixed load (tests/fixtures/vllm023, bench-2gpu-pd): 16 closed-loop streams of 453-token
 # prompts x 256 tokens and one 4520-token prompt x 16 every 2 s. Per-request max gap, median, of the streams
 # whose decode window held a long prompt's KV arrival, and of the others (ms).
 REAL_KV_ARRIVAL_STALL_MS = {"with_large_kv_arrival": 61.9, "others": 20.9}
@@ -68,7 +68,7 @@ class Preset:
     enable_chunked_prefill: bool = True
     # decode: while a remote KV pull is in flight no engine step starts for the transfer's own link time
     # (latency + bytes / bandwidth, queueing on the link not counted), so the decode's other streams
-    # stall for the transfer. Seen in the recorded vLLM 0.23 traces on two H200s (research/real-traces):
+    # stall for the transfer. Seen in the recorded vLLM 0.23 traces on two H200s (tests/fixtures/vllm023):
     # streams whose decode window holds a 4.5k-token KV arrival have a max gap of 62 ms (about that
     # transfer plus one step) against 21 ms for the others, the gap inside that request's KV wait; not
     # on one GPU (1.5 s same-GPU transfers left the streams alone). On in the 2-GPU preset, whose link is

@@ -25,6 +25,7 @@ from pdproxy.sim.engine import Engine, Sequence
 from pdproxy.sim.faults import Fault, FaultBook, FaultSpecError, RequestFaults
 from pdproxy.sim.kv import HEARTBEAT_PATH, PULL_PATH, KVPuller, PullRejected, RemoteKV, TransferLink
 from pdproxy.sim.metrics import SimMetrics
+from pdproxy.sim.prefix_cache import block_hashes
 from pdproxy.sim.protocol import (APIError, GenerationRequest, error_body, parse_detokenize, parse_generation,
                                   parse_json, parse_tokenize)
 from pdproxy.sim.render import DONE, Renderer, request_metrics, usage
@@ -168,7 +169,8 @@ class SimServer:
         if self.frontend_delay:  # the API server's share of TTFT, parsing above included
             await self.clock.sleep_until(arrival + faults.slow_start + self.frontend_delay)
         seq = Sequence(req.internal_id, req.prompt_tokens, target, reason, arrival, hold_kv=hold_kv,
-                       remote=remote if self.puller else None, kv_fail=faults.kv_load_failure)
+                       remote=remote if self.puller else None, kv_fail=faults.kv_load_failure,
+                       block_hashes=self._block_hashes(req, remote))
         if remote is not None and self.puller is None:  # --skip-kv-pull: trust the params
             seq.kv_loaded = True
             seq.num_computed = req.prompt_tokens - 1
@@ -185,6 +187,12 @@ class SimServer:
                 self.tracer.finished(request.headers, seq, req.internal_id.rsplit("-", 1)[0], submitted,
                                      {"top_p": body.get("top_p", 1), "max_tokens": req.max_tokens,
                                       "temperature": body.get("temperature"), "n": body.get("n", 1)})
+
+    def _block_hashes(self, req: GenerationRequest, remote: RemoteKV | None) -> list[int]:
+        """What prefix caching needs of the prompt; nothing for a decode whose KV comes from a prefill."""
+        if not self.settings.enable_prefix_caching or (remote is not None and self.puller is not None):
+            return []
+        return block_hashes(req.prompt_ids or [], self.settings.preset.block_size)
 
     def _kv_role(self, req: GenerationRequest, faults: RequestFaults) -> tuple[RemoteKV | None, bool]:
         """(where to pull the prompt's KV from, whether to hold this request's KV for a decode)."""

@@ -28,6 +28,7 @@ class SimSettings:
     tp_size: int = 1
     kv_lease_seconds: float = 30.0
     skip_kv_pull: bool = False
+    enable_prefix_caching: bool = True  # vLLM's default (pdproxy/sim/prefix_cache.py)
     enable_per_request_metrics: bool = False
     enable_request_id_headers: bool = False
     stream_interval: int = 1

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_TYPE
@@ -40,6 +40,8 @@ STATUS_CODES = frozenset({200, 400, 401, 403, 404, 405, 408, 413, 415, 422, 429,
 
 # (role, instance address, requests in flight, healthy) for every instance
 InstanceLoad = Callable[[], Iterable[tuple[str, str, int, bool]]]
+# (role, instance address, failed reads of its /metrics) for every instance a load_aware pool reads
+EngineReadFailures = Callable[[], Iterable[tuple[str, str, int]]]
 # (requests inside the proxy, requests waiting for admission)
 ProxyLoad = Callable[[], tuple[int, int]]
 
@@ -196,6 +198,9 @@ class Metrics:
                               registry=r)
         self.spans_dropped = Counter("pdproxy_spans_dropped", "Spans lost before reaching the collector", ("reason",),
                                      registry=r)
+        self.route_decisions = Counter("pdproxy_route_decisions", "Routing decisions by leg, policy and reason "
+                                       "(reasons: docs/telemetry.md)", ("role", "policy", "reason"), registry=r)
+        self._route_series: dict[tuple[str, str, str], Any] = {}
         self.shadow = Counter("pdproxy_shadow_requests", "Shadow mirroring outcomes", ("outcome",), registry=r)
         self.tracestate_cut = Counter("pdproxy_tracestate_cut", "Client tracestate headers not carried on whole: "
                                       "too_long (cut to 512 characters), invalid (discarded)", ("reason",), registry=r)
@@ -207,6 +212,17 @@ class Metrics:
                                            "was ignored (each started a new trace)", registry=r)
         Gauge("pdproxy_build_info", "pdproxy version", ("version",), registry=r).labels(__version__).set(1)
         self._series: dict[tuple[str, ...], _Series] = {}
+
+    def route_decision(self, role: str, policy: str, reason: str) -> None:
+        key = (role, policy, reason)  # each policy has a fixed set of reasons: a bounded label set
+        series = self._route_series.get(key)
+        if series is None:
+            series = self._route_series[key] = self.route_decisions.labels(*key)
+        series.inc()
+
+    def watch_engine_reads(self, failures: EngineReadFailures) -> None:
+        """load_aware's failed reads of the instances' /metrics, counted at scrape time."""
+        self.registry.register(_EngineReadCollector(failures))
 
     def watch(self, instances: InstanceLoad, proxy: ProxyLoad) -> None:
         """Gauges read at scrape time, so serving never updates them."""
@@ -360,3 +376,19 @@ class _LoadCollector:
         yield healthy
         yield GaugeMetricFamily("pdproxy_inflight_requests", "Requests inside the proxy", value=inside)
         yield GaugeMetricFamily("pdproxy_queue_depth", "Requests waiting for admission", value=waiting)
+
+
+class _EngineReadCollector:
+    def __init__(self, failures: EngineReadFailures) -> None:
+        self.failures = failures
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        family = CounterMetricFamily("pdproxy_engine_metrics_read_failures", "Failed reads of an instance's "
+                                     "/metrics by load_aware routing (it then routes by in-flight counts)",
+                                     labels=["role", "instance"])
+        for role, address, count in self.failures():
+            family.add_metric([role, address], count)
+        yield family

@@ -3,16 +3,19 @@
 A request's `model` is whatever its client wrote. Used verbatim as a metric label or in a span
 name, every made-up name would open ~130 new series in `/metrics` and as many in the collector's
 span metrics: anyone who can reach the proxy could exhaust its memory and Prometheus's. So a
-name labels telemetry only when it is known:
+name labels telemetry only when it is known, and it is known only from two sources the client
+cannot write:
 
 * given by the operator (`--served-model-name`, and `--model`);
 * listed by an instance's `GET /v1/models` (at start, then with the health checks, at most every
-  `MIN_REFRESH_SECONDS`: answers teach new names at once, this only catches what they miss);
-* the `model` field of a successful answer from an instance.
+  `MIN_REFRESH_SECONDS`; with health checks off, until every instance has answered once).
 
-Names learned from instances are capped at `MAX_LEARNED` (a backend that echoes any requested
-name back must not reopen the hole); the operator's own names are not. Every other name is
-labelled `OTHER`. Names are only ever added: a series once exposed stays.
+The `model` field of an answer never adds a name: some OpenAI-compatible servers echo whatever
+model was requested, so an answer is the client's own text coming back. It can still pick among
+known names (a request for an alias, or without a model, answered by a listed model).
+
+Names listed by instances are capped at `MAX_LEARNED`; the operator's own names are not. Every
+other name is labelled `OTHER`. Names are only ever added: a series once exposed stays.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import aiohttp
 log = logging.getLogger("pdproxy.models")
 
 OTHER = "other"  # the label of every model name that is not known
-MAX_LEARNED = 100  # names learned from instances; beyond this they are labelled OTHER
+MAX_LEARNED = 100  # names listed by instances; beyond this they are labelled OTHER
 MAX_NAME_LENGTH = 256  # longer is not a model name anyone serves
 MIN_REFRESH_SECONDS = 30.0  # /v1/models is asked no more often than this, whatever the health-check interval
 
@@ -44,13 +47,14 @@ class ModelNames:
         return isinstance(name, str) and (name in self.allowed or name in self.learned)
 
     def learn(self, name: object) -> None:
-        """An instance serves `name`: give it its own label (while the cap allows)."""
+        """An instance lists `name` in its /v1/models: give it its own label (while the cap allows).
+        Never called with a name from a request or an answer: those are the client's to choose."""
         if not isinstance(name, str) or not name or len(name) > MAX_NAME_LENGTH or self.known(name):
             return
         if len(self.learned) >= self.max_learned:
             if not self._full_warned:
                 self._full_warned = True
-                log.warning("more than %d model names learned from the instances; %r and any further ones are "
+                log.warning("more than %d model names listed by the instances; %r and any further ones are "
                             "labelled %r (name them with --served-model-name to give them their own label)",
                             self.max_learned, name[:80], OTHER)
             return
@@ -59,7 +63,7 @@ class ModelNames:
     def label(self, requested: object, answered: object = None) -> str:
         """The label of a request for `requested` that the instance answered as `answered` (None when it
         did not answer successfully): the requested name when known, else the answering model when known
-        (a request without a model, or for an alias), else `OTHER`."""
+        (a request without a model, or for an alias), else `OTHER`. Learns nothing from either."""
         if self.known(requested):
             return requested  # type: ignore[return-value]
         if answered is not None and self.known(answered):
@@ -74,34 +78,39 @@ class ModelNames:
     # -- asking the instances -----------------------------------------------------------------
 
     async def refresh(self, session: aiohttp.ClientSession, urls: Iterable[str], headers: Mapping[str, str],
-                      timeout: float) -> None:
-        """Learn what every instance lists in `GET /v1/models`; an instance that does not answer is skipped."""
+                      timeout: float) -> bool:
+        """Learn what every instance lists in `GET /v1/models`; an instance that does not answer is skipped.
+        True when every instance answered with a listing."""
         results = await asyncio.gather(*(_served(session, url, headers, timeout) for url in urls))
         for names in results:
-            for name in names:
+            for name in names or ():
                 self.learn(name)
+        return all(names is not None for names in results)
 
     async def watch(self, session: aiohttp.ClientSession, urls: list[str], headers: Mapping[str, str],
                     interval: float, timeout: float) -> None:
-        """Refresh now, then every `interval` seconds but at most every MIN_REFRESH_SECONDS (once only when
-        `interval` is 0: health checks are off); run as a task."""
+        """Refresh now, then every `interval` seconds but at most every MIN_REFRESH_SECONDS; with `interval`
+        0 (health checks off) only until every instance has answered once: answers teach no names, so an
+        instance that came up after the proxy would otherwise never be asked. Run as a task."""
         while True:
-            await self.refresh(session, urls, headers, timeout)
-            if interval <= 0:
+            everyone = await self.refresh(session, urls, headers, timeout)
+            if interval <= 0 and everyone:
                 return
             await asyncio.sleep(max(interval, MIN_REFRESH_SECONDS))
 
 
-async def _served(session: aiohttp.ClientSession, url: str, headers: Mapping[str, str], timeout: float) -> list[str]:
+async def _served(session: aiohttp.ClientSession, url: str, headers: Mapping[str, str],
+                  timeout: float) -> list[str] | None:
+    """The ids an instance lists in /v1/models; None when it gave no listing."""
     try:
         async with session.get(url + "/v1/models", headers=dict(headers),
                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if resp.status != 200:
-                return []
+                return None
             body = await resp.json(content_type=None)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
-        return []
+        return None
     data = body.get("data") if isinstance(body, dict) else None
     if not isinstance(data, list):
-        return []
+        return None
     return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

@@ -19,7 +19,11 @@ FAILED_STAGE = "pd.failed_stage"
 PREFILL_INSTANCE, DECODE_INSTANCE = "pd.prefill.instance", "pd.decode.instance"
 PREFILL_ATTEMPTS, DECODE_ATTEMPTS = "pd.prefill.attempts", "pd.decode.attempts"
 REQUESTED_MODEL = "pd.request.model"  # the client's model name when it is not a known one (bounded: see models.py)
-KV_PARAMS = "pd.kv_transfer_params"  # "received" | "missing": did prefill hand over KV coordinates
+KV_PARAMS = "pd.kv_transfer_params"
+# leg-span attributes: the routing decision that chose the leg's instance (pdproxy/policies/)
+ROUTE_POLICY, ROUTE_REASON = "pd.route.policy", "pd.route.reason"
+ROUTE_MATCHED, ROUTE_MATCHED_UNIT = "pd.route.matched_prefix", "pd.route.matched_prefix.unit"
+ROUTE_SCORES = "pd.route.scores"  # ["host:port=score", ...] of the instances the policy compared  # "received" | "missing": did prefill hand over KV coordinates
 
 # pd.decode span events: each stall (a gap above the stall threshold), at the gap's start
 STALL_EVENT = "pd.stall"

@@ -99,6 +99,7 @@ class RequestTrace:
         self.prefill_status: int | None = None
         self.decode_status: int | None = None
         self.kv_params: str | None = None
+        self.routes: dict[str, Any] = {}  # leg -> the policies.Decision that chose its instance
         self.scan = ResponseScan(chat)
         self.status = 200
         self.error_type: str | None = None
@@ -136,6 +137,11 @@ class RequestTrace:
         if self.recorder.capture_content:
             content = body.get("messages") if self.chat else body.get("prompt")
             attrs["gen_ai.input.messages"] = json.dumps(content)[:16384]
+
+    def routed(self, leg: str, decision: Any) -> None:
+        """A policy chose the instance for `leg` (a `pdproxy.policies.Decision`): on its span and counted."""
+        self.routes[leg] = decision
+        self.recorder.metrics.route_decision(leg, decision.policy, decision.reason)
 
     def admitted(self, prefill_address: str | None, decode_address: str) -> None:
         self.t.admitted = now()
@@ -195,8 +201,7 @@ class RequestTrace:
                     stall_threshold=self.recorder.stall_threshold)
         self.finished = m
         models = self.recorder.models
-        answered = self.scan.response_model if m.ok else None
-        models.learn(answered)
+        answered = self.scan.response_model if m.ok else None  # picks among known names, never adds one
         self.model_label = models.label(self.model, answered)
         stalls = self._attribute_stalls(m)
         trace_id = None
@@ -276,9 +281,12 @@ class RequestTrace:
             name, kind = _STAGE_SPANS[stage]
             span_id = {PREFILL: ids.prefill, DECODE: ids.decode if self.pd_mode else None}.get(stage)
             attributes = self._stage_attributes(stage, m)
+            repeating = len(attributes) if stage != KV_TRANSFER else 3  # its measurements come last
+            # the routing decision (per request: scores, matched prefix) follows the repeating part
+            leg = {PREFILL: PREFILL if self.pd_mode else DECODE, DECODE: DECODE}.get(stage)
+            attributes.update(_route_attributes(self.routes.get(leg)))
             span = SpanData(name, kind, ids.trace_id, span_id or random.getrandbits(64), ids.root, to_unix_ns(start),
-                            to_unix_ns(end), attributes, trace_state=ids.tracestate,
-                            repeating=len(attributes) if stage != KV_TRANSFER else 3)  # its measurements come last
+                            to_unix_ns(end), attributes, trace_state=ids.tracestate, repeating=repeating)
             if stage == DECODE and m.stalls:
                 span.events = self._stall_events(stalls)
                 if stalls:
@@ -385,6 +393,18 @@ def _leg_attributes(address: str | None, phase: str, status: int | None) -> dict
         attrs["server.address"], attrs["server.port"] = host, int(port)
     if status is not None:
         attrs["http.response.status_code"] = status
+    return attrs
+
+
+def _route_attributes(decision: Any) -> dict[str, Any]:
+    if decision is None:
+        return {}
+    attrs: dict[str, Any] = {n.ROUTE_POLICY: decision.policy, n.ROUTE_REASON: decision.reason}
+    if decision.matched is not None:
+        attrs[n.ROUTE_MATCHED], attrs[n.ROUTE_MATCHED_UNIT] = decision.matched, decision.unit
+    scores = decision.scores()
+    if scores:
+        attrs[n.ROUTE_SCORES] = [f"{address}={score:g}" for address, score in scores.items()]
     return attrs
 
 

@@ -1,0 +1,67 @@
+"""The same session to the same instance: a hash ring over the instances in rotation, keyed by a
+request header or body field (multi-turn stickiness, so a conversation's KV cache is reused).
+
+The ring hashes are stable (BLAKE2b of the key and of the instance URL), so every worker process and
+every pdproxy replica maps a session to the same instance, and an instance leaving rotation moves
+only its own sessions. A request with none of the key sources goes to the least loaded instance.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+from pdproxy.config import DEFAULT_HASH_KEY, parse_hash_key
+from pdproxy.policies.base import Decision, Rotation, loads
+from pdproxy.policies.request import RequestView
+
+VNODES = 64  # points per instance on the ring: smooths the share of keys each instance gets
+
+
+def _h(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
+
+
+class ConsistentHash:
+    name = "consistent_hash"
+    reasons = ("hash_key", "no_key")
+
+    def __init__(self, hash_key: str = DEFAULT_HASH_KEY) -> None:
+        self.sources = parse_hash_key(hash_key)
+        self.rotation = Rotation()
+        self._ring_for: tuple[int, ...] = ()
+        self._points: list[int] = []
+        self._owners: list[Any] = []
+
+    def key(self, request: RequestView | None) -> str | None:
+        if request is None:
+            return None
+        for where, name in self.sources:
+            value = request.header(name) if where == "header" else request.field(name)
+            if value is not None:
+                return value
+        return None
+
+    def choose(self, instances: Sequence, request: RequestView | None):
+        key = self.key(request)
+        if key is None:
+            values = loads(instances)
+            return self.rotation.least(instances, values), Decision(self.name, "no_key", compared=instances,
+                                                                    values=values)
+        self._ring(instances)
+        at = bisect.bisect(self._points, _h(key)) % len(self._points)
+        return self._owners[at], Decision(self.name, "hash_key")
+
+    def _ring(self, instances: Sequence) -> None:
+        ids = tuple(id(i) for i in instances)
+        if ids == self._ring_for:
+            return
+        ring = sorted((_h(f"{inst.url}#{v}"), n) for n, inst in enumerate(instances) for v in range(VNODES))
+        self._points = [p for p, _ in ring]
+        self._owners = [instances[n] for _, n in ring]
+        self._ring_for = ids
+
+    def status(self, instances: Sequence) -> dict[str, dict[str, Any]]:
+        return {i.address: {"inflight": i.inflight} for i in instances}

@@ -1,0 +1,157 @@
+"""Route by the engines' own load, read from each vLLM instance's /metrics, plus this proxy's in-flight count.
+
+Every `load_metrics_interval` seconds a background task reads, per instance (vLLM 0.23 names, summed over
+the `engine` label; the KV usage averaged):
+
+* `vllm:num_requests_waiting` — queued in the engine, from every client and every proxy replica: the
+  best single predictor of the queueing part of TTFT;
+* `vllm:num_requests_running` — in the batch;
+* `vllm:kv_cache_usage_perc` — 1.0 is a full cache, where new work waits or preempts.
+
+score = in-flight (this proxy) + waiting + RUNNING_WEIGHT × running + KV_WEIGHT × kv_usage; the lowest
+wins, ties in turn. Running counts half because this proxy's own share of it is in its in-flight count.
+Several replicas reading the same engines see the same state, which in-flight counts alone cannot give.
+
+When any candidate's reading is missing or older than `STALE_INTERVALS` intervals (the instance does not
+serve /metrics, answers an error, or is slow), the choice falls back to in-flight counts for all of them
+(reason `inflight_fallback`): scores of two kinds are not comparable. The first failure per instance is
+logged, every one is counted. Routing never waits for a read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdproxy.policies.base import Decision, Rotation, loads
+
+log = logging.getLogger("pdproxy.policies.load_aware")
+
+WAITING, RUNNING, KV_USAGE = "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"
+RUNNING_WEIGHT, KV_WEIGHT = 0.5, 4.0
+STALE_INTERVALS = 3
+MAX_METRICS_BYTES = 8 * 1024 * 1024  # a /metrics larger than this is not read (and counts as a failure)
+
+
+@dataclass(slots=True)
+class Reading:
+    waiting: float
+    running: float
+    kv_usage: float
+    at: float  # monotonic
+    score: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.score = self.waiting + RUNNING_WEIGHT * self.running + KV_WEIGHT * self.kv_usage
+
+
+def parse_load(text: str) -> tuple[float, float, float]:
+    """(waiting, running, kv usage) from a Prometheus exposition; ValueError when a gauge is missing."""
+    wanted = [line for line in text.splitlines() if line.startswith((WAITING, RUNNING, KV_USAGE))]
+    sums: dict[str, list[float]] = {WAITING: [], RUNNING: [], KV_USAGE: []}
+    for family in text_string_to_metric_families("\n".join(wanted) + "\n"):
+        for sample in family.samples:
+            if sample.name in sums:
+                sums[sample.name].append(sample.value)
+    if not all(sums.values()):
+        raise ValueError("missing " + ", ".join(name for name, values in sums.items() if not values))
+    usage = sums[KV_USAGE]
+    return sum(sums[WAITING]), sum(sums[RUNNING]), sum(usage) / len(usage)
+
+
+class LoadAware:
+    name = "load_aware"
+    reasons = ("engine_load", "inflight_fallback")
+
+    def __init__(self, load_metrics_interval: float = 2.0) -> None:
+        self.interval = load_metrics_interval
+        self.readings: dict[str, Reading] = {}  # instance url -> its last good reading
+        self.failures: dict[str, int] = {}  # instance url -> reads that failed (pdproxy_engine_metrics_failures)
+        self._failing: set[str] = set()  # logged as failing, not yet readable again
+        self.rotation = Rotation()
+        self._task: asyncio.Task | None = None
+
+    # -- routing --------------------------------------------------------------------------
+
+    def _fresh(self, instance, now: float) -> Reading | None:  # for /status
+        reading = self.readings.get(instance.url)
+        if reading is None or now - reading.at > STALE_INTERVALS * self.interval:
+            return None
+        return reading
+
+    def choose(self, instances: Sequence, request):
+        oldest = time.monotonic() - STALE_INTERVALS * self.interval
+        readings = self.readings
+        values = []
+        for inst in instances:
+            r = readings.get(inst.url)
+            if r is None or r.at < oldest:
+                values = loads(instances)
+                return self.rotation.least(instances, values), Decision(self.name, "inflight_fallback",
+                                                                        compared=instances, values=values)
+            values.append(inst.inflight + r.score)
+        return self.rotation.least(instances, values), Decision(self.name, "engine_load", compared=instances,
+                                                                values=values)
+
+    def status(self, instances: Sequence) -> dict[str, dict[str, Any]]:
+        now = time.monotonic()
+        out = {}
+        for i in instances:
+            r = self._fresh(i, now)
+            entry: dict[str, Any] = {"inflight": i.inflight, "metrics": "ok" if r else "unreadable",
+                                     "metrics_failures": self.failures.get(i.url, 0)}
+            if r is not None:
+                entry.update(waiting=r.waiting, running=r.running, kv_cache_usage=r.kv_usage,
+                             score=i.inflight + r.score, age_seconds=round(now - r.at, 3))
+            out[i.address] = entry
+        return out
+
+    # -- reading the engines ----------------------------------------------------------------
+
+    def start(self, instances: Sequence, session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
+        self._task = asyncio.create_task(self._loop(list(instances), session, headers), name="engine-metrics")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    async def _loop(self, instances: list, session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(self.interval, 0.5))
+        while True:
+            await asyncio.gather(*(self.read(i.url, session, headers, timeout) for i in instances))
+            await asyncio.sleep(self.interval)
+
+    async def read(self, url: str, session: aiohttp.ClientSession, headers: dict[str, str],
+                   timeout: aiohttp.ClientTimeout) -> None:
+        try:
+            async with session.get(url + "/metrics", headers=headers, timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"HTTP {resp.status}")
+                raw = bytearray()
+                async for chunk in resp.content.iter_chunked(65536):
+                    raw += chunk
+                    if len(raw) > MAX_METRICS_BYTES:
+                        raise ValueError("exposition too large")
+            waiting, running, usage = parse_load(raw.decode("utf-8", "replace"))
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            self.failures[url] = self.failures.get(url, 0) + 1
+            if url not in self._failing:
+                self._failing.add(url)
+                log.warning("cannot read engine load from %s/metrics (%s); routing by in-flight counts until "
+                            "it can be read", url, str(exc) or type(exc).__name__)
+            return
+        if url in self._failing:
+            self._failing.discard(url)
+            log.info("engine load from %s/metrics readable again", url)
+        self.readings[url] = Reading(waiting, running, usage, time.monotonic())
