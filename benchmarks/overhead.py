@@ -6,6 +6,8 @@ one target at a time:
   direct        the load generator straight to the decode instance: the physical limit
   pdproxy       tracing on, exporting every span over OTLP/HTTP to a real receiver (benchmarks/otlp_sink.py)
   pdproxy-off   --no-tracing (metrics stay on)
+  pdproxy-noattr  tracing on, --no-stall-attribution: the cost of the live stall attribution (per-instance
+                record of KV arrivals / prefills, attribution of each stall) is pdproxy against this row
   vllm-router   PyPI vllm-router in P/D mode (round_robin), installed when missing
   toy-proxy     vLLM's toy_proxy_server.py, fetched from vLLM's sdist at run time (never committed)
   pdproxy-before, pdproxy-off-before
@@ -56,10 +58,10 @@ sys.path.insert(0, str(HERE))
 import peers  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
 HOST = "127.0.0.1"
-TARGETS = ("direct", "pdproxy", "pdproxy-off", "vllm-router", "toy-proxy", "pdproxy-before", "pdproxy-off-before",
-           "pdproxy-2w")
-DEFAULT_TARGETS = TARGETS[:5]
-TRACED = ("pdproxy", "pdproxy-before", "pdproxy-2w")
+TARGETS = ("direct", "pdproxy", "pdproxy-off", "vllm-router", "toy-proxy", "pdproxy-noattr", "pdproxy-before",
+           "pdproxy-off-before", "pdproxy-2w")
+DEFAULT_TARGETS = TARGETS[:6]
+TRACED = ("pdproxy", "pdproxy-noattr", "pdproxy-before", "pdproxy-2w")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -310,6 +312,8 @@ class Bench:
                 args += ["--otlp-endpoint", self.receiver_url, "--otlp-protocol", "http/protobuf"]
             else:
                 args.append("--no-tracing")
+            if name == "pdproxy-noattr":
+                args.append("--no-stall-attribution")
             src = self.args.pdproxy_path or str(REPO)  # `python -m` looks in the working directory first
             if name.endswith("-before"):
                 src = self.args.baseline_path
@@ -387,6 +391,70 @@ class Bench:
             for h in helpers:
                 h.stop()
         return result
+
+
+def recorder_cost(rounds: int, requests: int, stall_every: int, every_ms: float = 10.0,
+                  inflight: int = 64) -> dict[str, float]:
+    """CPU µs per request of the one recorder (pdproxy/telemetry/recorder.py) with the live stall attribution
+    on and off, in this process, interleaved round by round so both see the same machine state.
+
+    Each request goes the P/D way (admitted, prefill done, decode sent, 16 token events 5 ms apart,
+    finished) on one decode, every `stall_every`-th with one 150 ms gap in the middle (0: none); a new one
+    every `every_ms` of its own timeline (100 requests/s on the decode by default: a stall then coincides
+    with ~15 other KV arrivals), `inflight` of them open at once. The attribution path (the record's query, the pd.stall event's cause, the links) runs once
+    per request. Spans are built and encoded to OTLP, then dropped; metrics are recorded.
+    """
+    sys.path.insert(0, str(REPO))
+    from pdproxy.telemetry.metrics import Metrics
+    from pdproxy.telemetry.recorder import Recorder
+    from pdproxy.telemetry.stalls import StallRecords
+    from pdproxy.telemetry.tracing import Tracing
+
+    class Drop:
+        def send(self, payload: bytes) -> bool:
+            return True
+
+        def close(self) -> None:
+            pass
+
+    ms = 1_000_000
+
+    def one_round(attribution: bool) -> float:
+        tracing = Tracing({"service.name": "bench"}, [Drop()], 1 << 17, on_drop=lambda reason, count: None)
+        recorder = Recorder(Metrics(), tracing, stall_threshold=0.1,
+                            stalls=StallRecords() if attribution else None)
+        open_: list = []
+        base = time.monotonic_ns()
+        start = time.process_time()
+        for i in range(requests):
+            trace = recorder.begin(route="completions", operation="text_completion", chat=False, headers={},
+                                   request_id=f"r{i}", pd_mode=True)
+            at = base + int(i * every_ms * ms)  # this request's own timeline
+            trace.admitted("127.0.0.1:8100", "127.0.0.1:8200")
+            trace.prefill_done("127.0.0.1:8100", 200, 1, "{}")
+            trace.t.prefill_done = at
+            trace.decode_sent("127.0.0.1:8200")
+            trace.decode_headers(200)
+            first = at + 20 * ms  # its KV arrives in 20 ms
+            gap = 150 * ms if stall_every and i % stall_every == 0 else 0
+            trace.scan.chunk_times = [first + 5 * ms * k + (gap if k >= 8 else 0) for k in range(16)]
+            trace.scan.chunk_tokens = [1] * 16
+            trace.scan.usage = {"prompt_tokens": 200 + i % 7, "completion_tokens": 16}
+            trace.scan.done = True
+            open_.append(trace)
+            if len(open_) > inflight:
+                open_.pop(0).finish()
+        for trace in open_:
+            trace.finish()
+        tracing.shutdown()  # the export thread has encoded every span: its CPU is in the round's
+        return (time.process_time() - start) / requests * 1e6
+
+    on, off = [], []
+    for r in range(rounds):  # alternate which goes first
+        for attribution in ((True, False) if r % 2 == 0 else (False, True)):
+            (on if attribution else off).append(one_round(attribution))
+    return {"on_us": float(np.median(on)), "off_us": float(np.median(off)), "rounds": rounds, "requests": requests,
+            "every_ms": every_ms, "stall_every": stall_every}
 
 
 def wait_quiet(timeout: float, threshold: float = 0.25) -> float:
@@ -540,6 +608,24 @@ def ratios(results: dict[str, dict], args: argparse.Namespace) -> str:
             if results.get(peer) and results[peer]["sat_chunks"].proxy_cpu:
                 v = per_cpu("pdproxy") / per_cpu(peer)
                 check(f"chunks per CPU-second pdproxy / {peer}", v, None, "(info)")
+        for cost in getattr(args, "recorder_cost", None) or ():
+            added = cost["on_us"] - cost["off_us"]
+            which = f"1 in {cost['stall_every']} stalls" if cost["stall_every"] else "no stalls"
+            check(f"recorder µs/req on/off, {which} ({cost['on_us']:.0f} / {cost['off_us']:.0f})",
+                  cost["on_us"] / cost["off_us"], None, "(info)")
+            if sr.requests:  # the attribution's added µs against the whole proxy's CPU per request
+                v = 1 + added / (sr.proxy_cpu / sr.requests * 1e6)
+                check(f"CPU per request with attribution / without, {which}", v,
+                      v <= 1.03 if not cost["stall_every"] else None, "<= 1.03" if not cost["stall_every"] else "(info)")
+        noattr = results.get("pdproxy-noattr")
+        if noattr and sr.requests and noattr["sat_requests"].requests:
+            na = noattr["sat_requests"]
+            v = (sr.proxy_cpu / sr.requests) / (na.proxy_cpu / na.requests)
+            check("CPU per request, stall attribution on / off", v, v <= 1.03, "<= 1.03")
+            sc, nc = pd["sat_chunks"], noattr["sat_chunks"]
+            if sc.events and nc.events:
+                v = (sc.proxy_cpu / sc.events) / (nc.proxy_cpu / nc.events)
+                check("CPU per chunk, stall attribution on / off", v, None, "(info)")
         if off:
             v = cps("pdproxy") / cps("pdproxy-off")
             check("chunks/s tracing on / off", v, v >= 0.9, ">= 0.9")
@@ -688,6 +774,11 @@ def main() -> int:
             results[name] = bench.run_target(name)
     finally:
         bench.stop_all()
+    if "pdproxy-noattr" in args.targets:
+        # in-process, interleaved: zero-delay streams never stall (what the phases above measured), and a
+        # worst case where every 10th request stalls on a decode taking 100 requests/s
+        n = 2000 if args.quick else 5000
+        args.recorder_cost = [recorder_cost(rounds=3 if args.quick else 9, requests=n, stall_every=k) for k in (0, 10)]
     text = report(results, args, started)
     text += f"\n\n(total wall time {time.monotonic() - t0:.0f} s)"
     print()
@@ -699,8 +790,8 @@ def main() -> int:
                for n, r in results.items()}
         keep = ("itl_ms", "prompt_words", "pin", "sat_concurrency", "sat_tokens", "short_tokens", "duration", "rounds",
                 "latency_tokens", "latency_duration", "concurrency", "hold_streams", "hold_tokens", "hold_itl_ms",
-                "hold_ramp")
-        raw["_args"] = {k: getattr(args, k) for k in keep} | {"started": started.isoformat()}
+                "hold_ramp", "recorder_cost")
+        raw["_args"] = {k: getattr(args, k, None) for k in keep} | {"started": started.isoformat()}
         Path(args.json).write_text(json.dumps(raw))
     return 0
 

@@ -100,6 +100,8 @@ REQ = Scope(('model=~"$model"', 'deployment=~"$deployment"', 'run=~"$run"'))
 # and carry only their own labels (pdproxy/telemetry/metrics.py): no request scope on those.
 # Primary vs shadow panels compare deployments, so they do not filter on it.
 BOTH = Scope(('model=~"$model"', 'run=~"$run"'))
+# Stall attribution counters carry mode, deployment, run and cause, no model (docs/telemetry.md).
+STALLS = Scope(('deployment=~"$deployment"', 'run=~"$run"'))
 # Span-derived series from the collector: attribute names translated by its Prometheus exporter.
 TRACE = Scope(('gen_ai_request_model=~"$model"', 'pd_deployment=~"$deployment"', 'pd_run=~"$run"'))
 SPANS = Scope(('service_name="pdproxy"', 'pd_run=~"$run"'))  # span_metrics
@@ -433,6 +435,37 @@ def overview() -> dict:
                       prom(REQ.share_above("pdproxy_request_itl_max_seconds", "$stall"), "max gap > $stall s")],
                      "percentunit", max_=1), w=8)
 
+    L.row("Why streams stall (live attribution: what ran on the same instance during each gap)")
+    cause_note = ("Each gap above the proxy's --stall-threshold is put down, when its stream ends, to what "
+                  "overlapped it on the same instance (±10 ms): another request's KV arrival (P/D decode), "
+                  "another request's prefill (single instance), a migration splice, a preemption the "
+                  "instance reported, or none. The rule of `pdproxy report --traces` (docs/bench.md). ")
+    L.add(timeseries("Stall time by cause (live) [stall]",
+                     ITL_DEFINITIONS["stall"] + " " + cause_note + "Seconds of stall per second, stacked; "
+                     "exemplars open a stalled request's trace, whose pd.decode links to its culprits.",
+                     [prom(STALLS.rate("pdproxy_stall_seconds_total", by="cause"), "{{cause}}", exemplar=True)],
+                     stack=True), w=8)
+    L.add(timeseries("Share of stall time by cause (live) [stall]",
+                     ITL_DEFINITIONS["stall"] + " " + cause_note + "What the alert DecodeStallsFromKVArrivals "
+                     "reads: the kv_arrival share while the tail-ITL objective burns.",
+                     [prom(f"{STALLS.rate('pdproxy_stall_seconds_total', by='cause')} "
+                           f"/ ignoring(cause) group_left {STALLS.rate('pdproxy_stall_seconds_total')}", "{{cause}}")],
+                     "percentunit", stack=True, max_=1), w=8)
+    L.add(timeseries("Stalls from KV arrivals per decode instance [stall]",
+                     ITL_DEFINITIONS["stall"] + " Stalls per second on each decode instance put down to another "
+                     "request's KV arriving there. The instance's address is `exported_instance`.",
+                     [prom('sum by (exported_instance) (rate(pdproxy_instance_stalls_total{cause="kv_arrival"}'
+                           '[$__rate_interval]))', "{{exported_instance}}", exemplar=True)], "short"), w=8)
+    L.add(trace_table("Victims → culprits: stalled requests and the requests behind their stalls [stall]",
+                      ITL_DEFINITIONS["stall"] + " pd.decode spans with attributed stall time, by cause (seconds); "
+                      "open a trace: its pd.decode's span links lead to the culprits' pd.decode (KV arrival) or "
+                      "pd.prefill (prefill), and each pd.stall event names them (pd.stall.culprit_ids).",
+                      traceql('{ name = "pd.decode" && span.pd.deployment =~ "$deployment" && '
+                              '(span.pd.stall.time.kv_arrival > 0 || span.pd.stall.time.prefill > 0 || '
+                              'span.pd.stall.time.migration > 0) } | select(span.pd.stall.time.kv_arrival, '
+                              'span.pd.stall.time.prefill, span.pd.stall.time.migration, span.server.address)',
+                              table="spans")), w=24, h=9)
+
     L.row("KV transfer (prefill response → first decode token)")
     L.add(timeseries("pd.kv_transfer p50 / p90 / p99 (upper bound)",
                      "Duration of the pd.kv_transfer span: hand-off + decode queue + KV pull + one decode step. "
@@ -578,6 +611,18 @@ def from_traces() -> dict:
                            "traces"),
                       prom(f'{REQ.rate("pdproxy_requests_with_stall_total")} / {REQ.rate("pdproxy_request_itl_max_seconds_count")}',
                            "proxy")], "percentunit", max_=1), w=8)
+
+    L.add(timeseries("Stall time by cause: traces vs proxy (live attribution) [stall]",
+                     ITL_DEFINITIONS["stall"] + " The collector sums pd.decode's pd.stall.time.<cause> attributes; "
+                     "the proxy's pdproxy_stall_seconds_total is the same attribution counted on /metrics.",
+                     [prom(TRACE.rate("pdproxy_trace_stall_time_seconds_total", by="pd_stall_cause"),
+                           "traces {{pd_stall_cause}}"),
+                      prom(STALLS.rate("pdproxy_stall_seconds_total", by="cause"), "proxy {{cause}}")]), w=12)
+    L.add(timeseries("Stalls by cause and decode instance from traces [stall]",
+                     ITL_DEFINITIONS["stall"] + " The collector sums pd.decode's pd.stall.count.<cause> by cause "
+                     "and by the instance that streamed (server.address: the decode in P/D).",
+                     [prom(TRACE.rate("pdproxy_trace_stalls_total", by="pd_stall_cause, server_address"),
+                           "{{pd_stall_cause}} {{server_address}}")], "short"), w=12)
 
     L.row("TraceQL metrics (Tempo 3: any numeric span attribute)")
     L.add(timeseries("Tail ITL quantiles from stored traces [per-request max gap]",

@@ -34,7 +34,7 @@ POLICIES = ("round_robin", "least_inflight", "power_of_two", "consistent_hash", 
 DEFAULT_HASH_KEY = "header:X-Session-Id,body:user"
 # flags named other than their setting: the flag's name works in the environment and the file too
 FLAG_NAMES = {"resource_attrs": "resource_attr", "shadow_prefill_urls": "shadow_prefill"}
-NEGATED_FLAGS = {"tracing": "no_tracing"}  # PDPROXY_NO_TRACING=1 is tracing off
+NEGATED_FLAGS = {"tracing": "no_tracing", "stall_attribution": "no_stall_attribution"}  # PDPROXY_NO_TRACING=1 is tracing off
 
 
 class ConfigError(ValueError):
@@ -84,6 +84,7 @@ class Settings:
     upstream_api_key: str | None = None
     debug_endpoints: bool = False
     stall_threshold: float = 0.1
+    stall_attribution: bool = True
     tracing: bool = True
     otlp_endpoint: str | None = None
     otlp_protocol: str | None = None
@@ -226,6 +227,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "most; the rest are counted in /metrics but not traced; 0 traces none (default 10)")
     tel.add_argument("--span-queue-size", type=int, help="spans buffered for export before new ones are dropped and counted (default 8192)")
     tel.add_argument("--stall-threshold", type=float, help="a token gap above this many seconds counts as a stall (default 0.1)")
+    tel.add_argument("--no-stall-attribution", dest="stall_attribution", action="store_false",
+                     help="do not attribute stalls live (pd.stall causes, culprit links, pdproxy_stall_seconds by cause)")
     tel.add_argument("--served-model-name", nargs="+", metavar="NAME",
                      help="model names that label metrics and name spans, besides those the instances list in "
                           "/v1/models or answer with; any other requested name is labelled 'other' (bounds the "

@@ -69,9 +69,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-output", default="16", help="long prompt max_tokens (16)")
     p.add_argument("--long-every", type=float, default=1.5, help="one long prompt every S seconds (1.5); 0 = none")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="max-num-batched-tokens of the chunked set-up")
-    p.add_argument("--kv-pull-stalls-decode", action="store_true",
-                   help="P/D decodes start no step while a KV pull is in flight, as recorded on two real H200s "
-                        "(tests/fixtures/vllm023): the decode's streams stall on other requests' KV arrivals")
+    stall = p.add_mutually_exclusive_group()
+    stall.add_argument("--kv-pull-stalls-decode", dest="kv_pull_stalls_decode", action="store_true", default=None,
+                       help="P/D decodes start no step for a KV pull's link time, as recorded on two real H200s "
+                            "(tests/fixtures/vllm023): the decode's streams stall on other requests' KV arrivals "
+                            "(the default preset h200-llama8b-2gpu does)")
+    stall.add_argument("--no-kv-pull-stalls-decode", dest="kv_pull_stalls_decode", action="store_false",
+                       help="P/D decodes keep stepping during KV pulls")
     p.add_argument("--batch-tokens", type=int, default=16384, help="max-num-batched-tokens of the other set-ups")
     p.add_argument("--preset", default="h200-llama8b-2gpu", help="simulator preset (default h200-llama8b-2gpu)")
     p.add_argument("--time-scale", type=float, default=4.0,
@@ -199,7 +203,8 @@ def setup_plan(name: str, args: argparse.Namespace, xpyd: tuple[int, int]) -> di
     if name == "pd":
         x, y = xpyd
         sims = [(f"prefill{i}", ["sim", "--role", "prefill", *common, *batch]) for i in range(x)]
-        stall = ["--kv-pull-stalls-decode"] if args.kv_pull_stalls_decode else []
+        stall = {True: ["--kv-pull-stalls-decode"], False: ["--no-kv-pull-stalls-decode"]}.get(
+            args.kv_pull_stalls_decode, [])  # unset: the preset's
         sims += [(f"decode{i}", ["sim", "--role", "decode", *common, *batch, *stall]) for i in range(y)]
         cond.update({"pd.mode": "pd", "gpu.count": x + y, "pd.prefill.count": x, "pd.decode.count": y,
                      "pd.kv_connector": "simulated NIXL pull", "vllm.enable_chunked_prefill": "false",

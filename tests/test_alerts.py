@@ -217,6 +217,7 @@ def test_unit_test_series_are_real():
     values = {"deployment": {"primary", "shadow"}, "mode": {"pd", "single"}, "route": {"completions", "chat_completions"},
               "stage": {"queue", "prefill", "kv_transfer", "decode"}, "failed_stage": {"none", "queue", "prefill", "kv_transfer", "decode"},
               "role": {"prefill", "decode"}, "reason": {"queue_full", "export_failed"}, "error_type": error_types(),
+              "cause": {"kv_arrival", "prefill", "migration", "preemption", "none"},
               "pd_deployment": {"primary", "shadow"}, "pd_failed_stage": {"none", "queue", "prefill", "kv_transfer", "decode"}}
     seen_proxy = seen_collector = 0
     for path in unit_test_files():
@@ -234,8 +235,8 @@ def test_unit_test_series_are_real():
                     metric = name if name in proxy else series_base(name)
                     assert metric in proxy, f"{path.name}: {name} is not in docs/telemetry.md"
                     allowed = SCRAPE_LABELS | proxy[metric][1] | ({"le"} if name.endswith("_bucket") else set())
-                    if metric.startswith("pdproxy_instance_"):
-                        allowed = SCRAPE_LABELS | {"role", "exported_instance"}  # honor_labels: false renames theirs
+                    if metric.startswith("pdproxy_instance_"):  # honor_labels: false renames their instance
+                        allowed = SCRAPE_LABELS | {"role", "exported_instance"} | (proxy[metric][1] - {"instance"})
                     elif metric in {"pdproxy_requests_total", "pdproxy_request_errors_total", "pdproxy_requests_with_stall_total"} \
                             or proxy[metric][0] == "histogram":
                         allowed |= set(base)

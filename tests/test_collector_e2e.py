@@ -357,6 +357,19 @@ def test_trace_derived_metrics_agree_with_the_proxy_and_the_client(stack, capsys
     dropped = sum(float(line.rsplit(" ", 1)[1]) for line in stack.proxy_metrics.splitlines()
                   if line.startswith("pdproxy_spans_dropped_total"))
     assert dropped == 0
+    # stall time and stalls by cause: the proxy's live attribution, summed again by the collector from
+    # pd.decode's pd.stall.time.<cause> / pd.stall.count.<cause>
+    prom2 = proms["prometheus 2"]
+    for proxy_metric, trace_metric in (("pdproxy_stall_seconds_total", "pdproxy_trace_stall_time_seconds_total"),
+                                       ("pdproxy_stalls_total", "pdproxy_trace_stalls_total")):
+        proxy_by = {r["metric"]["cause"]: float(r["value"][1]) for r in prom2.instant(
+            f'sum by (cause) ({proxy_metric}{{run="{RUN}", deployment="primary"}})', stack.end)}
+        trace_by = {r["metric"]["pd_stall_cause"]: float(r["value"][1]) for r in prom2.instant(
+            f'sum by (pd_stall_cause) ({trace_metric}{{pd_run="{RUN}", pd_deployment="primary"}})', stack.end)}
+        assert proxy_by and sum(proxy_by.values()) > 0
+        assert trace_by.keys() == proxy_by.keys()
+        for cause, value in proxy_by.items():
+            assert trace_by[cause] == pytest.approx(value, rel=1e-6), (proxy_metric, cause)
 
 
 def test_span_metrics_stage_quantiles_agree_with_the_trace_file(stack, capsys):

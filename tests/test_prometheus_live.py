@@ -624,6 +624,12 @@ def test_alerts_follow_the_live_series(run):
     ratios = run.prom.instant(f'run_model_deployment_stage:pdproxy_request_errors_upstream:ratio_rate5m{{deployment="primary", run="{RUN}"}}'
                               f' > 0.02 and on (run, model, deployment) run_model_deployment:pdproxy_requests:rate5m > 0.1', time.time())
     assert {s["metric"]["stage"] for s in ratios} == {a["labels"]["stage"] for a in active.get("PdproxyStageErrorRatioHigh", [])}
+    # stalls from KV arrivals: pending or firing exactly while its own condition holds (the decodes here do
+    # not hold their steps during pulls, but preempted streams on decode A coincide with KV arrivals)
+    (kv_rule,) = [r for g in yaml.safe_load((RULES / "pdproxy-alerts.yml").read_text())["groups"] for r in g["rules"]
+                  if r.get("alert") == "PdproxyDecodeStallsFromKVArrivals"]
+    holds = run.prom.instant(kv_rule["expr"], time.time())
+    assert bool(holds) == ("PdproxyDecodeStallsFromKVArrivals" in active), (holds, active.keys())
     for quiet in ("PdproxyNoHealthyInstance", "PdproxyAdmissionQueueBacklog", "PdproxyOverloadRefusals",
                   "PdproxyTTFTSLOBurnSlow", "PdproxyTraceMetricsIncomplete"):
         assert quiet not in active, (quiet, active[quiet])

@@ -21,9 +21,10 @@ instance comes from the other requests' traces, all of them (both deployments, e
 * none: nothing of the above found within the stall (± TOLERANCE).
 
 A stall with several candidate causes takes the first of preemption, kv_arrival, prefill; its
-coinciding requests are listed largest prompt first. Where no per-gap times exist, the
-request-level view still holds: requests whose decode window contains a large KV arrival on
-their decode instance, against the others, compared by their per-request max gap.
+coinciding requests are listed largest prompt first. That rule (window, tolerance, priority) is
+pdproxy/telemetry/stalls.py's, which the proxy applies live: one definition for both. Where no
+per-gap times exist, the request-level view still holds: requests whose decode window contains a
+large KV arrival on their decode instance, against the others, compared by their per-request max gap.
 """
 
 from __future__ import annotations
@@ -35,14 +36,11 @@ from typing import Any, Iterable
 
 from pdproxy.bench import stats
 from pdproxy.bench.traces import TraceInfo
+from pdproxy.telemetry.names import STALL_DURATION, STALL_EVENT, STALL_TOKENS
+from pdproxy.telemetry.stalls import TOLERANCE, pick, window
 
 CAUSES = ("kv_arrival", "prefill", "preemption", "client", "none")
-PRIORITY = ("preemption", "kv_arrival", "prefill")
-TOLERANCE = 0.010  # s: clocks of client, proxy and instance, and the step that delivers both tokens
 LARGE_KV_TOKENS = 1024  # prompt tokens from which a KV arrival counts as large (request-level view)
-STALL_EVENT = "pd.stall"
-STALL_DURATION = "pd.stall.duration"
-STALL_TOKENS = "pd.stall.tokens"
 DEFINITION = (
     "a stall is a gap above the stall threshold (times from the bench record, else from the pd.stall "
     "events on pd.decode); it is put down to what happened on the same instance within the gap (±10 ms): another "
@@ -173,12 +171,7 @@ def attribute(stall: Stall, request_id: str, instance: str | None, timeline: Tim
         return "client", []
     if instance is None:
         return "none", []
-    found = timeline.around(instance, stall.start - TOLERANCE, stall.end + TOLERANCE)
-    for kind in PRIORITY:
-        hits = [a for a in found if a.kind == kind and (a.request_id != request_id or kind == "preemption")]
-        if hits:
-            return kind, sorted(hits, key=lambda a: -a.tokens)
-    return "none", []
+    return pick(timeline.around(instance, *window(stall.start, stall.end)), request_id)
 
 
 def request_stalls(info: TraceInfo | None, record: dict[str, Any] | None, threshold: float,

@@ -77,16 +77,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="how long a prefill holds KV blocks for a decode to read (default 30, like NIXL)")
     g.add_argument("--kv-bandwidth-gbps", type=float, default=None,
                    help="GB/s of this prefill's outgoing KV link; transfers share it one at a time "
-                        "(preset: 0.341, two instances on one H200; 0 = infinite)")
-    g.add_argument("--kv-latency-ms", type=float, default=None, help="fixed latency per KV transfer (preset: 4.75)")
+                        "(preset: 0.341, two instances on one H200; 11.2 in h200-llama8b-2gpu; 0 = infinite)")
+    g.add_argument("--kv-latency-ms", type=float, default=None, help="fixed latency per KV transfer (preset: 4.75; 4.0 in h200-llama8b-2gpu)")
     g.add_argument("--kv-bytes-per-token", type=int, default=None,
                    help="KV bytes per prompt token (preset: 131072, Llama-3.1-8B bf16)")
     stall = g.add_mutually_exclusive_group()
     stall.add_argument("--kv-pull-stalls-decode", dest="kv_pull_stalls_decode", action="store_true", default=None,
-                       help="decode: start no engine step while a KV pull is in flight, so the other streams "
-                            "stall for the transfer, as recorded on two real H200s (default: off)")
+                       help="decode: start no engine step for a KV pull's own link time, so the other streams "
+                            "stall for the transfer, as recorded on two real H200s (preset: on in h200-llama8b-2gpu, "
+                            "off in the others)")
     stall.add_argument("--no-kv-pull-stalls-decode", dest="kv_pull_stalls_decode", action="store_false",
-                       help="decode: keep stepping during KV pulls (the default)")
+                       help="decode: keep stepping during KV pulls (the one-GPU and instant presets' default)")
     g.add_argument("--skip-kv-pull", action="store_true",
                    help="decode: trust kv_transfer_params without contacting the prefill (no transfer time)")
 

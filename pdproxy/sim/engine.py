@@ -58,8 +58,8 @@ class Sequence:
     __slots__ = ("request_id", "prompt_tokens", "target_tokens", "target_reason", "hold_kv", "remote",
                  "kv_fail", "arrival", "queued_at", "scheduled_at", "first_token_at", "last_token_at",
                  "finished_at", "num_computed", "num_generated", "blocks", "state", "finish_reason", "error",
-                 "kv_loaded", "held_blocks", "pull", "pull_started", "block_hashes", "cached_blocks", "_waiter",
-                 "_threshold")
+                 "kv_loaded", "held_blocks", "pull", "pull_started", "stalls_until", "block_hashes", "cached_blocks",
+                 "_waiter", "_threshold")
 
     def __init__(self, request_id: str, prompt_tokens: int, target_tokens: int, target_reason: str,
                  arrival: float, hold_kv: bool = False, remote: RemoteKV | None = None,
@@ -84,6 +84,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.kv_loaded = False
+        self.stalls_until = 0.0  # decode with kv_pull_stalls_decode: no step before this while its KV loads
         self.held_blocks: list[int] | None = None  # blocks left under a lease when finished
         self.pull: PullOutcome | None = None
         self.pull_started: asyncio.Event | None = None
@@ -205,11 +206,14 @@ class Engine:
         ideal_end: float | None = None
         stall_on_pull = self.settings.preset.kv_pull_stalls_decode
         while True:
-            if stall_on_pull and self.loading:  # the KV being copied in holds the GPU: no step now
-                ideal_end = None
-                self._wakeup.clear()
-                await self._wakeup.wait()  # a finished pull wakes the loop
-                continue
+            now = self.clock.now()
+            if stall_on_pull and self.loading:
+                # the KV being copied in holds the GPU for the transfer's own link time: no step now
+                until = max(seq.stalls_until for seq in self.loading)
+                if until > now:
+                    ideal_end = None
+                    await self.clock.sleep_until(until)
+                    continue
             now = self.clock.now()
             batch, prefill_tokens = self._schedule(now)
             if not batch:
@@ -227,6 +231,12 @@ class Engine:
             self._complete(batch, self.clock.now())
             self._publish()
             await asyncio.sleep(0)  # let handlers write what this step produced
+
+    def _link_seconds(self, tokens: int) -> float:
+        """A KV transfer's own time on the preset's link (latency + bytes / bandwidth), without queueing."""
+        p = self.settings.preset
+        bandwidth = p.kv_bandwidth_gbps * 1e9 / self.settings.time_scale
+        return self.settings.scaled(p.kv_latency_ms) + (tokens * p.kv_bytes_per_token / bandwidth if bandwidth else 0)
 
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
@@ -289,6 +299,7 @@ class Engine:
                 self.waiting.popleft()
                 seq.blocks = self.pool.allocate(need)
                 seq.state = LOADING_KV
+                seq.stalls_until = now + self._link_seconds(seq.prompt_tokens)
                 self.loading.add(seq)
                 self._spawn(self._load_remote_kv(seq))
                 continue

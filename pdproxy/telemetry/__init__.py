@@ -9,6 +9,7 @@ from pdproxy.config import Settings, redact_url
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import ModelNames
 from pdproxy.telemetry.recorder import Recorder, RequestTrace
+from pdproxy.telemetry.stalls import StallRecords
 from pdproxy.telemetry.tracefile import TraceFileExporter
 from pdproxy.telemetry.otlp import otlp_target
 from pdproxy.telemetry.tracing import Tracing, otlp_transport
@@ -91,7 +92,8 @@ def setup(settings: Settings) -> tuple[Recorder, Tracing | None]:
     models = ModelNames([*settings.served_model_name, *([settings.model] if settings.model else [])])
     recorder = Recorder(metrics, tracing, stall_threshold=settings.stall_threshold, run_label=settings.run_label,
                         capture_content=settings.capture_content, models=models,
-                        rejected_trace_rate=settings.trace_rejected_rate)
+                        rejected_trace_rate=settings.trace_rejected_rate,
+                        stalls=StallRecords() if settings.stall_attribution else None)
     return recorder, tracing
 
 

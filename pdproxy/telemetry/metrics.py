@@ -30,8 +30,10 @@ from prometheus_client.utils import floatToGoString
 from pdproxy import __version__
 from pdproxy.telemetry.measure import Measurement
 from pdproxy.telemetry.names import GAP_BUCKETS, LATENCY_BUCKETS
+from pdproxy.telemetry.stalls import LIVE_CAUSES, Attributed
 
 BASE_LABELS = ("route", "model", "mode", "deployment", "run")
+STALL_LABELS = ("mode", "deployment", "run", "cause")  # cause: one of stalls.LIVE_CAUSES
 # status codes with their own `code` label; any other is labelled by its class (`2xx`, `4xx`, `5xx`), so an
 # instance (or whatever answers in its place) relaying odd statuses cannot widen the label
 STATUS_CODES = frozenset({200, 400, 401, 403, 404, 405, 408, 413, 415, 422, 429, 431, 499, 500, 502, 503, 504})
@@ -182,6 +184,16 @@ class Metrics:
                                      LATENCY_BUCKETS, r)
         self.stalled = Counter("pdproxy_requests_with_stall", "Requests with at least one gap above the stall threshold",
                                BASE_LABELS, registry=r)
+        self.stall_seconds = Counter("pdproxy_stall_seconds", "Stall time (gaps above the stall threshold) by cause, "
+                                     "attributed live: see docs/telemetry.md", STALL_LABELS, registry=r)
+        self.stalls = Counter("pdproxy_stalls", "Stalls (gaps above the stall threshold) by cause, attributed live",
+                              STALL_LABELS, registry=r)
+        self.instance_stall_seconds = Counter("pdproxy_instance_stall_seconds",
+                                              "Stall time by cause per instance that streamed (the decode in P/D)",
+                                              ("instance", "cause"), registry=r)
+        self.instance_stalls = Counter("pdproxy_instance_stalls", "Stalls by cause per instance that streamed",
+                                       ("instance", "cause"), registry=r)
+        self._stall_series: dict[tuple[str, ...], tuple[Any, ...]] = {}
         self.tokens = Counter("pdproxy_tokens", "Tokens reported by the instances' usage", BASE_LABELS + ("type",),
                               registry=r)
         self.spans_dropped = Counter("pdproxy_spans_dropped", "Spans lost before reaching the collector", ("reason",),
@@ -267,6 +279,31 @@ class Metrics:
             self.migrations.labels(stage, reason).inc()
         for instance in abandoned:
             self.abandoned_handoffs.labels(instance).inc()
+
+    def record_stalls(self, stalls: list[Attributed], mode: str, deployment: str, instance: str | None,
+                      trace_id: str | None) -> None:
+        """A request's attributed stalls, by cause (one increment per cause and request); the stall-seconds
+        exemplar is the stalled request's trace (the victim's)."""
+        by_cause: dict[str, list[float]] = {}
+        for s in stalls:
+            cause = s.cause if s.cause in LIVE_CAUSES else "none"
+            seconds_count = by_cause.setdefault(cause, [0.0, 0])
+            seconds_count[0] += s.duration
+            seconds_count[1] += 1
+        ex = {"trace_id": trace_id} if trace_id else None
+        where = instance or "unknown"
+        for cause, (seconds, count) in by_cause.items():
+            key = (mode, deployment, where, cause)
+            series = self._stall_series.get(key)
+            if series is None:
+                series = self._stall_series[key] = (
+                    self.stall_seconds.labels(mode, deployment, self.run, cause),
+                    self.stalls.labels(mode, deployment, self.run, cause),
+                    self.instance_stall_seconds.labels(where, cause), self.instance_stalls.labels(where, cause))
+            series[0].inc(seconds, exemplar=ex)
+            series[1].inc(count)
+            series[2].inc(seconds)
+            series[3].inc(count)
 
     def exposition(self, accept: str) -> tuple[bytes, str]:
         if "application/openmetrics-text" in accept:

@@ -43,6 +43,16 @@ STALL_DURATION = "pd.stall.duration"  # seconds
 STALL_TOKENS = "pd.stall.tokens"  # tokens the late event carried
 STALL_CAUSE = "pd.stall.cause"  # "migration": the gap where a continuation was spliced in
 MAX_STALL_EVENTS = 16  # per request: the longest ones
+# ... with their cause, live (pdproxy/telemetry/stalls.py): kv_arrival | prefill | migration | preemption | none
+STALL_CAUSE = "pd.stall.cause"
+STALL_CULPRITS = "pd.stall.culprits"  # how many other requests' activities coincided
+STALL_CULPRIT_IDS = "pd.stall.culprit_ids"  # their request ids, largest prompt first
+MAX_STALL_CULPRIT_IDS = 4
+MAX_STALL_LINKS = 8  # per pd.decode span: links to the culprits' pd.decode (P/D) or pd.prefill (single)
+MAX_ATTRIBUTED_STALLS = 256  # per request, the longest: what the by-cause metrics count
+# pd.decode attributes: the request's stall seconds and stalls per cause (the collector sums them by cause)
+STALL_TIME = "pd.stall.time."  # + cause
+STALL_COUNT = "pd.stall.count."  # + cause
 
 # kv_transfer span attributes
 HANDOFF_GAP = "pd.handoff.gap"

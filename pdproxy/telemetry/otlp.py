@@ -49,6 +49,7 @@ class SpanData:
     trace_state: str | None = None
     parent_remote: bool = False
     events: list[tuple[int, str, dict[str, Any]]] | None = None  # (unix ns, name, attributes)
+    links: list[tuple[int, int, dict[str, Any]]] | None = None  # (trace id, span id, attributes)
     # the first `repeating` attributes have values that repeat across requests (model, instance, status...;
     # no measurements or ids; a key's value always of one type): their encoding is cached per distinct set
     repeating: int = 0
@@ -180,6 +181,10 @@ def encode_span(s: SpanData) -> bytes:
         body = b"\x09" + struct.pack("<Q", time_ns) + _field(b"\x12", name.encode())
         body += b"".join(_field(b"\x1a", key_value(k, v)) for k, v in attrs.items())
         out.append(_field(b"\x5a", body))  # Span.events (field 11)
+    for trace_id, span_id, attrs in s.links or ():
+        body = b"\x0a\x10" + trace_id.to_bytes(16, "big") + b"\x12\x08" + span_id.to_bytes(8, "big")
+        body += b"".join(_field(b"\x22", key_value(k, v)) for k, v in attrs.items())
+        out.append(_field(b"\x6a", body))  # Span.links (field 13)
     if s.error is not None:
         out.append(_field(b"\x7a", _field(b"\x12", s.error.encode()) + b"\x18" + _SMALL[STATUS_ERROR]))
     else:

@@ -20,6 +20,7 @@ from pdproxy.telemetry.measure import Measurement, Timeline, measure, stall_gaps
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import MAX_NAME_LENGTH, OTHER, ModelNames
 from pdproxy.telemetry.otlp import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData
+from pdproxy.telemetry.stalls import Activity, Attributed, InstanceRecord, StallRecords, marked_cause, span_links
 from pdproxy.telemetry.tracing import TraceIds, Tracing
 
 log = logging.getLogger("pdproxy.recorder")
@@ -32,8 +33,9 @@ _STAGE_SPANS = {QUEUE: (n.QUEUE_SPAN, KIND_INTERNAL), PREFILL: (n.PREFILL_SPAN, 
 class Recorder:
     def __init__(self, metrics: Metrics, tracing: Tracing | None, *, stall_threshold: float, run_label: str = "",
                  capture_content: bool = False, models: ModelNames | None = None,
-                 rejected_trace_rate: float = 10.0) -> None:
+                 rejected_trace_rate: float = 10.0, stalls: StallRecords | None = None) -> None:
         self.metrics = metrics
+        self.stalls = stalls  # live stall attribution; None: off
         self.models = models if models is not None else ModelNames()
         self.tracing = tracing
         self.stall_threshold = stall_threshold
@@ -108,11 +110,12 @@ class RequestTrace:
         # migration (pdproxy/migration.py): failed decode attempts, the moves they caused
         self.attempt_events: list[tuple[int, str, dict[str, Any]]] = []
         self.migrations: list[tuple[str, str]] = []  # (stage, reason)
-        self.splices: list[int] = []  # index in scan.chunk_times of the first event after each splice
         self.prefill_reruns = 0
         self.abandoned_handoffs: list[str] = []  # the prefill instance of each
         self.migration_refusal: str | None = None
         self._last_failure = "unknown"
+        self._activity: tuple[InstanceRecord, Activity] | None = None  # its KV arrival or prefill (stalls.py)
+        self.stall_marks: list[tuple[int, str]] = []  # (monotonic ns inside a gap, its cause), e.g. migration
 
     # -- what the flow reports --------------------------------------------------------------
 
@@ -150,6 +153,8 @@ class RequestTrace:
     def admitted(self, prefill_address: str | None, decode_address: str) -> None:
         self.t.admitted = now()
         self.prefill_instance, self.decode_instance = prefill_address, decode_address
+        if not self.pd_mode:
+            self._activity_started("prefill", decode_address, self.t.admitted)
 
     def prefill_done(self, address: str, status: int, attempts: int, kv_params: str) -> None:
         self.t.prefill_done = now()
@@ -160,6 +165,8 @@ class RequestTrace:
         self.t.decode_sent = now()
         self.decode_instance = address
         self.decode_attempts += 1
+        if self.pd_mode:
+            self._activity_started("kv_arrival", address, self.t.prefill_done or self.t.decode_sent)
 
     def decode_headers(self, status: int) -> None:
         self.t.decode_headers = now()
@@ -180,11 +187,15 @@ class RequestTrace:
         """Another decode attempt starts in place of the last failed one."""
         self.migrations.append((stage, self._last_failure))
         if stage == "mid_stream":
-            self.splices.append(len(self.scan.chunk_times))
+            self.mark_stall("migration")  # the gap this splice leaves is the migration's doing
 
     def prefill_rerun(self, address: str) -> None:
         self.prefill_reruns += 1
         self.attempt_events.append((now(), n.PREFILL_RERUN_EVENT, _leg_attributes(address, "prefill", None)))
+
+    def mark_stall(self, cause: str) -> None:
+        """The gap the stream is in now has a known cause (a migration's splice): attribution keeps it."""
+        self.stall_marks.append((now(), cause))
 
     def fail(self, status: int, error_type: str, message: str) -> None:
         """The request failed in whichever stage is open now; the first failure is the one reported."""
@@ -220,15 +231,18 @@ class RequestTrace:
         models = self.recorder.models
         answered = self.scan.response_model if m.ok else None  # picks among known names, never adds one
         self.model_label = models.label(self.model, answered)
+        stalls = self._attribute_stalls(m)
         trace_id = None
         if self.ids is not None and self.ids.sampled and self._trace_allowed(m):
             trace_id = f"{self.ids.trace_id:032x}"
             try:
-                self._emit_spans(m)
+                self._emit_spans(m, stalls)
             except Exception:  # telemetry must never break serving
                 log.exception("could not record spans for request %s", self.request_id)
-        self.recorder.metrics.record(m, self.route, self.model_label, "pd" if self.pd_mode else "single",
-                                     self.deployment, trace_id)
+        mode = "pd" if self.pd_mode else "single"
+        self.recorder.metrics.record(m, self.route, self.model_label, mode, self.deployment, trace_id)
+        if stalls:
+            self.recorder.metrics.record_stalls(stalls, mode, self.deployment, self.decode_instance, trace_id)
         if self.migrations or self.abandoned_handoffs:
             self.recorder.metrics.migrated(self.migrations, self.abandoned_handoffs)
         return m
@@ -242,6 +256,33 @@ class RequestTrace:
         self.recorder.metrics.untraced_refusals.inc()
         return False
 
+    def _activity_started(self, kind: str, address: str, start: int | None) -> None:
+        """Its KV arrival (P/D decode) or prefill (single) began on `address`: others' stalls may be its doing."""
+        records = self.recorder.stalls
+        if records is None or start is None:
+            return
+        if self._activity is not None:  # an earlier decode attempt's
+            record, activity = self._activity
+            record.end(activity, now(), None)
+        ids = self.ids if self.ids is not None and self.ids.sampled else None
+        span_id = (ids.decode if kind == "kv_arrival" else ids.prefill) if ids else None
+        self._activity = records.begin(kind, address, self.request_id, start, ids and ids.trace_id, span_id,
+                                       self.scan)
+
+    def _attribute_stalls(self, m: Measurement) -> list[Attributed]:
+        """End its own activity, then put each of its stalls down to what its instance was doing."""
+        records = self.recorder.stalls
+        if records is None:
+            return []
+        if self._activity is not None:
+            record, activity = self._activity
+            record.end(activity, self.t.first_token or self.t.end, m.input_tokens)
+        if not m.stalls:
+            return []
+        gaps = stall_gaps(self.scan.chunk_times, self.scan.chunk_tokens, self.recorder.stall_threshold,
+                          n.MAX_ATTRIBUTED_STALLS)
+        return records.attribute(self.decode_instance, self.request_id, gaps, self.stall_marks)
+
     def _open_stage(self) -> str:
         t = self.t
         if t.admitted is None:
@@ -252,7 +293,7 @@ class RequestTrace:
             return KV_TRANSFER
         return PREFILL
 
-    def _emit_spans(self, m: Measurement) -> None:
+    def _emit_spans(self, m: Measurement, stalls: list[Attributed]) -> None:
         ids, t = self.ids, self.t
         error = self.error_message if not m.ok else None
         # semconv's `{operation} {model}` for a known model; the operation alone otherwise (bounded names)
@@ -278,21 +319,30 @@ class RequestTrace:
                             to_unix_ns(end), attributes, trace_state=ids.tracestate, repeating=repeating)
             if stage == DECODE:
                 attempts = [(to_unix_ns(at), name, attributes) for at, name, attributes in self.attempt_events]
-                span.events = attempts + (self._stall_events() if m.stalls else [])
+                span.events = attempts + (self._stall_events(stalls) if m.stalls else [])
+                if stalls:
+                    span.links = span_links(stalls, n.MAX_STALL_LINKS)
+                    span.attributes.update(_stall_times(stalls))
             if stage == m.failed_stage:
                 span.error = self.error_message
                 span.attributes["error.type"] = m.error_type
             spans.append(span)
         self.recorder.tracing.emit(spans)
 
-    def _stall_events(self) -> list[tuple[int, str, dict[str, Any]]]:
-        """Each stall's time and length on pd.decode, so a report can ask what else ran then."""
-        times = self.scan.chunk_times
-        gaps = stall_gaps(times, self.scan.chunk_tokens, self.recorder.stall_threshold, n.MAX_STALL_EVENTS)
-        spliced = {times[i - 1] for i in self.splices if 0 < i <= len(times)}  # the gap a migration left
-        return [(to_unix_ns(start), n.STALL_EVENT, {n.STALL_DURATION: gap, n.STALL_TOKENS: k,
-                                                    **({n.STALL_CAUSE: "migration"} if start in spliced else {})})
-                for start, gap, k in gaps]
+    def _stall_events(self, stalls: list[Attributed]) -> list[tuple[int, str, dict[str, Any]]]:
+        """Each stall's time and length on pd.decode (the longest ones), with its cause when attributed."""
+        if not stalls:
+            gaps = stall_gaps(self.scan.chunk_times, self.scan.chunk_tokens, self.recorder.stall_threshold,
+                              n.MAX_STALL_EVENTS)
+            marked = ((start, gap, k, marked_cause(start, gap, self.stall_marks)) for start, gap, k in gaps)
+            return [(to_unix_ns(start), n.STALL_EVENT, {n.STALL_DURATION: gap, n.STALL_TOKENS: k,
+                                                        **({n.STALL_CAUSE: cause} if cause else {})})
+                    for start, gap, k, cause in marked]
+        if len(stalls) > n.MAX_STALL_EVENTS:
+            stalls = sorted(sorted(stalls, key=lambda s: -s.duration)[:n.MAX_STALL_EVENTS], key=lambda s: s.start)
+        return [(to_unix_ns(s.start), n.STALL_EVENT, {
+            n.STALL_DURATION: s.duration, n.STALL_TOKENS: s.tokens, n.STALL_CAUSE: s.cause,
+            n.STALL_CULPRITS: len(s.culprits), **_culprit_ids(s)}) for s in stalls]
 
     def _root_attributes(self, m: Measurement) -> tuple[dict[str, Any], int]:
         """The root span's attributes, and how many of the first ones repeat across requests (their
@@ -357,6 +407,21 @@ class RequestTrace:
             attrs[n.KV_DEFINITION] = "upper_bound"
             attrs.update({k: v for k, v in optional.items() if v is not None})
         return attrs
+
+
+def _culprit_ids(stall: Attributed) -> dict[str, list[str]]:
+    ids = [a.request_id for a in stall.culprits[:n.MAX_STALL_CULPRIT_IDS]]
+    return {n.STALL_CULPRIT_IDS: ids} if ids else {}
+
+
+def _stall_times(stalls: list[Attributed]) -> dict[str, float | int]:
+    """The request's stall seconds and stalls per cause: what the collector sums by cause."""
+    out: dict[str, float | int] = {}
+    for s in stalls:
+        seconds, count = n.STALL_TIME + s.cause, n.STALL_COUNT + s.cause
+        out[seconds] = out.get(seconds, 0.0) + s.duration
+        out[count] = out.get(count, 0) + 1
+    return out
 
 
 def _leg_attributes(address: str | None, phase: str, status: int | None) -> dict[str, Any]:
