@@ -61,7 +61,8 @@ def test_the_collector_keys_only_on_bounded_attributes() -> None:
 
     bounded = {"gen_ai.request.model",  # a served model or `other` (pdproxy/telemetry/models.py)
                "pd.run", "service.name", "server.address",  # the operator's
-               "pd.deployment", "pd.mode", "pd.failed_stage"}  # pdproxy's fixed lists
+               "pd.deployment", "pd.mode", "pd.failed_stage",  # pdproxy's fixed lists
+               "pd.stall.cause"}  # never on a span: a constant label, one rule per cause (telemetry/stalls.py)
     collector = Path(__file__).resolve().parent.parent / "collector"
     for path in sorted(collector.glob("otelcol*.yaml")):
         connectors = yaml.safe_load(path.read_text()).get("connectors") or {}

@@ -41,7 +41,6 @@ ROUTE_SCORES = "pd.route.scores"  # ["host:port=score", ...] of the instances th
 STALL_EVENT = "pd.stall"
 STALL_DURATION = "pd.stall.duration"  # seconds
 STALL_TOKENS = "pd.stall.tokens"  # tokens the late event carried
-STALL_CAUSE = "pd.stall.cause"  # "migration": the gap where a continuation was spliced in
 MAX_STALL_EVENTS = 16  # per request: the longest ones
 # ... with their cause, live (pdproxy/telemetry/stalls.py): kv_arrival | prefill | migration | preemption | none
 STALL_CAUSE = "pd.stall.cause"
