@@ -492,11 +492,13 @@ def test_sim_kv_load_failure_prefills_again_and_other_faults_end_to_end(tmp_path
         r, rid = post(url, body)
         assert r.status_code == 200 and attrs(trace_of(trace_file, rid)["root"])["pd.kv_transfer_params"] == "missing"
 
-        fault(d1url, {"kind": "malformed_chunk", "after_chunks": 2})
-        fault(d2url, {"kind": "malformed_chunk", "after_chunks": 2})
+        # the first token goes out alone (a pause after it), so the stream is the client's before the bad
+        # event: had they come in one read, nothing would be committed yet and the decode would be retried
+        for decode in (d1url, d2url):
+            fault(decode, {"kind": "stall", "after_chunks": 1, "seconds": 0.3}, {"kind": "malformed_chunk", "after_chunks": 3})
         r, rid = post(url, body)
         events = sse_events(r.text)
-        assert r.status_code == 200 and events[-1] == "data: [DONE]" and len(events) == 4  # 2 good chunks, the error, [DONE]
+        assert r.status_code == 200 and events[-1] == "data: [DONE]" and len(events) == 5  # 3 good chunks, the error, [DONE]
         assert json.loads(events[-2][6:])["error"]["code"] == "malformed_stream"
         assert attrs(trace_of(trace_file, rid)["root"])["pd.failed_stage"] == "decode"
         for instance in (d1url, d2url):
