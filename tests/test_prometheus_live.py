@@ -25,6 +25,7 @@ import math
 import os
 import re
 import shutil
+import string
 import subprocess
 import tempfile
 import time
@@ -101,7 +102,9 @@ class Record:
 
 async def one_request(session: aiohttp.ClientSession, url: str, i: int, chat: bool, abort_after: int | None) -> Record:
     rec = Record(chat=chat, request_id=f"live-{i}-{time.monotonic_ns()}")
-    prompt = " ".join(f"w{j}" for j in range(32 + (i * 7) % 64))
+    # one-letter words are one token each in the simulator's tokenizer: 32-95 prompt tokens, which decode A's
+    # 16 blocks can preempt without starving the load (longer prompts would push TTFT past the SLO alerts)
+    prompt = " ".join(string.ascii_lowercase[j % 26] for j in range(32 + (i * 7) % 64))
     body = {"model": MODEL, "max_tokens": 24 + (i % 3) * 8, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if chat:
