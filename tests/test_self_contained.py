@@ -20,7 +20,7 @@ TEXT = {".py", ".md", ".yaml", ".yml", ".json", ".toml", ".sh", ".txt", ".cfg", 
 # Text that can only mean a place outside the clone, wherever the clone is.
 OUTSIDE = [
     (re.compile(r"(?<![\w.~-])/(?:work|home|root|mnt|srv|Users)/"), "an absolute path on some machine"),
-    (re.compile(r"\.\./+(?:\.\./+)*shared\b"), "../shared"),
+    (re.compile(r"\.\./+(?:\.\./+)*shared\b"), "a folder beside the clone, by a relative path"),
     (re.compile(r"""\.parent\s*/\s*["']shared["']"""), "a 'shared' folder beside the clone"),
     (re.compile(r"""["']shared/research\b|\bresearch/real-traces\b"""), "the research folder beside the clone"),
     (re.compile(r"\b(?:REPO|REPO_ROOT|PROJECT)\s*\.\s*parents?\b"), "the parent of the repository"),
