@@ -132,10 +132,14 @@ def check_agreement(run: dict, dominant: str) -> None:
     assert offline["stalls"] >= 8
     print({c: (round(seconds.get(c, 0) / live_total, 3), offline["by_cause"].get(c, {}).get("share"))
            for c in CAUSES})
+    # the report also puts down to the client the gaps only the client saw (longer than the proxy's
+    # pd.itl.max); the proxy cannot see those, so shares are compared over the stall time it saw
+    client = (offline["by_cause"].get("client") or {}).get("share") or 0.0
+    assert client < 0.5, offline["by_cause"]
     for cause in ("kv_arrival", "prefill", "none"):
         live = seconds.get(cause, 0.0) / live_total
-        off = offline["by_cause"][cause]["share"] or 0.0
-        assert abs(live - off) <= 0.05, (cause, live, off)
+        off = (offline["by_cause"][cause]["share"] or 0.0) / (1 - client)
+        assert abs(live - off) <= 0.05, (cause, live, off, client)
     assert seconds.get(dominant, 0.0) / live_total >= 0.8, seconds
 
 
