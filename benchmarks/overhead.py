@@ -702,7 +702,7 @@ def _machine() -> str:
             f"{socket.gethostname()}")
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--targets", nargs="+", choices=TARGETS,
                    help=f"default: {' '.join(DEFAULT_TARGETS)}, and the two -before targets with --baseline-path")
@@ -741,6 +741,11 @@ def main() -> int:
     p.add_argument("--json", help="also write the raw results here")
     p.add_argument("--markdown", help="also write the report here")
     p.add_argument("--report-only", metavar="JSON", help="print the report of an earlier run's --json file")
+    return p
+
+
+def main() -> int:
+    p = parser()
     args = p.parse_args()
     if args.report_only:
         raw = json.loads(Path(args.report_only).read_text())

@@ -46,8 +46,18 @@ EngineReadFailures = Callable[[], Iterable[tuple[str, str, int]]]
 ProxyLoad = Callable[[], tuple[int, int]]
 
 
+Stamp = tuple  # (exemplar labels, unix time): one per request, shared by its observations
+
+
+def stamp(trace_id: str | None) -> Stamp | None:
+    return ({"trace_id": trace_id}, time.time()) if trace_id else None
+
+
 class HistogramSeries:
-    """One label set of a `LoopHistogram`: per-bucket counts (not cumulative), sum, one exemplar per bucket."""
+    """One label set of a `LoopHistogram`: per-bucket counts (not cumulative), sum, one exemplar per bucket.
+
+    An exemplar comes as a `Stamp` (its labels and time, made once per request) and is kept as
+    (stamp, value): the `Exemplar` objects are built only when a scrape asks for them."""
 
     __slots__ = ("bounds", "counts", "sum", "exemplars")
 
@@ -55,16 +65,16 @@ class HistogramSeries:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
         self.sum = 0.0
-        self.exemplars: list[Exemplar | None] = [None] * (len(bounds) + 1)
+        self.exemplars: list[tuple[Stamp, float] | None] = [None] * (len(bounds) + 1)
 
-    def observe(self, value: float, exemplar: dict[str, str] | None = None) -> None:
+    def observe(self, value: float, exemplar: Stamp | None = None) -> None:
         i = bisect_left(self.bounds, value)  # le: a value equal to a bound falls in that bound's bucket
         self.counts[i] += 1
         self.sum += value
         if exemplar:
-            self.exemplars[i] = Exemplar(exemplar, value, time.time())
+            self.exemplars[i] = (exemplar, value)
 
-    def observe_sorted(self, values: Sequence[float], exemplar: dict[str, str] | None = None,
+    def observe_sorted(self, values: Sequence[float], exemplar: Stamp | None = None,
                        exemplar_value: float | None = None) -> None:
         """All of `values`, sorted ascending: one bisect per bucket bound, not one per value. The
         exemplar goes on the bucket of `exemplar_value` (the one worth opening)."""
@@ -79,7 +89,7 @@ class HistogramSeries:
             counts[-1] += total - below
         self.sum += sum(values)
         if exemplar and exemplar_value is not None:
-            self.exemplars[bisect_left(self.bounds, exemplar_value)] = Exemplar(exemplar, exemplar_value, time.time())
+            self.exemplars[bisect_left(self.bounds, exemplar_value)] = (exemplar, exemplar_value)
 
 
 class LoopHistogram:
@@ -110,9 +120,13 @@ class LoopHistogram:
             if not any(series.counts):
                 continue  # a label set is exposed once it has been observed, as with prometheus_client
             total, buckets = 0, []
-            for le, count, exemplar in zip(self.les, series.counts, series.exemplars):
+            for le, count, kept in zip(self.les, series.counts, series.exemplars):
                 total += count
-                buckets.append((le, total, exemplar) if exemplar is not None else (le, total))
+                if kept is None:
+                    buckets.append((le, total))
+                else:
+                    (labels, at), value = kept
+                    buckets.append((le, total, Exemplar(labels, value, at)))
             family.add_metric(values, buckets, series.sum)
         yield family
 
@@ -239,7 +253,7 @@ class Metrics:
         s = self._series.get(labels)
         if s is None:
             s = self._series[labels] = _Series(self, labels)
-        ex = {"trace_id": trace_id} if trace_id else None
+        ex = stamp(trace_id)
         key = (status_label(m.status), m.failed_stage or "none")
         counter = s.requests.get(key)
         if counter is None:
@@ -250,7 +264,7 @@ class Metrics:
             counter = s.errors.get(key)
             if counter is None:
                 counter = s.errors[key] = self.errors.labels(*labels, *key)
-            counter.inc(exemplar=ex)
+            counter.inc(exemplar=ex and ex[0])
         for stage, seconds in m.stages.items():
             s.stages[stage].observe(seconds, ex)
         s.e2e.observe(m.e2e, ex)
