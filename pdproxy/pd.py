@@ -36,6 +36,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
+from pdproxy import jsonio
 from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, retry_after_seconds
 from pdproxy.migration import (BEFORE_FIRST_TOKEN, MID_STREAM, Attempt, Budget, Continuation, Handoff, TokenTap,
                                MIGRATABLE, first_token_timeout, read_head)
@@ -537,7 +538,7 @@ def _kv_params(raw: bytes, instance: Instance) -> dict[str, Any] | None:
     """The prefill's `kv_transfer_params`; None when it sent none (the decode then prefills locally;
     connectors such as LMCache and Mooncake never send any, so this is a warning once, not an error)."""
     try:
-        answer = json.loads(raw)
+        answer = jsonio.loads(raw)
     except ValueError:
         raise ProxyError(502, f"prefill instance {instance.address} sent a response that is not JSON",
                          error_type="invalid_prefill_response", stage=PREFILL) from None

@@ -24,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pdproxy import jsonio
 from pdproxy.errors import DECODE, ProxyError
 from pdproxy.upstream import Response, UpstreamError
 
@@ -75,7 +76,7 @@ class ResponseScan:
     def usage(self) -> dict[str, Any] | None:
         if self._usage_raw is not None:
             try:
-                self._usage = json.loads(self._usage_raw)
+                self._usage = jsonio.loads(self._usage_raw)
             except ValueError:
                 self._usage = None
             self._usage_raw = None
@@ -191,7 +192,7 @@ class ResponseScan:
                 self.done = True
                 continue
             try:
-                obj = json.loads(payload)
+                obj = jsonio.loads(payload)
             except ValueError:
                 self.malformed += 1
                 continue
@@ -204,7 +205,7 @@ class ResponseScan:
 
     def feed_whole(self, body: bytes, now_ns: int) -> None:
         try:
-            obj = json.loads(body)
+            obj = jsonio.loads(body)
         except ValueError:
             self.malformed += 1
             return
