@@ -168,7 +168,7 @@ class Proxy:
                        headers: dict[str, str], rerun: bool = False) -> dict[str, Any] | None:
         """Run the prefill leg (retried elsewhere: nothing of it reaches the client); return its KV coordinates.
         `rerun`: fresh coordinates for a migrated decode (the request's first prefill keeps its span)."""
-        payload = json.dumps(prefill_body(body)).encode()
+        payload = jsonio.dumps(prefill_body(body))
         headers = {**headers, **trace.leg_headers(PREFILL)}
 
         async def attempt(inst: Instance, tries: int) -> tuple[dict[str, Any] | None, int] | _Failure:

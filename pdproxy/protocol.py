@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from pdproxy import jsonio
 from pdproxy.errors import ProxyError, bad_request
 
 # The NIXL pull connector's request to a prefill instance; vLLM's own proxies send all six fields.
@@ -141,11 +142,11 @@ def decode_payload(body: dict[str, Any], raw: bytes | None, kv_transfer_params: 
     `parse_body`): unchanged, or with the prefill's `kv_transfer_params` spliced in before the closing
     brace. The body is then never serialised again; otherwise `decode_body`'s dict is."""
     if raw is None:
-        return json.dumps(decode_body(body, kv_transfer_params)).encode()
+        return jsonio.dumps(decode_body(body, kv_transfer_params))
     if kv_transfer_params is None:
         return raw
     end = raw.rindex(b"}")  # a JSON object's last non-blank byte; never `{}` (prompt or messages is required)
-    return b"".join((raw[:end], b',"kv_transfer_params":', json.dumps(kv_transfer_params).encode(), raw[end:]))
+    return b"".join((raw[:end], b',"kv_transfer_params":', jsonio.dumps(kv_transfer_params), raw[end:]))
 
 
 def parse_body(raw: bytes) -> tuple[Any, bytes | None]:
@@ -161,7 +162,7 @@ def parse_body(raw: bytes) -> tuple[Any, bytes | None]:
     """
     plain = b"\x00" not in raw and not raw.startswith(codecs.BOM_UTF8)
     try:
-        body = json.loads(raw.decode("utf-8") if plain else raw)
+        body = json.loads(raw.decode("utf-8") if plain else raw, parse_constant=jsonio.Constant)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise bad_request(f"request body is not valid JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
     forward = plain and isinstance(body, dict) and "kv_transfer_params" not in body

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pdproxy import jsonio
+from pdproxy.protocol import parse_body
 
 scalars = st.none() | st.booleans() | st.integers(-2 ** 63, 2 ** 63 - 1) | st.floats() | st.text()
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
@@ -50,3 +51,18 @@ def test_deep_nesting_is_read_not_a_recursion_error():
     while value:
         (value,), depth = value, depth + 1
     assert value == [] and depth == 5000
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(), values, max_size=6) | st.dictionaries(st.text(), st.integers(), max_size=3))
+def test_a_body_is_written_as_json_dumps_writes_it(body):
+    # what the legs get: the client's body as parse_body read it, written again
+    read, _ = parse_body(json.dumps(body).encode())
+    assert same(json.loads(jsonio.dumps(read)), json.loads(json.dumps(read)))
+
+
+@pytest.mark.parametrize("body", [{"temperature": float("nan")}, {"x": [float("inf"), -float("inf")]},
+                                  {"seed": 2 ** 70}, {"s": "\ud800"}])
+def test_what_orjson_would_write_differently_goes_to_json(body):
+    read, _ = parse_body(json.dumps(body).encode())
+    assert jsonio.dumps(read) == json.dumps(read).encode()
