@@ -6,12 +6,12 @@ learn when each token-bearing event arrived, how many tokens it carried (when th
 `usage` on every chunk) and what the response said about itself (id, usage, finish reasons,
 vLLM's per-request `metrics`, an in-band error).
 
-Speed: a streamed event is read without a JSON parse when it has vLLM's compact shape and says
-nothing but "one choice, this text" (optionally with a flat `usage`): that is every event of a
-stream except the first (its id), the last ones (finish reason, final usage, `[DONE]`) and
-anything unusual, which all take the full parse. A read that brings many such events at once is
-counted with a handful of `bytes.count` calls. `ResponseScan(fast=False)` is the reference that
-always parses; the tests check that both agree.
+Speed: events are parsed one by one (orjson: ~3 us an event with what is learnt from it), except
+when a read brings many at once (a stream relayed faster than it is read): events of vLLM's
+compact shape that say nothing but "one choice, this text" are then counted with a handful of
+`bytes.count` calls over the whole read, and only the others (the first, with the id; the
+closing ones: finish reason, final usage, `[DONE]`; anything unusual) are parsed.
+`ResponseScan(fast=False)` is the reference that always parses; the tests check that both agree.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ _CLOSING = (b'"finish_reason":"', _USAGE, b"[DONE]", b'"error":', b'"metrics":')
 _COMPLETION_TOKENS = b'"completion_tokens":'
 _DATA = b"data: {"
 _ONE_CHOICE = b'"choices":[{'
+# From this many events in one read, counting them in bulk costs less than reading each (orjson)
+BULK_EVENTS = 8
 
 
 class ClientGone(Exception):
@@ -98,29 +100,20 @@ class ResponseScan:
             return
         self._buffer = buffer[cut + 2:]
         complete = buffer[:cut]
-        if self.fast and (self.response_id is None or self._keys is None):
-            # the stream's first events, one by one: the first gives the id (parsed), the next plain one
-            # the shape `_count_plain` checks; the rest of this read, often most of it, may be counted
-            events = complete.split(b"\n\n")
-            i = 0
-            while i < len(events) and (self.response_id is None or self._keys is None):
-                if not (self.response_id is not None and self._plain_event(events[i], now_ns)):
-                    self._event(events[i], now_ns)
-                i += 1
-            if i == len(events):
-                return
-            complete = b"\n\n".join(events[i:])
-        if self.fast and self.response_id is not None:
+        events = complete.count(b"\n\n") + 1
+        if self.fast and self._keys is not None and events >= BULK_EVENTS:
             if self._bulk(complete, now_ns):
                 return
             # usually the stream's closing events (finish reason, usage, [DONE]) came in this read too:
             # count the plain events before the first of them in bulk, look at the rest one by one
             first = min((at for at in map(complete.find, _CLOSING) if at >= 0), default=-1)
             cut = complete.rfind(b"\n\n", 0, first) if first > 0 else -1
-            if cut > 0 and self._bulk(complete[:cut], now_ns):
+            if cut > 0 and complete.count(b"\n\n", 0, cut) + 1 >= BULK_EVENTS and self._bulk(complete[:cut], now_ns):
                 complete = complete[cut + 2:]
         for event in complete.split(b"\n\n"):
-            if not (self.fast and self.response_id is not None and self._plain_event(event, now_ns)):
+            # one plain event after the first (the id) sets the shape `_count_plain` checks
+            if not (self.fast and self._keys is None and self.response_id is not None
+                    and self._plain_event(event, now_ns)):
                 self._event(event, now_ns)
 
     def _bulk(self, events: bytes, now_ns: int) -> bool:
