@@ -21,7 +21,7 @@ import os
 import select
 import ssl
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, Protocol
@@ -53,6 +53,7 @@ class SpanData:
     # the first `repeating` attributes have values that repeat across requests (model, instance, status...;
     # no measurements or ids; a key's value always of one type): their encoding is cached per distinct set
     repeating: int = 0
+    encoded: bytes = b""  # attribute fields already encoded (`attribute_block`), sent before `attributes`
 
 
 # -- protobuf wire format --------------------------------------------------------------------
@@ -155,6 +156,17 @@ def _attributes(items: Iterable[tuple[str, Any]]) -> bytes:
     return b"".join(out)
 
 
+def attribute_block(key: tuple, attributes: Callable[[], dict[str, Any]]) -> bytes:
+    """The encoded fields of `attributes()`, a set that repeats across requests, looked up by `key`
+    (the few values that determine it): built and encoded once per distinct key, bounded."""
+    block = _BLOCKS.get(key)
+    if block is None:
+        block = _attributes(attributes().items())
+        if len(_BLOCKS) < _PAIRS_MAX:
+            _BLOCKS[key] = block
+    return block
+
+
 def encode_span(s: SpanData) -> bytes:
     """The bytes of one `Span` message."""
     out = [b"\x0a\x10", s.trace_id.to_bytes(16, "big"), b"\x12\x08", s.span_id.to_bytes(8, "big")]
@@ -165,6 +177,8 @@ def encode_span(s: SpanData) -> bytes:
     out.append(_field(b"\x2a", s.name.encode()))
     out += (b"\x30", _SMALL[s.kind], b"\x39", struct.pack("<Q", s.start_ns), b"\x41", struct.pack("<Q", s.end_ns))
     items = s.attributes.items()
+    if s.encoded:
+        out.append(s.encoded)
     if s.repeating:
         key = tuple(islice(items, s.repeating))
         block = _BLOCKS.get(key)

@@ -19,7 +19,7 @@ from pdproxy.telemetry.clock import now, to_unix_ns
 from pdproxy.telemetry.measure import Measurement, Timeline, measure, stall_gaps
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import MAX_NAME_LENGTH, OTHER, ModelNames
-from pdproxy.telemetry.otlp import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData
+from pdproxy.telemetry.otlp import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData, attribute_block
 from pdproxy.telemetry.stalls import Activity, Attributed, InstanceRecord, StallRecords, marked_cause, span_links
 from pdproxy.telemetry.tracing import TraceIds, Tracing
 
@@ -310,13 +310,11 @@ class RequestTrace:
         for stage, (start, end) in bounds.items():
             name, kind = _STAGE_SPANS[stage]
             span_id = {PREFILL: ids.prefill, DECODE: ids.decode if self.pd_mode else None}.get(stage)
-            attributes = self._stage_attributes(stage, m)
-            repeating = len(attributes) if stage != KV_TRANSFER else 3  # its measurements come last
-            # the routing decision (per request: scores, matched prefix) follows the repeating part
             leg = {PREFILL: PREFILL if self.pd_mode else DECODE, DECODE: DECODE}.get(stage)
-            attributes.update(_route_attributes(self.routes.get(leg)))
+            decision = self.routes.get(leg)
             span = SpanData(name, kind, ids.trace_id, span_id or random.getrandbits(64), ids.root, to_unix_ns(start),
-                            to_unix_ns(end), attributes, trace_state=ids.tracestate, repeating=repeating)
+                            to_unix_ns(end), self._stage_measurements(stage, m, decision), trace_state=ids.tracestate,
+                            encoded=self._stage_block(stage, decision))
             if stage == DECODE:
                 attempts = [(to_unix_ns(at), name, attributes) for at, name, attributes in self.attempt_events]
                 span.events = attempts + (self._stall_events(stalls) if m.stalls else [])
@@ -388,24 +386,50 @@ class RequestTrace:
                       n.ITL_P99: m.itl_p99, n.ITL_MAX: m.itl_max, n.STALLS: m.stalls})
         return a, count
 
-    def _stage_attributes(self, stage: str, m: Measurement) -> dict[str, Any]:
-        """Every stage span names its model and deployment, so span-derived metrics split like the proxy's."""
-        attrs: dict[str, Any] = {"gen_ai.request.model": self.model_label, n.DEPLOYMENT: self.deployment}
+    def _stage_block(self, stage: str, decision: Any) -> bytes:
+        """A stage span's attributes that repeat across requests, encoded once per distinct set: every
+        stage span names its model and deployment (span-derived metrics split like the proxy's), its
+        instance and status, and the policy that chose the instance and why."""
         if stage == PREFILL:
-            address, status = self.prefill_instance, self.prefill_status
+            address, status, attempts = self.prefill_instance, self.prefill_status, max(self.prefill_attempts, 1)
             if not self.pd_mode:
-                address, status = self.decode_instance, self.decode_status
-            attrs.update(_leg_attributes(address, "prefill", status))
-            if self.pd_mode:
-                attrs[n.PREFILL_ATTEMPTS] = max(self.prefill_attempts, 1)
+                address, status, attempts = self.decode_instance, self.decode_status, None
         elif stage == DECODE:
-            attrs.update(_leg_attributes(self.decode_instance, "decode", self.decode_status))
-            attrs[n.DECODE_ATTEMPTS] = self.decode_attempts
+            address, status, attempts = self.decode_instance, self.decode_status, self.decode_attempts
+        else:
+            address = status = attempts = None
+        policy = (decision.policy, decision.reason) if decision is not None else None
+        key = (stage, self.model_label, self.deployment, address, status, attempts, policy)
+        return attribute_block(key, lambda: self._stage_attributes(stage, address, status, attempts, policy))
+
+    def _stage_attributes(self, stage: str, address: str | None, status: int | None, attempts: int | None,
+                          policy: tuple[str, str] | None) -> dict[str, Any]:
+        attrs: dict[str, Any] = {"gen_ai.request.model": self.model_label, n.DEPLOYMENT: self.deployment}
+        if stage in (PREFILL, DECODE):
+            attrs.update(_leg_attributes(address, "prefill" if stage == PREFILL else "decode", status))
+            if attempts is not None:
+                attrs[n.PREFILL_ATTEMPTS if stage == PREFILL else n.DECODE_ATTEMPTS] = attempts
         elif stage == KV_TRANSFER:
+            attrs[n.KV_DEFINITION] = "upper_bound"
+        if policy is not None:
+            attrs[n.ROUTE_POLICY], attrs[n.ROUTE_REASON] = policy
+        return attrs
+
+    @staticmethod
+    def _stage_measurements(stage: str, m: Measurement, decision: Any) -> dict[str, Any]:
+        """A stage span's attributes of this request alone: the KV hand-off's times, the routing
+        decision's scores and matched prefix."""
+        attrs: dict[str, Any] = {}
+        if stage == KV_TRANSFER:
             optional = {n.HANDOFF_GAP: m.handoff_gap, n.DECODE_HEADERS_WAIT: m.decode_headers_wait,
                         n.DECODE_QUEUE_TIME: m.decode_queue_time, n.KV_ESTIMATED: m.kv_estimated}
-            attrs[n.KV_DEFINITION] = "upper_bound"
             attrs.update({k: v for k, v in optional.items() if v is not None})
+        if decision is not None:
+            if decision.matched is not None:
+                attrs[n.ROUTE_MATCHED], attrs[n.ROUTE_MATCHED_UNIT] = decision.matched, decision.unit
+            scores = decision.scores()
+            if scores:
+                attrs[n.ROUTE_SCORES] = [f"{address}={score:g}" for address, score in scores.items()]
         return attrs
 
 
@@ -431,18 +455,6 @@ def _leg_attributes(address: str | None, phase: str, status: int | None) -> dict
         attrs["server.address"], attrs["server.port"] = host, int(port)
     if status is not None:
         attrs["http.response.status_code"] = status
-    return attrs
-
-
-def _route_attributes(decision: Any) -> dict[str, Any]:
-    if decision is None:
-        return {}
-    attrs: dict[str, Any] = {n.ROUTE_POLICY: decision.policy, n.ROUTE_REASON: decision.reason}
-    if decision.matched is not None:
-        attrs[n.ROUTE_MATCHED], attrs[n.ROUTE_MATCHED_UNIT] = decision.matched, decision.unit
-    scores = decision.scores()
-    if scores:
-        attrs[n.ROUTE_SCORES] = [f"{address}={score:g}" for address, score in scores.items()]
     return attrs
 
 
