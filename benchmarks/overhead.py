@@ -727,7 +727,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2, help="saturation runs per target; the best is kept")
     p.add_argument("--quiet-timeout", type=float, default=8.0,
                    help="seconds to wait before a phase for other processes on the machine to go quiet")
-    p.add_argument("--workers", type=int, default=1, help="pdproxy --workers")
+    p.add_argument("--workers", default="1", help="pdproxy --workers (a number, or auto: one per CPU it may use)")
     p.add_argument("--pdproxy-path", help="run pdproxy from this source tree instead (e.g. a git worktree of an "
                                           "older commit, for before/after figures)")
     p.add_argument("--baseline-path", help="also measure pdproxy from this source tree (targets pdproxy-before, "

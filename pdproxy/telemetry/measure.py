@@ -13,6 +13,7 @@ Definitions (the same as the bench's, see docs/telemetry.md):
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 from pdproxy.telemetry.clock import seconds
@@ -142,7 +143,7 @@ def measure(
         m.itl_p50 = percentile(ordered, 50)
         m.itl_p99 = percentile(ordered, 99)
         m.itl_max = ordered[-1]
-        m.stalls = sum(1 for g in ordered if g > stall_threshold)
+        m.stalls = len(ordered) - bisect_right(ordered, stall_threshold)
     if isinstance(usage, dict):
         m.input_tokens = _int(usage.get("prompt_tokens"))
         m.output_tokens = _int(usage.get("completion_tokens"))
