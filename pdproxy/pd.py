@@ -148,6 +148,7 @@ class Proxy:
                 body, raw = {**body, "return_token_ids": True}, None  # the ids a continuation needs
             attempt = await self._decode(body, raw, Handoff(kv_params, prefill_instance), route, trace,
                                          decode_instance, headers, budget, tap)
+            trace.first_token()
 
             async def resume(failure: ProxyError) -> Attempt:
                 nonlocal attempt

@@ -104,3 +104,55 @@ def test_closed_activities_stay_sorted_when_they_close_out_of_order():
         rec.end(acts[i], (10 + i) * MS, 1)
     assert list(rec.starts) == [i * MS for i in range(6)]
     assert sorted(a.request_id for a in rec.around(11 * MS, 12 * MS)) == ["r1", "r2", "r3", "r4", "r5"]
+
+
+class CountingDict(dict):
+    """The record's open activities, counting how many of them a query looks at."""
+
+    looked = 0
+
+    def items(self):
+        for item in super().items():
+            CountingDict.looked += 1
+            yield item
+
+
+def test_the_work_per_stall_is_bounded_however_many_requests_coincide():
+    # 5,000 requests hand off to one decode within 4 s (the hold benchmark); 500 still wait for their
+    # first token. A victim whose every gap is a stall must not look at all of them per gap: before the
+    # bound, 20 stalls x 5,000 coinciding activities each held the event loop for tens of seconds
+    records = live.StallRecords()
+    record = None
+    for i in range(5000):
+        scan = Scan()
+        record, act = records.begin("kv_arrival", "d:1", f"r{i}", i * 4 * MS // 5, None, None, scan)
+        if i < 4500:
+            scan.chunk_times.append(i * 4 * MS // 5 + 30 * MS)
+            record.end(act, scan.first_token_ns, 100 + i)  # as RequestTrace.first_token() files it
+    record.open = CountingDict(record.open)
+    stalls = [(1000 * MS + k * 100 * MS, 0.15, 1) for k in range(20)]  # within the record (its last 4,096)
+    found = records.attribute("d:1", "victim", stalls)
+    assert [s.cause for s in found] == ["kv_arrival"] * 20
+    assert all(0 < len(s.culprits) <= live.SCAN_LIMIT for s in found)
+    assert CountingDict.looked <= 20 * live.SCAN_STEPS < 20 * 500  # each query stops at the bound
+    # the culprits named first are the largest prompts among those looked at
+    assert all(s.culprits[0].tokens == max(a.tokens for a in s.culprits) for s in found)
+
+
+def test_an_activity_is_filed_at_the_first_token_not_at_the_end_of_its_request(tmp_path):
+    from pdproxy.telemetry.metrics import Metrics
+    from pdproxy.telemetry.recorder import Recorder
+
+    recorder = Recorder(Metrics(), None, stall_threshold=0.1, stalls=live.StallRecords())
+    trace = recorder.begin(route="completions", operation="text_completion", chat=False, headers={},
+                           request_id="r", pd_mode=True)
+    trace.admitted("127.0.0.1:1", "127.0.0.1:2")
+    trace.prefill_done("127.0.0.1:1", 200, 1, "received")
+    trace.decode_sent("127.0.0.1:2")
+    record = recorder.stalls.instances["127.0.0.1:2"]
+    assert len(record.open) == 1 and not record.closed
+    trace.scan.chunk_times.append(trace.t.decode_sent + 5 * MS)
+    trace.first_token()
+    assert not record.open and [a.request_id for a in record.closed] == ["r"]
+    trace.finish()
+    assert record.closed[0].tokens == 0 and not record.open

@@ -172,6 +172,13 @@ class RequestTrace:
         self.t.decode_headers = now()
         self.decode_status = status
 
+    def first_token(self) -> None:
+        """The decode's first token (or whole answer) is in: the KV arrival or prefill it waited for
+        has ended, and others' stalls no longer look it up among those going on."""
+        if self._activity is not None and self.scan.first_token_ns is not None:
+            record, activity = self._activity
+            record.end(activity, self.scan.first_token_ns, None)
+
     def decode_failed(self, address: str, reason: str, abandoned: str | None) -> None:
         """A decode attempt failed (`reason`: its error type); `abandoned`: the prefill instance whose
         hand-off it had and that is now given up."""

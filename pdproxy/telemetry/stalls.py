@@ -13,10 +13,11 @@ Live, the proxy keeps per instance a bounded record of those activities, seen fr
   from the decode — the proxy's pd.kv_transfer span;
 * prefill (single instance): from sending the request to its first token — the proxy's pd.prefill.
 
-An activity is opened when it starts and its end is read from the request's own stream when it
-comes (its first token), so a stall is attributed at the end of the stalled stream with every
-activity that overlapped it, including ones still going on. Recording is O(1) per request; a
-time window and a hard bound on entries keep memory bounded under any load.
+An activity is opened when it starts and closed when the request's first token comes (the flow
+says so; a continuation's is read from its stream), so a stall is attributed at the end of the
+stalled stream with the activities that overlapped it, including ones still going on. Recording
+is O(1) per request; a time window and a hard bound on entries keep memory bounded under any load,
+and SCAN_LIMIT / SCAN_STEPS bound the work per stall.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ PRIORITY = ("preemption", "kv_arrival", "prefill")
 LIVE_CAUSES = ("kv_arrival", "prefill", "migration", "preemption", "none")
 TOLERANCE = 0.010  # s: clocks of client, proxy and instance, and the step that delivers both tokens
 TOLERANCE_NS = int(TOLERANCE * 1e9)
+# Live, per stall: the cause is read from at most SCAN_LIMIT coinciding activities, found among at most
+# SCAN_STEPS recorded ones (an instance serves one kind of activity, so a few show the cause; the
+# culprits named are the largest of those). A request's attribution costs a bounded time however many
+# requests its instance holds (5,000 streams on one decode, each gap a stall: tens of microseconds each).
+SCAN_LIMIT = 32
+SCAN_STEPS = 256
 
 
 class Candidate(Protocol):
@@ -147,22 +154,31 @@ class InstanceRecord:
         starts.insert(i, activity.start)
         self.longest = min(max(self.longest, end - activity.start), self.window_ns)
 
-    def around(self, lo: int, hi: int) -> list[Activity]:
-        """Activities overlapping [lo, hi]; ones whose end has come since are filed as closed first."""
-        out = []
-        for key, a in list(self.open.items()):
+    def around(self, lo: int, hi: int, limit: int = 0) -> list[Activity]:
+        """Activities overlapping [lo, hi], the latest-starting first; ones whose end has come since are
+        filed as closed first. `limit`: at most that many (a stall under heavy load may coincide with
+        thousands: the cause needs one, the culprits only the first few), looking at no more than
+        SCAN_STEPS of the open ones (the oldest: the likeliest to overlap) and of the closed ones."""
+        out, ended = [], []
+        for key, a in islice(self.open.items(), SCAN_STEPS if limit else None):
             end = a.end_ns()
             if end is not None:
-                del self.open[key]
-                self._keep(a, end)
+                ended.append((key, a, end))
             elif a.start <= hi:
                 out.append(a)
+                if limit and len(out) >= limit:
+                    break
+        for key, a, end in ended:
+            del self.open[key]
+            self._keep(a, end)
         starts = self.starts
         upto = bisect_right(starts, hi)
         earliest = lo - self.longest
+        steps = SCAN_STEPS if limit else len(starts)
         for a in islice(reversed(self.closed), len(starts) - upto, None):
-            if a.start < earliest:
+            if a.start < earliest or steps <= 0 or (limit and len(out) >= limit):
                 break
+            steps -= 1
             if a.end >= lo:
                 out.append(a)
         return out
@@ -209,7 +225,7 @@ class StallRecords:
                 out.append(Attributed(start, gap, tokens, marked or "none", []))
                 continue
             lo, hi = window(start, start + int(gap * 1e9), TOLERANCE_NS)
-            cause, culprits = pick(record.around(lo, hi), request_id)
+            cause, culprits = pick(record.around(lo, hi, SCAN_LIMIT), request_id)
             out.append(Attributed(start, gap, tokens, cause, culprits))
         return out
 
