@@ -1,0 +1,91 @@
+"""CPU per request, side by side and interleaved: pdproxy against vllm-router and the floor of its design.
+
+benchmarks/overhead.py measures one target after another, minutes apart; on a shared machine whose
+speed drifts by a fifth between minutes, ratios of CPU per request across targets then say as much
+about the machine as about the proxies. Here every round runs each target once, for a few seconds,
+in turn, and the report gives each target's median over the rounds and its ratio to vllm-router.
+
+Targets (overhead.py's, same upstreams, pinning and OTLP receiver), plus
+  floor   benchmarks/floor_proxy.py: aiohttp's server and pdproxy's upstream client, nothing else
+
+Run:  python benchmarks/cpu_per_request.py [--rounds 6] [--targets pdproxy pdproxy-off vllm-router floor]
+      [--baseline-path TREE (adds pdproxy-before, pdproxy-off-before)] [--tokens 8] [--concurrency 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import overhead  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+
+
+def start(bench: overhead.Bench, name: str) -> tuple[str, overhead.Proc, list[overhead.Proc]]:
+    if name != "floor":
+        return bench.start_target(name)
+    port = overhead.free_port()
+    url = f"http://{overhead.HOST}:{port}"
+    proc = overhead.Proc("floor", [sys.executable, str(HERE / "floor_proxy.py"),
+                                   f"http://{overhead.HOST}:{bench.prefill_port}",
+                                   f"http://{overhead.HOST}:{bench.decode_port}", str(port)],
+                         bench.proxy_cpus, bench.logs / "floor.log")
+    proc.wait_http(url + "/health")
+    return url, proc, []
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--targets", nargs="+", default=["pdproxy", "pdproxy-off", "vllm-router", "floor"])
+    p.add_argument("--baseline-path")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--duration", type=float, default=4.0, help="seconds measured per target and round")
+    p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--no-pin", dest="pin", action="store_false")
+    p.add_argument("--work-dir", default="/tmp/pdproxy-cpu-per-request")
+    args = p.parse_args()
+    targets = list(args.targets) + (["pdproxy-before", "pdproxy-off-before"] if args.baseline_path else [])
+    bench = overhead.Bench(overhead.parser().parse_args(
+        ["--work-dir", args.work_dir, *(["--baseline-path", args.baseline_path] if args.baseline_path else []),
+         *([] if args.pin else ["--no-pin"])]))
+    bench.start_upstreams()
+    cpu: dict[str, list[float]] = {t: [] for t in targets}
+    rps: dict[str, list[float]] = {t: [] for t in targets}
+    try:
+        for r in range(args.rounds):
+            order = targets if r % 2 == 0 else targets[::-1]  # neither end of a round is always the same target
+            for name in order:
+                url, proc, helpers = start(bench, name)
+                try:
+                    bench.load(url, proc, concurrency=args.concurrency, tokens=args.tokens, duration=1.0, warmup=0.5)
+                    res = bench.load(url, proc, concurrency=args.concurrency, tokens=args.tokens,
+                                     duration=args.duration, warmup=0.5)
+                finally:
+                    proc.stop()
+                    for h in helpers:
+                        h.stop()
+                if res.errors or not res.requests:
+                    raise RuntimeError(f"{name}: {res.errors} errors in {res.requests} requests")
+                cpu[name].append(res.proxy_cpu / res.requests * 1000)
+                rps[name].append(res.rps)
+                print(f"round {r + 1} {name:20s} {rps[name][-1]:7.0f} req/s {cpu[name][-1]:.3f} ms CPU/req", flush=True)
+    finally:
+        bench.stop_all()
+    router = statistics.median(cpu["vllm-router"]) if cpu.get("vllm-router") else None
+    print(f"\nCPU per request, {args.tokens}-token streams at concurrency {args.concurrency}, median of "
+          f"{args.rounds} interleaved rounds ({'proxy pinned to CPU 1' if args.pin else 'unpinned'}):")
+    print(f"| target | req/s | CPU ms / req (min-max) | / vllm-router |\n|---|---:|---:|---:|")
+    for name in targets:
+        med = statistics.median(cpu[name])
+        ratio = f"{med / router:.2f}" if router else "-"
+        print(f"| {name} | {statistics.median(rps[name]):.0f} | {med:.3f} ({min(cpu[name]):.3f}-{max(cpu[name]):.3f}) "
+              f"| {ratio} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
