@@ -34,9 +34,9 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from pdproxy import jsonio
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
-from pdproxy import jsonio
 from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, retry_after_seconds
 from pdproxy.migration import (BEFORE_FIRST_TOKEN, MID_STREAM, Attempt, Budget, Continuation, Handoff, TokenTap,
                                MIGRATABLE, first_token_timeout, read_head)
