@@ -5,7 +5,7 @@ The same set-up as benchmarks/overhead.py (zero-delay upstreams, the OTLP receiv
 load generator runs, and the samples are summed by the pdproxy function (or library) they were
 spent in: self time by frame, and inclusive time by the outermost pdproxy frame of each stack.
 
-Run:  python benchmarks/profile.py [--tokens 8] [--concurrency 32] [--duration 6] [--no-tracing]
+Run:  python benchmarks/pyspy_profile.py [--tokens 8] [--concurrency 32] [--duration 6] [--no-tracing]
       [--pdproxy-path TREE]
 """
 
@@ -99,12 +99,13 @@ def main() -> int:
                "--nonblocking", "--format", "raw", "--output", str(raw_out)]
         spying = subprocess.Popen(overhead._placed(cmd, bench.other_cpus), stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
-        loading = threading.Thread(target=lambda: setattr(spying, "load", bench.load(
+        results: list[overhead.PhaseResult] = []
+        loading = threading.Thread(target=lambda: results.append(bench.load(
             url, proxy, concurrency=args.concurrency, tokens=args.tokens, duration=args.duration, warmup=0.5)))
         loading.start()
         spying.wait(timeout=args.duration + 60)
         loading.join()
-        r = spying.load
+        (r,) = results
         print(f"{target}: {r.rps:.0f} req/s, {r.proxy_cpu / max(r.requests, 1) * 1000:.3f} ms CPU per request "
               f"({args.tokens}-token streams, concurrency {args.concurrency}), errors {r.errors}")
         print(summarise(raw_out.read_text(), args.top))
