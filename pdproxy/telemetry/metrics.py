@@ -46,7 +46,7 @@ EngineReadFailures = Callable[[], Iterable[tuple[str, str, int]]]
 ProxyLoad = Callable[[], tuple[int, int]]
 
 
-Stamp = tuple  # (exemplar labels, unix time): one per request, shared by its observations
+Stamp = tuple[dict[str, str], float]  # (exemplar labels, unix time): one per request, shared by its observations
 
 
 def stamp(trace_id: str | None) -> Stamp | None:

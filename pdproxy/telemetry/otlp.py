@@ -156,12 +156,12 @@ def _attributes(items: Iterable[tuple[str, Any]]) -> bytes:
     return b"".join(out)
 
 
-def attribute_block(key: tuple, attributes: Callable[[], dict[str, Any]]) -> bytes:
-    """The encoded fields of `attributes()`, a set that repeats across requests, looked up by `key`
-    (the few values that determine it): built and encoded once per distinct key, bounded."""
+def attribute_block(key: tuple, items: Callable[[], Iterable[tuple[str, Any]]]) -> bytes:
+    """The encoded fields of `items()`, attributes that repeat across requests, looked up by `key`
+    (the values that determine them): built and encoded once per distinct key, bounded."""
     block = _BLOCKS.get(key)
     if block is None:
-        block = _attributes(attributes().items())
+        block = _attributes(items())
         if len(_BLOCKS) < _PAIRS_MAX:
             _BLOCKS[key] = block
     return block
@@ -181,12 +181,7 @@ def encode_span(s: SpanData) -> bytes:
         out.append(s.encoded)
     if s.repeating:
         key = tuple(islice(items, s.repeating))
-        block = _BLOCKS.get(key)
-        if block is None:
-            block = _attributes(key)
-            if len(_BLOCKS) < _PAIRS_MAX:
-                _BLOCKS[key] = block
-        out.append(block)
+        out.append(attribute_block(key, lambda: key))
         if len(key) < len(s.attributes):
             out.append(_attributes(islice(items, s.repeating, None)))
     else:

@@ -175,9 +175,8 @@ class RequestTrace:
     def first_token(self) -> None:
         """The decode's first token (or whole answer) is in: the KV arrival or prefill it waited for
         has ended, and others' stalls no longer look it up among those going on."""
-        if self._activity is not None and self.scan.first_token_ns is not None:
-            record, activity = self._activity
-            record.end(activity, self.scan.first_token_ns, None)
+        if self.scan.first_token_ns is not None:
+            self._end_activity(self.scan.first_token_ns, None)
 
     def decode_failed(self, address: str, reason: str, abandoned: str | None) -> None:
         """A decode attempt failed (`reason`: its error type); `abandoned`: the prefill instance whose
@@ -268,22 +267,25 @@ class RequestTrace:
         records = self.recorder.stalls
         if records is None or start is None:
             return
-        if self._activity is not None:  # an earlier decode attempt's
-            record, activity = self._activity
-            record.end(activity, now(), None)
+        self._end_activity(now(), None)  # an earlier decode attempt's
         ids = self.ids if self.ids is not None and self.ids.sampled else None
         span_id = (ids.decode if kind == "kv_arrival" else ids.prefill) if ids else None
         self._activity = records.begin(kind, address, self.request_id, start, ids and ids.trace_id, span_id,
                                        self.scan)
+
+    def _end_activity(self, end: int, tokens: int | None) -> None:
+        """Its KV arrival or prefill ended (at its first token, else `end`); again later only to add
+        its prompt tokens, known once the request has ended."""
+        if self._activity is not None:
+            record, activity = self._activity
+            record.end(activity, end, tokens)
 
     def _attribute_stalls(self, m: Measurement) -> list[Attributed]:
         """End its own activity, then put each of its stalls down to what its instance was doing."""
         records = self.recorder.stalls
         if records is None:
             return []
-        if self._activity is not None:
-            record, activity = self._activity
-            record.end(activity, self.t.first_token or self.t.end, m.input_tokens)
+        self._end_activity(self.t.first_token or self.t.end, m.input_tokens)
         if not m.stalls:
             return []
         gaps = stall_gaps(self.scan.chunk_times, self.scan.chunk_tokens, self.recorder.stall_threshold,
@@ -407,7 +409,7 @@ class RequestTrace:
             address = status = attempts = None
         policy = (decision.policy, decision.reason) if decision is not None else None
         key = (stage, self.model_label, self.deployment, address, status, attempts, policy)
-        return attribute_block(key, lambda: self._stage_attributes(stage, address, status, attempts, policy))
+        return attribute_block(key, lambda: self._stage_attributes(stage, address, status, attempts, policy).items())
 
     def _stage_attributes(self, stage: str, address: str | None, status: int | None, attempts: int | None,
                           policy: tuple[str, str] | None) -> dict[str, Any]:

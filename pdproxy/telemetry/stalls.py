@@ -155,8 +155,8 @@ class InstanceRecord:
         self.longest = min(max(self.longest, end - activity.start), self.window_ns)
 
     def around(self, lo: int, hi: int, limit: int = 0) -> list[Activity]:
-        """Activities overlapping [lo, hi], the latest-starting first; ones whose end has come since are
-        filed as closed first. `limit`: at most that many (a stall under heavy load may coincide with
+        """Activities overlapping [lo, hi]: those going on (oldest first), then closed ones (latest-starting
+        first); open ones whose end has come since are filed as closed. `limit`: at most that many (a stall under heavy load may coincide with
         thousands: the cause needs one, the culprits only the first few), looking at no more than
         SCAN_STEPS of the open ones (the oldest: the likeliest to overlap) and of the closed ones."""
         out, ended = [], []
