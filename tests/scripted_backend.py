@@ -14,7 +14,8 @@ delay (before the status line), chunk_delay, stall_after (chunks before a long p
 abort_after (chunks before the connection is cut), drop (close the connection without answering).
 `--delay` and `--chunk-delay` set the defaults for requests without a step. `--echo-model` answers
 every request as the model it asked for (some OpenAI-compatible servers do), while /v1/models
-still lists only `scripted-model`.
+still lists only `scripted-model`. `GET /metrics` answers 404 until a test posts an exposition to
+`/_metrics` ({"text": ..., "repeat": n}: the text n times, for hostile sizes without uploading them).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Backend:
         self.script: list[dict] = []
         self.journal: list[dict] = []
         self.released = asyncio.Event()  # held steps wait for it
+        self.metrics: bytes | None = None  # GET /metrics answers this, once set
 
     async def inference(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -118,6 +120,16 @@ class Backend:
         self.script = list(await request.json())
         return web.json_response({"queued": len(self.script)})
 
+    async def set_metrics(self, request: web.Request) -> web.Response:
+        step = await request.json()
+        self.metrics = step["text"].encode() * step.get("repeat", 1)
+        return web.json_response({"bytes": len(self.metrics)})
+
+    async def get_metrics(self, request: web.Request) -> web.Response:
+        if self.metrics is None:
+            raise web.HTTPNotFound()
+        return web.Response(body=self.metrics, content_type="text/plain")
+
     async def get_journal(self, request: web.Request) -> web.Response:
         return web.json_response(self.journal)
 
@@ -149,6 +161,8 @@ def main() -> None:
         {"object": "list", "data": [{"id": "scripted-model", "object": "model", "owned_by": "vllm"}]}))
     app.router.add_post("/_script", backend.set_script)
     app.router.add_get("/_journal", backend.get_journal)
+    app.router.add_post("/_metrics", backend.set_metrics)
+    app.router.add_get("/metrics", backend.get_metrics)
     app.router.add_post("/_reset", backend.reset)
     app.router.add_post("/_release", backend.release)
     asyncio.run(_serve(app, args.port))

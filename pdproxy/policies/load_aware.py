@@ -14,21 +14,27 @@ Several replicas reading the same engines see the same state, which in-flight co
 
 When any candidate's reading is missing or older than `STALE_INTERVALS` intervals (the instance does not
 serve /metrics, answers an error, or is slow), the choice falls back to in-flight counts for all of them
-(reason `inflight_fallback`): scores of two kinds are not comparable. The first failure per instance is
-logged, every one is counted. Routing never waits for a read.
+(reason `inflight_fallback`): scores of two kinds are not comparable. A reading that is not a finite,
+non-negative number (NaN, +Inf, -3) is no reading: one such instance would otherwise take all the load or
+none. The first failure per instance is logged, every one is counted. Routing never waits for a read.
+
+An instance's /metrics is read by whatever serves on its port, so reading it costs bounded work on the
+event loop: at most `MAX_METRICS_BYTES` (a real exposition is tens of KB), one regular-expression scan in
+C for the three families, and at most `MAX_SAMPLES` of their samples; anything beyond is unreadable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdproxy.policies.base import Decision, Rotation, loads
 
@@ -37,7 +43,11 @@ log = logging.getLogger("pdproxy.policies.load_aware")
 WAITING, RUNNING, KV_USAGE = "vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"
 RUNNING_WEIGHT, KV_WEIGHT = 0.5, 4.0
 STALE_INTERVALS = 3
-MAX_METRICS_BYTES = 8 * 1024 * 1024  # a /metrics larger than this is not read (and counts as a failure)
+MAX_METRICS_BYTES = 2 * 1024 * 1024  # a /metrics larger than this is not read (and counts as a failure)
+MAX_SAMPLES = 1024  # of the three families together: one each per engine (data-parallel rank) in vLLM
+# a sample line of one of the three families: name, optional {labels}, value (a timestamp may follow)
+_SAMPLE = re.compile(rb"\n(" + b"|".join(re.escape(n.encode()) for n in (WAITING, RUNNING, KV_USAGE))
+                     + rb")(?:\{[^\n]*\})?[ \t]+([^ \t\n]+)")
 
 
 @dataclass(slots=True)
@@ -52,18 +62,24 @@ class Reading:
         self.score = self.waiting + RUNNING_WEIGHT * self.running + KV_WEIGHT * self.kv_usage
 
 
-def parse_load(text: str) -> tuple[float, float, float]:
-    """(waiting, running, kv usage) from a Prometheus exposition; ValueError when a gauge is missing."""
-    wanted = [line for line in text.splitlines() if line.startswith((WAITING, RUNNING, KV_USAGE))]
-    sums: dict[str, list[float]] = {WAITING: [], RUNNING: [], KV_USAGE: []}
-    for family in text_string_to_metric_families("\n".join(wanted) + "\n"):
-        for sample in family.samples:
-            if sample.name in sums:
-                sums[sample.name].append(sample.value)
+def parse_load(raw: bytes) -> tuple[float, float, float]:
+    """(waiting, running, kv usage) from a Prometheus exposition; ValueError when a gauge is missing, a
+    value is not a finite non-negative number, or there are more than `MAX_SAMPLES` samples."""
+    sums: dict[bytes, list[float]] = {WAITING.encode(): [], RUNNING.encode(): [], KV_USAGE.encode(): []}
+    for count, match in enumerate(_SAMPLE.finditer(b"\n" + raw)):
+        if count == MAX_SAMPLES:
+            raise ValueError(f"more than {MAX_SAMPLES} samples of the load gauges")
+        value = float(match[2])  # ValueError on a value that is not a number
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{match[1].decode()} is {match[2].decode(errors='replace')[:32]}")
+        sums[match[1]].append(value)
     if not all(sums.values()):
-        raise ValueError("missing " + ", ".join(name for name, values in sums.items() if not values))
-    usage = sums[KV_USAGE]
-    return sum(sums[WAITING]), sum(sums[RUNNING]), sum(usage) / len(usage)
+        raise ValueError("missing " + ", ".join(name.decode() for name, values in sums.items() if not values))
+    waiting, running, usage = sums.values()
+    load = (sum(waiting), sum(running), sum(usage) / len(usage))
+    if not all(map(math.isfinite, load)):
+        raise ValueError("the load gauges sum to infinity")
+    return load
 
 
 class LoadAware:
@@ -143,7 +159,7 @@ class LoadAware:
                     raw += chunk
                     if len(raw) > MAX_METRICS_BYTES:
                         raise ValueError("exposition too large")
-            waiting, running, usage = parse_load(raw.decode("utf-8", "replace"))
+            waiting, running, usage = parse_load(bytes(raw))
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             self.failures[url] = self.failures.get(url, 0) + 1
             if url not in self._failing:
