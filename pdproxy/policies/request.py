@@ -10,7 +10,8 @@ prompt's KV blocks, never a claim about them.
 
 Nothing here raises: a body of any shape either yields a key within `MAX_KEY_TOKENS` /
 `MAX_KEY_CHARS` (longer prompts are keyed by their first part) or no key at all, and then the
-request is routed by load.
+request is routed by load. The work is bounded by the body's structure as well as its text: a chat
+key looks at no more than `MAX_KEY_PARTS` messages and content parts.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 TOKEN_BLOCK, CHAR_BLOCK = 16, 64
 MAX_KEY_TOKENS, MAX_KEY_CHARS = 65_536, 262_144
+MAX_KEY_PARTS = 4096  # chat messages and content parts looked at for a key (a body's structure, not its text)
 MAX_FIELD_CHARS = 256  # a consistent-hash key longer than this is cut (it is hashed anyway)
 
 
@@ -92,21 +94,30 @@ def _prefix_key(body: Mapping[str, Any], chat: bool) -> PrefixKey | None:
 
 
 def _chat_text(messages: Any) -> str | None:
+    """The roles and text of the first messages: at most `MAX_KEY_CHARS` of text and `MAX_KEY_PARTS` messages
+    and content parts visited, so a body of millions of empty messages costs what a short chat does."""
     if not isinstance(messages, list):
         return None
     parts: list[str] = []
-    size = 0
-    for message in messages:
+    size = visited = 0
+    for message in messages[:MAX_KEY_PARTS]:
+        visited += 1
         if not isinstance(message, Mapping):
             continue
         role, content = message.get("role"), message.get("content")
-        texts = [content] if isinstance(content, str) else [
-            p.get("text") for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str)
-        ] if isinstance(content, list) else []
         parts.append(f"\x1e{role if isinstance(role, str) else ''}\x1f")
-        parts.extend(texts)
-        size += sum(len(t) for t in texts)
-        if size >= MAX_KEY_CHARS:
+        size += len(parts[-1])
+        if isinstance(content, str):
+            parts.append(content)
+            size += len(content)
+        elif isinstance(content, list):
+            for part in content[:MAX_KEY_PARTS - visited]:
+                visited += 1
+                text = part.get("text") if isinstance(part, Mapping) else None
+                if isinstance(text, str):
+                    parts.append(text)
+                    size += len(text)
+        if size >= MAX_KEY_CHARS or visited >= MAX_KEY_PARTS:
             break
     return "".join(parts)
 
