@@ -55,6 +55,7 @@ class Settings:
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 1 << 18
     hash_key: str = DEFAULT_HASH_KEY
+    hash_load_factor: float = 1.25
     load_metrics_interval: float = 2.0
     connect_timeout: float = 10.0
     read_timeout: float = 600.0
@@ -150,6 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument("--hash-key",
                        help="consistent_hash: where the session key comes from, first present wins: "
                             f"header:NAME and body:FIELD, comma-separated (default {DEFAULT_HASH_KEY})")
+    route.add_argument("--hash-load-factor", type=float,
+                       help="consistent_hash: no instance gets a keyed request while it has more than this times "
+                            "the mean in flight; it goes on along the ring (bounded loads); 0 = no bound (default 1.25)")
     route.add_argument("--load-metrics-interval", type=float,
                        help="load_aware: seconds between reads of each instance's /metrics (default 2)")
     route.add_argument("--connect-timeout", type=float, help="seconds to open a connection to an instance (default 10)")
@@ -487,6 +491,8 @@ def _validate(s: Settings) -> None:
         raise ConfigError("balance-abs-threshold must be >= 0 and balance-rel-threshold >= 1")
     if s.max_tree_size < 1:
         raise ConfigError("max-tree-size must be >= 1")
+    if s.hash_load_factor != 0 and s.hash_load_factor < 1:
+        raise ConfigError("hash-load-factor must be >= 1, or 0 for no bound")
     if s.load_metrics_interval <= 0:
         raise ConfigError("load-metrics-interval must be > 0")
     try:

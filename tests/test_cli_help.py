@@ -68,6 +68,7 @@ SAMPLES = {
     "shadow_prefill": "http://10.0.0.6:8100", "shadow_sample_rate": "0.5", "shadow_max_inflight": "4",
     "shadow_timeout": "5", "cache_threshold": "0.5", "balance_abs_threshold": "8", "balance_rel_threshold": "2",
     "max_tree_size": "1000", "hash_key": "body:user", "load_metrics_interval": "0.5",
+    "hash_load_factor": "2",
 }
 NEEDS = {"shadow_prefill": {"PDPROXY_SHADOW_URL": "http://10.0.0.5:8000"}}  # not valid on its own
 

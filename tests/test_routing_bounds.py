@@ -9,6 +9,7 @@ length without the hostile input, so a loaded machine loosens the bound instead 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -167,3 +168,40 @@ def test_cache_aware_work_per_request_is_bounded_by_the_body_structure(procs):
         proxy.stop()
     # parsing the body holds the loop for both alike; walking its messages held it ten times as long
     assert lags["cache_aware"] < 1.5 * lags["round_robin"] + scaled(LAG_BOUND), lags
+
+
+def test_one_session_key_cannot_pin_more_than_its_bounded_share_of_the_load(procs):
+    """40 streams with one client-chosen X-Session-Id all went to one decode instance, unbounded.
+    With bounded loads (factor 1.25) an instance takes a keyed request only while it has fewer than
+    ceil(1.25 × mean) in flight, the rest go on along the ring: at most 25 of 40 on one of two."""
+    decode = scripted(procs, 2)
+    for url in decode:  # every request is held open at the instance until the test releases it
+        httpx.post(url + "/_script", json=[{"hold": True}] * 40).raise_for_status()
+    proxy, url = start_proxy("--decode", *decode, "--policy", "consistent_hash", *QUIET)
+    procs.append(proxy)
+    counters = Counters(url)
+    answers: list[int] = []
+
+    def stream() -> None:
+        r = httpx.post(url + "/v1/completions", headers={"X-Session-Id": "one-client"}, timeout=60,
+                       json={"model": "m", "prompt": "hello", "max_tokens": 4, "stream": True})
+        answers.append(r.status_code)
+
+    threads = [threading.Thread(target=stream) for _ in range(40)]
+    try:
+        for t in threads:  # all at once: the bound holds for a burst, not only one request at a time
+            t.start()
+        held = wait_until(lambda: (lambda n: n if sum(n) == 40 else None)([len(journal(d)) for d in decode]),
+                          "40 streams held at the instances", timeout=30)
+        assert max(held) <= 25 and min(held) >= 15, held
+        status = {i["url"]: i["scores"]["inflight"] for i in httpx.get(url + "/status").json()["instances"]["decode"]}
+        assert sorted(status.values()) == sorted(held), (status, held)
+    finally:
+        for d in decode:
+            httpx.post(d + "/_release", json={})
+        for t in threads:
+            t.join()
+    assert answers == [200] * 40
+    reasons = {reason: counters.delta("pdproxy_route_decisions_total", policy="consistent_hash", reason=reason)
+               for reason in ("hash_key", "load_bound")}
+    assert reasons == {"hash_key": max(held), "load_bound": min(held)}, (reasons, held)

@@ -220,6 +220,7 @@ def test_any_prompt_shape_is_routed_never_an_error(procs, policy):
     (("--hash-key", "cookie:sid"), "hash-key source 'cookie:sid' is not header:NAME or body:FIELD"),
     (("--max-tree-size", "0"), "max-tree-size must be >= 1"),
     (("--load-metrics-interval", "0"), "load-metrics-interval must be > 0"),
+    (("--hash-load-factor", "0.5"), "hash-load-factor must be >= 1, or 0 for no bound"),
 ])
 def test_bad_policy_settings_are_a_clear_error_at_start(args, message):
     proc = pdproxy("serve", "--decode", "http://127.0.0.1:9", *args)

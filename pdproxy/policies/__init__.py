@@ -23,7 +23,7 @@ POLICIES: dict[str, type] = {cls.name: cls for cls in (RoundRobin, LeastInflight
                                                         CacheAware, LoadAware)}
 # the settings each policy takes (flag names with `_`); any other is not a parameter of that policy
 PARAMETERS: dict[str, tuple[str, ...]] = {
-    "round_robin": (), "least_inflight": (), "power_of_two": (), "consistent_hash": ("hash_key",),
+    "round_robin": (), "least_inflight": (), "power_of_two": (), "consistent_hash": ("hash_key", "hash_load_factor"),
     "cache_aware": ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold", "max_tree_size"),
     "load_aware": ("load_metrics_interval",),
 }

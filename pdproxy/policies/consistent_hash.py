@@ -4,12 +4,19 @@ request header or body field (multi-turn stickiness, so a conversation's KV cach
 The ring hashes are stable (BLAKE2b of the key and of the instance URL), so every worker process and
 every pdproxy replica maps a session to the same instance, and an instance leaving rotation moves
 only its own sessions. A request with none of the key sources goes to the least loaded instance.
+
+The key is the client's to choose, so the load it can pin is bounded: consistent hashing with bounded
+loads (Mirrokni, Thorup, Zadimoghaddam, 2018; HAProxy's `hash-balance-factor`). An instance whose
+in-flight count would exceed `hash_load_factor` × the mean (this request included, rounded up) is
+passed over for the next instance along the ring (reason `load_bound`). With the factor c, no instance
+holds more than about c times its share, and a key moves only while its instance is that far over.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,10 +33,11 @@ def _h(text: str) -> int:
 
 class ConsistentHash:
     name = "consistent_hash"
-    reasons = ("hash_key", "no_key")
+    reasons = ("hash_key", "load_bound", "no_key")
 
-    def __init__(self, hash_key: str = DEFAULT_HASH_KEY) -> None:
+    def __init__(self, hash_key: str = DEFAULT_HASH_KEY, hash_load_factor: float = 1.25) -> None:
         self.sources = parse_hash_key(hash_key)
+        self.load_factor = hash_load_factor  # 0: no bound
         self.rotation = Rotation()
         self._ring_for: tuple[int, ...] = ()
         self._points: list[int] = []
@@ -52,7 +60,20 @@ class ConsistentHash:
                                                                     values=values)
         self._ring(instances)
         at = bisect.bisect(self._points, _h(key)) % len(self._points)
-        return self._owners[at], Decision(self.name, "hash_key")
+        owner = self._owners[at]
+        if not self.load_factor or len(instances) == 1:
+            return owner, Decision(self.name, "hash_key")
+        values = loads(instances)
+        bound = math.ceil(self.load_factor * (sum(values) + 1) / len(instances))
+        if owner.inflight < bound:
+            return owner, Decision(self.name, "hash_key", compared=instances, values=values)
+        # along the ring to the first instance under the bound: one exists, as the bound is at least the mean
+        owners = self._owners
+        for step in range(1, len(owners)):
+            candidate = owners[(at + step) % len(owners)]
+            if candidate.inflight < bound:
+                return candidate, Decision(self.name, "load_bound", compared=instances, values=values)
+        return owner, Decision(self.name, "hash_key", compared=instances, values=values)  # not reached
 
     def _ring(self, instances: Sequence) -> None:
         ids = tuple(id(i) for i in instances)
