@@ -11,6 +11,10 @@
   16,000-character text prompt, printed beside it, since a request pays it once.
 * index memory: cache_aware's index after `--prompts` distinct 4,000-token prompts routed over the 16
   instances (traced by tracemalloc, default --max-tree-size). Target: <= 64 MB; eviction keeps it there.
+* hostile inputs (issue 28): the loop time of the worst a client or an instance can send, beside the
+  ordinary case: the prefix key of an 8 MB chat body of 2.7 million empty messages, and load_aware's
+  reading of /metrics expositions built to be expensive (at its 2 MiB cap) beside a simulated vLLM's.
+  Target: each <= 50 ms of loop (the best of `--rounds`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from pdproxy.policies import POLICIES, RequestView, create  # noqa: E402
 from pdproxy.pool import Pool  # noqa: E402
 
 INSTANCES = 16
-TARGET_US, TARGET_MB = 20.0, 64.0
+TARGET_US, TARGET_MB, TARGET_HOSTILE_MS = 20.0, 64.0, 50.0
 
 
 def pool_of(policy: str) -> Pool:
@@ -94,6 +98,40 @@ def index_memory(prompts: int) -> tuple[float, int, int]:
     return used / 2**20, len(policy.index), policy.index.max_entries
 
 
+def best_ms(work, rounds: int) -> float:
+    return min(timeit.repeat(work, number=1, repeat=rounds)) * 1000
+
+
+def hostile_times(rounds: int) -> list[tuple[str, float, str, float]]:
+    """(hostile case, its ms, the ordinary case beside it, its ms)."""
+    from pdproxy.policies.load_aware import MAX_METRICS_BYTES, parse_load
+    from pdproxy.sim.metrics import SimMetrics
+
+    chat = {"messages": [{"role": "user", "content": "hello " * 2000}] * 4}
+    empty = {"messages": [{} for _ in range(2_700_000)]}  # what orjson makes of 8 MB of `{},`
+    real = SimMetrics("sim-model").render()
+    line = b'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
+    alike = b'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 1.0\n'
+    cap = MAX_METRICS_BYTES - 1
+
+    def read(raw: bytes):
+        def work() -> None:
+            try:
+                parse_load(raw)
+            except ValueError:
+                pass  # an unreadable exposition: what the hostile ones are
+        return work
+
+    return [
+        ("chat key, 2.7M empty messages", best_ms(lambda: RequestView(empty, chat=True).prefix, rounds),
+         "4 messages of 12,000 chars", best_ms(lambda: RequestView(chat, chat=True).prefix, rounds)),
+        *((f"/metrics, {name} ({len(raw) / 2**20:.1f} MiB)", best_ms(read(raw), rounds),
+           f"simulated vLLM ({len(real) // 1024} KiB)", best_ms(read(real), rounds))
+          for name, raw in (("waiting samples", line * (cap // len(line))),
+                            ("look-alike family", alike * (cap // len(alike))), ("newlines", b"\n" * cap))),
+    ]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--decisions", type=int, default=20_000, help="decisions timed per policy (default 20000)")
@@ -120,8 +158,14 @@ def main() -> int:
     mb, entries, bound = index_memory(args.prompts)
     print(f"\nprefix index after {args.prompts} distinct 4,000-token prompts: {mb:.1f} MB "
           f"({entries} entries, bound {bound})")
+    print("\nhostile inputs, loop time per request or per read (best of rounds), beside the ordinary case:")
+    hostile = hostile_times(args.rounds)
+    for name, ms, ordinary, ordinary_ms in hostile:
+        print(f"  {name:<48} {ms:7.2f} ms   {ordinary}: {ordinary_ms:.2f} ms")
+    slowest = max(ms for _, ms, _, _ in hostile)
     print(f"\ntargets: decision p99 {worst:.1f} us <= {TARGET_US:g} us: {'yes' if worst <= TARGET_US else 'NO'}; "
-          f"index {mb:.1f} MB <= {TARGET_MB:g} MB: {'yes' if mb <= TARGET_MB else 'NO'}")
+          f"index {mb:.1f} MB <= {TARGET_MB:g} MB: {'yes' if mb <= TARGET_MB else 'NO'}; "
+          f"hostile input {slowest:.1f} ms <= {TARGET_HOSTILE_MS:g} ms: {'yes' if slowest <= TARGET_HOSTILE_MS else 'NO'}")
     return 0
 
 

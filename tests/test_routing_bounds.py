@@ -95,8 +95,8 @@ def test_load_aware_takes_a_non_finite_or_negative_reading_as_unreadable(procs, 
 
 # hostile expositions, each served to the proxy every read; what it cost the proxy to read before:
 HOSTILE = {
-    # 7.5 MB of the very family the policy sums (the review's case: the loop held 2.14 s per read)
-    "7.5 MB of waiting samples": ('vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n', 140_000),
+    # 8 MB (under the old 8 MiB cap) of the very family the policy sums (the review: 2.14 s of loop per read)
+    "8 MB of waiting samples": ('vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n', 140_000),
     # under the new size cap, still tens of thousands of samples (parsed one by one before: ~1 s)
     "2 MB of waiting samples": ('vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n', 35_000),
     # a family that starts like one the policy reads (picked by line prefix and parsed before)
