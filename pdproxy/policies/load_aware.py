@@ -62,7 +62,7 @@ class Reading:
         self.score = self.waiting + RUNNING_WEIGHT * self.running + KV_WEIGHT * self.kv_usage
 
 
-def parse_load(raw: bytes) -> tuple[float, float, float]:
+def parse_load(raw: bytes | bytearray) -> tuple[float, float, float]:
     """(waiting, running, kv usage) from a Prometheus exposition; ValueError when a gauge is missing, a
     value is not a finite non-negative number, or there are more than `MAX_SAMPLES` samples."""
     sums: dict[bytes, list[float]] = {WAITING.encode(): [], RUNNING.encode(): [], KV_USAGE.encode(): []}
@@ -159,7 +159,7 @@ class LoadAware:
                     raw += chunk
                     if len(raw) > MAX_METRICS_BYTES:
                         raise ValueError("exposition too large")
-            waiting, running, usage = parse_load(bytes(raw))
+            waiting, running, usage = parse_load(raw)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
             self.failures[url] = self.failures.get(url, 0) + 1
             if url not in self._failing:
