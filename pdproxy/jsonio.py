@@ -41,11 +41,18 @@ def _number(text: str) -> float:
     return value if math.isfinite(value) else Constant(value)
 
 
+_EXACT = json.JSONDecoder(parse_constant=Constant, parse_float=_number)  # json.loads(..., hooks) builds one a call
+
+
 def loads_exact(data: bytes | str) -> Any:
-    """JSON as the standard library reads it (UTF-8, -16 or -32 bytes; exact integers); ValueError
-    for anything it cannot read, nesting too deep included."""
+    """JSON as `json.loads` reads it (UTF-8, -16 or -32 bytes; exact integers); ValueError for
+    anything it cannot read, nesting too deep included."""
+    if isinstance(data, (bytes, bytearray)):
+        data = data.decode(json.detect_encoding(data), "surrogatepass")  # as json.loads does
+    elif data.startswith("\ufeff"):
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", data, 0)
     try:
-        return json.loads(data, parse_constant=Constant, parse_float=_number)
+        return _EXACT.decode(data)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
 

@@ -28,6 +28,21 @@ def test_reads_what_json_reads(value, ascii_only):
     assert same(jsonio.loads(text.encode()), json.loads(text))
 
 
+@settings(max_examples=200, deadline=None)
+@given(values, st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-32-be"]))
+def test_the_exact_reader_reads_what_json_reads_in_every_encoding(value, encoding):
+    data = json.dumps(value).encode(encoding)
+    assert same(jsonio.loads_exact(data), json.loads(data))
+
+
+def test_the_exact_reader_refuses_what_json_refuses():
+    for data in ("\ufeff{}", b"\xff{}", '{"a": 1', "[1,]"):
+        with pytest.raises(ValueError):
+            json.loads(data)
+        with pytest.raises(ValueError):
+            jsonio.loads_exact(data)
+
+
 @pytest.mark.parametrize("text", ['{"a":NaN}', '[-Infinity]', '{"s":"\\ud800"}',
                                   '{"a":1,"a":2}', '"\\u00e9"'])
 def test_what_orjson_refuses_goes_to_json(text):
