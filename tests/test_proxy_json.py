@@ -122,3 +122,33 @@ def test_a_client_body_nested_too_deep_is_a_400(rig):
     for nested in DEEP_ANSWERS.values():
         r, _ = post(rig["url"], ('{"model": "m", "prompt": "a", "x": %s}' % nested).encode())
         assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
+
+
+def test_a_model_listing_nested_too_deep_is_no_listing():
+    """The model names an instance serves are learnt from its /v1/models in a task that must outlive
+    a broken answer (pdproxy/telemetry/models.py)."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from pdproxy.telemetry.models import _served
+
+    async def listing(request: web.Request) -> web.Response:
+        return web.Response(text='{"data": %s}' % deep("NaN"), content_type="application/json")
+
+    async def run() -> list:
+        app = web.Application()
+        app.router.add_get("/v1/models", listing)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async with aiohttp.ClientSession() as session:
+                return [await _served(session, f"http://127.0.0.1:{port}", {}, 10)]
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(run()) == [None]
