@@ -189,7 +189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     route.add_argument("--max-ejection-percent", type=float,
                        help="largest share of a pool's instances that failures may eject at once; at least one always "
                             "stays in rotation (default 50, as Envoy's max_ejection_percent)")
-    route.add_argument("--max-inflight", type=int, help="requests served at once; 0 = unlimited (default 0)")
+    route.add_argument("--max-inflight", type=int, help="requests served at once (completions, chat, /tokenize and /detokenize); 0 = unlimited (default 0)")
     route.add_argument("--max-queue", type=int, help="requests waiting for a slot beyond --max-inflight before 503 (default 1024)")
     route.add_argument("--queue-timeout", type=float, help="seconds a request may wait for a slot before 503 (default 30)")
     route.add_argument("--max-body-bytes", type=int, help="largest request body accepted; larger gets 413 (default 8 MiB: '[{},{},...]' costs 27x its size in memory)")

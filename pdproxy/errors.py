@@ -11,6 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
+from pdproxy import jsonio
+
 # Stages a request passes through.
 QUEUE, PREFILL, KV_TRANSFER, DECODE = "queue", "prefill", "kv_transfer", "decode"
 
@@ -119,8 +121,8 @@ def retry_after_seconds(value: str | None) -> float | None:
 
 def _is_openai_error(body: bytes) -> bool:
     try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        obj = jsonio.loads(body)
+    except ValueError:  # nesting too deep included (pdproxy/jsonio.py)
         return False
     return isinstance(obj, dict) and isinstance(obj.get("error"), (dict, str))
 

@@ -1,37 +1,68 @@
-"""JSON on the hot path: orjson, with the standard library for what orjson reads or writes differently.
+"""JSON on the hot path: orjson where it reads and writes as the standard library does, `json` elsewhere.
 
-orjson reads standard JSON several times faster than `json`. What it refuses but `json` reads
-(NaN and Infinity, lone surrogates, nesting past its depth limit) goes to `json.loads`, so the
-proxy accepts what it did with the standard library and rejects the same invalid JSON (orjson also
-reads nesting deeper than `json`'s recursion limit, where `json` raised RecursionError, which is
-no ValueError: an answer nested that deep is now read, not an escaped exception). Used for what the
-instances send (prefill answers, stream events); integers past 64 bits, which orjson reads as
-floats, do not occur in them (token counts and ids, block ids, ports).
+Two readers, for two uses:
 
-Writing: the legs' bodies are built from client bodies the standard library read (`protocol.parse_body`).
-orjson writes them as `json.dumps` would, in compact form with UTF-8 rather than `\\u` escapes,
-except what it refuses: integers past 64 bits, lone surrogates, and the NaN and Infinity a client may
-send, which `parse_body` reads as `Constant` (orjson would write a float NaN as `null`). Those
-bodies are written by `json.dumps`, as before.
+* `loads_exact`, for what is passed on (a client's body, a prefill's answer, whose
+  `kv_transfer_params` the decode gets verbatim): the standard library's reading, so every integer
+  stays exact (orjson reads integers past 64 bits as floats: a 128-bit id would reach the decode as
+  `3.402823669209385e+38`), and a number too large for a float (`1e999`) or a NaN/Infinity literal
+  is read as a `Constant`, which `dumps` writes again as `json.dumps` would (`Infinity`, not
+  orjson's `null`).
+* `loads`, for what is only looked at (stream events, usage): orjson, several times faster.
+  What it refuses but `json` reads (NaN and Infinity, lone surrogates, nesting past its depth
+  limit) goes to `loads_exact`, so the same JSON is accepted and the same is refused.
+
+Both raise `ValueError` for whatever they cannot read, nesting too deep included: `json` raises
+RecursionError past ~1,000 levels, which is no ValueError and would escape every handler written
+for invalid JSON. orjson's own depth limit depends on its version (3.8 reads thousands of levels,
+3.13 refuses more than 1,024), so such input is read or refused as a ValueError, never anything else.
+
+Writing: orjson writes a body as `json.dumps` would, in compact form with UTF-8 rather than `\\u`
+escapes, except what it refuses: integers past 64 bits, lone surrogates and `Constant`s (a float
+subclass, which orjson does not take). Those bodies are written by `json.dumps`, as before orjson.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import orjson
 
 
 class Constant(float):
-    """NaN, Infinity or -Infinity as read from a client's body: a float that orjson will not write."""
+    """NaN or ±Infinity as read from JSON (the literals, or a number past a float's range such as
+    `1e999`): a float that orjson will not write, so that `dumps` writes it as `json.dumps` does."""
+
+
+def _number(text: str) -> float:
+    value = float(text)
+    return value if math.isfinite(value) else Constant(value)
+
+
+_EXACT = json.JSONDecoder(parse_constant=Constant, parse_float=_number)  # json.loads(..., hooks) builds one a call
+
+
+def loads_exact(data: bytes | str) -> Any:
+    """JSON as `json.loads` reads it (UTF-8, -16 or -32 bytes; exact integers); ValueError for
+    anything it cannot read, nesting too deep included."""
+    if isinstance(data, (bytes, bytearray)):
+        data = data.decode(json.detect_encoding(data), "surrogatepass")  # as json.loads does
+    elif data.startswith("\ufeff"):
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", data, 0)
+    try:
+        return _EXACT.decode(data)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def loads(data: bytes | str) -> Any:
+    """JSON that is only looked at, fast: as `loads_exact` reads it, but integers past 64 bits are floats."""
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
-        return json.loads(data, parse_constant=Constant)
+        return loads_exact(data)
 
 
 def dumps(obj: Any) -> bytes:

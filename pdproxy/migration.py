@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pdproxy import jsonio
 from pdproxy.errors import DECODE, ProxyError
 from pdproxy.pool import Instance
 from pdproxy.stream import ResponseScan, read_stream
@@ -232,7 +233,7 @@ class TokenTap:
         if not event.startswith(b"data: {") or b"\n" in event:
             return event + b"\n\n"  # [DONE], comments, unusual framing: as they are (the scanner judges them)
         try:
-            obj = json.loads(event[6:])
+            obj = jsonio.loads_exact(event[6:])  # rewritten and passed on: read exactly; deep: ValueError
         except ValueError:
             return event + b"\n\n"
         if not isinstance(obj, dict) or "error" in obj:

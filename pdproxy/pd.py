@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 import logging
 import random
 import re
@@ -539,7 +538,7 @@ def _kv_params(raw: bytes, instance: Instance) -> dict[str, Any] | None:
     """The prefill's `kv_transfer_params`; None when it sent none (the decode then prefills locally;
     connectors such as LMCache and Mooncake never send any, so this is a warning once, not an error)."""
     try:
-        answer = jsonio.loads(raw)
+        answer = jsonio.loads_exact(raw)  # its kv_transfer_params go on to the decode: every integer exact
     except ValueError:
         raise ProxyError(502, f"prefill instance {instance.address} sent a response that is not JSON",
                          error_type="invalid_prefill_response", stage=PREFILL) from None
@@ -562,7 +561,7 @@ def _kv_params(raw: bytes, instance: Instance) -> dict[str, Any] | None:
 def _message(raw: bytes) -> str:
     """The instance's own error message, for the client's error body."""
     try:
-        error = json.loads(raw).get("error")
+        error = jsonio.loads(raw).get("error")
         if isinstance(error, dict) and error.get("message"):
             return str(error["message"])[:300]
         if isinstance(error, str):

@@ -8,7 +8,6 @@ leg is the client's original body plus the prefill's `kv_transfer_params`, verba
 from __future__ import annotations
 
 import codecs
-import json
 import random
 import re
 from dataclasses import dataclass
@@ -110,7 +109,21 @@ def validate(body: Any, route: Route, client_kv_params: str = "reject") -> dict[
         if client_kv_params == "reject":
             raise bad_request("kv_transfer_params is set by the proxy, not by clients", param="kv_transfer_params")
         body = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # "strip": never forwarded
+    if _xargs_kv_params(body):
+        # vLLM copies vllm_xargs into the request's extra_args, where its KV connector reads
+        # "kv_transfer_params" when the top-level field does not override it (docs/protocol.md)
+        if client_kv_params == "reject":
+            raise bad_request("vllm_xargs.kv_transfer_params is set by the proxy, not by clients",
+                              param="vllm_xargs")
+        xargs = {k: v for k, v in body["vllm_xargs"].items() if k != "kv_transfer_params"}
+        body = {**body, "vllm_xargs": xargs}
     return body
+
+
+def _xargs_kv_params(body: dict[str, Any]) -> bool:
+    """Whether the body's `vllm_xargs` holds `kv_transfer_params` (however the key was spelt)."""
+    xargs = body.get("vllm_xargs")
+    return isinstance(xargs, dict) and "kv_transfer_params" in xargs
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -156,16 +169,17 @@ def parse_body(raw: bytes) -> tuple[Any, bytes | None]:
     which reads UTF-8, UTF-16 and UTF-32, with or without a BOM): a body with neither a NUL byte nor
     a UTF-8 BOM is read as strict UTF-8; any other as `json.loads` detects it. Only the first kind
     may be forwarded raw: UTF-16/32 bytes (BOM-less UTF-16-LE starts `{\\x00`) would not survive
-    a splice. And a body whose parsed object holds `kv_transfer_params`, however the key is spelt
-    (`"kv\\u005ftransfer_params"` decodes to it), is never forwarded raw: the decode gets the
-    re-serialised, checked object, so no client coordinates can reach it.
+    a splice. And a body whose parsed object holds `kv_transfer_params`, at its top or in its
+    `vllm_xargs`, however the key is spelt (`"kv\\u005ftransfer_params"` decodes to it), is never
+    forwarded raw: the decode gets the re-serialised, checked object, so no client coordinates can
+    reach it. Numbers are read as `jsonio.loads_exact` reads them, so the legs mean what the client sent.
     """
     plain = b"\x00" not in raw and not raw.startswith(codecs.BOM_UTF8)
     try:
-        body = json.loads(raw.decode("utf-8") if plain else raw, parse_constant=jsonio.Constant)
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        body = jsonio.loads_exact(raw.decode("utf-8") if plain else raw)
+    except ValueError as exc:  # UnicodeDecodeError and nesting too deep are ValueErrors
         raise bad_request(f"request body is not valid JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
-    forward = plain and isinstance(body, dict) and "kv_transfer_params" not in body
+    forward = plain and isinstance(body, dict) and "kv_transfer_params" not in body and not _xargs_kv_params(body)
     return body, raw if forward else None
 
 

@@ -241,14 +241,16 @@ TOKENIZER_PATHS = ("/tokenize", "/detokenize")
 async def tokenizer(request: web.Request) -> web.Response:
     """vLLM's /tokenize and /detokenize, answered by a decode instance (clients size prompts in the
     served model's tokens through the proxy as through vLLM). The body goes as it came; the status and
-    body come back as the instance gave them; one span records it."""
+    body come back as the instance gave them; one span records it. They pass the checks and the
+    admission of the inference routes (--max-inflight counts them), and a call refused before
+    admission is traced within --trace-rejected-rate, like a refused completion: a flood of them
+    cannot push real spans out of the export queue."""
     proxy = request.app[PROXY_KEY]
     start = now()
     address = None
+    admitted = False
     try:
-        proxy.authenticate(request)
-        instance = proxy.decode.choose()
-        address = instance.address
+        proxy.check_head(request)  # encoding, API key, capacity, declared size
         try:
             async with asyncio.timeout(proxy.settings.body_timeout):
                 raw = await request.read()
@@ -260,15 +262,20 @@ async def tokenizer(request: web.Request) -> web.Response:
             headers["Authorization"] = f"Bearer {proxy.settings.upstream_api_key}"
         elif not proxy.settings.api_key and "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
-        async with proxy.session.post(instance.url + request.path, data=raw, headers=headers,
-                                      timeout=proxy.timeout) as resp:
-            body = await resp.read()
-            proxy.recorder.forwarded(request.path, request.headers, address, resp.status, start,
-                                     None if resp.status < 400 else f"upstream_{resp.status // 100}xx")
-            return web.Response(status=resp.status, body=body,
-                                headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
+        async with proxy.admission.slot():
+            admitted = True
+            instance = proxy.decode.choose()
+            address = instance.address
+            async with proxy.session.post(instance.url + request.path, data=raw, headers=headers,
+                                          timeout=proxy.timeout) as resp:
+                body = await resp.read()
+        proxy.recorder.forwarded(request.path, request.headers, address, resp.status, start,
+                                 None if resp.status < 400 else f"upstream_{resp.status // 100}xx")
+        return web.Response(status=resp.status, body=body,
+                            headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
     except ProxyError as err:
-        proxy.recorder.forwarded(request.path, request.headers, address, err.status, start, err.error_type)
+        proxy.recorder.forwarded(request.path, request.headers, address, err.status, start, err.error_type,
+                                 refused=not admitted)
         return err.response()
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         err = ProxyError(502, f"decode instance {address} did not answer {request.path} ({type(exc).__name__})",

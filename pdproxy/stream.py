@@ -17,7 +17,6 @@ closing ones: finish reason, final usage, `[DONE]`; anything unusual) are parsed
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -390,7 +389,7 @@ def _events_before_malformed(data: bytes) -> bytes:
             if payload is None or payload == b"[DONE]":
                 continue
             try:
-                ok = isinstance(json.loads(payload), dict)
+                ok = isinstance(jsonio.loads(payload), dict)
             except ValueError:
                 ok = False
             if not ok:

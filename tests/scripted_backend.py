@@ -156,6 +156,8 @@ def main() -> None:
     app = web.Application(client_max_size=64 << 20)  # vLLM sets no limit; the proxy's own is what tests probe
     app.router.add_post("/v1/completions", backend.inference)
     app.router.add_post("/v1/chat/completions", backend.inference)
+    app.router.add_post("/tokenize", backend.inference)  # scripted like the rest (a hold, a status)
+    app.router.add_post("/detokenize", backend.inference)
     app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))
     app.router.add_get("/v1/models", lambda r: web.json_response(
         {"object": "list", "data": [{"id": "scripted-model", "object": "model", "owned_by": "vllm"}]}))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 
+import orjson
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -26,6 +28,21 @@ def test_reads_what_json_reads(value, ascii_only):
     assert same(jsonio.loads(text.encode()), json.loads(text))
 
 
+@settings(max_examples=200, deadline=None)
+@given(values, st.sampled_from(["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-32-be"]))
+def test_the_exact_reader_reads_what_json_reads_in_every_encoding(value, encoding):
+    data = json.dumps(value).encode(encoding)
+    assert same(jsonio.loads_exact(data), json.loads(data))
+
+
+def test_the_exact_reader_refuses_what_json_refuses():
+    for data in ("\ufeff{}", b"\xff{}", '{"a": 1', "[1,]"):
+        with pytest.raises(ValueError):
+            json.loads(data)
+        with pytest.raises(ValueError):
+            jsonio.loads_exact(data)
+
+
 @pytest.mark.parametrize("text", ['{"a":NaN}', '[-Infinity]', '{"s":"\\ud800"}',
                                   '{"a":1,"a":2}', '"\\u00e9"'])
 def test_what_orjson_refuses_goes_to_json(text):
@@ -44,13 +61,54 @@ def test_invalid_json_is_a_value_error(text):
         jsonio.loads(text.encode())
 
 
-def test_deep_nesting_is_read_not_a_recursion_error():
-    # json.loads raises RecursionError past ~1000 levels, which is no ValueError: an instance's event
-    # nested that deep would have escaped the scanner's error handling; orjson reads it
-    value, depth = jsonio.loads(b"[" * 5000 + b"]" * 5000), 1
+DEEP = 5000  # levels: past json's recursion limit (~1,000) and orjson 3.13's (1,024)
+
+
+def depth_of(value) -> int:
+    depth = 1
     while value:
         (value,), depth = value, depth + 1
-    assert value == [] and depth == 5000
+    return depth
+
+
+def strict_orjson(data):
+    """orjson 3.13 and later: nesting past 1,024 levels is a JSONDecodeError (3.8 reads it)."""
+    raise orjson.JSONDecodeError("Recursion limit reached", data.decode(), 0)
+
+
+@pytest.mark.parametrize("refuses", [False, True], ids=["installed orjson", "orjson refusing the depth"])
+def test_deep_nesting_is_read_or_a_value_error_never_a_recursion_error(monkeypatch, refuses):
+    # json.loads raises RecursionError past ~1,000 levels, which is no ValueError: an instance's event
+    # nested that deep escaped the scanner's error handling once orjson handed it to json (orjson
+    # refusing the depth, as 3.13 does, or anything else inside it, such as NaN)
+    if refuses:
+        monkeypatch.setattr(jsonio.orjson, "loads", strict_orjson)
+    plain, with_nan = b"[" * DEEP + b"]" * DEEP, b"[" * DEEP + b"NaN" + b"]" * DEEP
+    try:
+        value = jsonio.loads(plain)
+    except ValueError:
+        assert refuses or orjson_version() >= (3, 13), orjson.__version__
+    else:
+        assert not refuses and depth_of(value) == DEEP
+    with pytest.raises(ValueError):  # NaN sends every orjson to json
+        jsonio.loads(with_nan)
+    for data in (plain, with_nan):  # the reader of what is passed on refuses it whatever orjson does
+        with pytest.raises(ValueError):
+            jsonio.loads_exact(data)
+
+
+def orjson_version() -> tuple[int, ...]:
+    return tuple(int(part) for part in orjson.__version__.split(".")[:2])
+
+
+def test_numbers_are_written_as_the_client_wrote_them():
+    # orjson writes float infinity (json reads 1e999 as that) as null, and reads a 128-bit integer as a float
+    read, _ = parse_body(b'{"top_p": 1e999, "logit_bias": {"5": -1e999}, "x": [1.5, 1e308]}')
+    assert json.loads(jsonio.dumps(read)) == {"top_p": math.inf, "logit_bias": {"5": -math.inf}, "x": [1.5, 1e308]}
+    assert jsonio.dumps(read) == json.dumps(json.loads('{"top_p": 1e999, "logit_bias": {"5": -1e999}, '
+                                                      '"x": [1.5, 1e308]}')).encode()  # as before orjson
+    big = jsonio.loads_exact(b'{"id": %d}' % (2 ** 127 + 1))
+    assert big == {"id": 2 ** 127 + 1} and jsonio.dumps(big) == b'{"id": %d}' % (2 ** 127 + 1)
 
 
 @settings(max_examples=300, deadline=None)

@@ -5,7 +5,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdproxy.stream import ResponseScan
+from pdproxy.stream import BULK_EVENTS, ResponseScan
 
 TEXTS = st.one_of(st.just(""), st.text(max_size=12),
                   st.sampled_from(['"', '\\', '": ', '"text":"', '"finish_reason":"x"', "data: {", "\n", "}"]))
@@ -81,16 +81,20 @@ def test_fast_path_learns_what_the_full_parse_learns(case):
 
 def test_a_read_of_many_plain_events_is_counted_without_parsing(monkeypatch):
     head = 'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"'
-    first = head + 'a","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+
+    def events(*texts: str) -> bytes:
+        return "".join(head + f'{t}","logprobs":null,"finish_reason":null,"stop_reason":null}}]}}\n\n'
+                       for t in texts).encode()
+
     scan = ResponseScan(chat=False)
-    scan.feed(first.encode(), 1)
+    scan.feed(events("a"), 1)  # the stream's id
+    scan.feed(events("b"), 2)  # the shape of its plain events
     calls = []
-    monkeypatch.setattr("pdproxy.stream.json.loads", lambda *a, **k: calls.append(a))
-    many = "".join(head + f'{t}","logprobs":null,"finish_reason":null,"stop_reason":null}}]}}\n\n'
-                   for t in ["b", "", "c", "d"])
-    scan.feed(many.encode(), 2)
+    monkeypatch.setattr("pdproxy.stream.jsonio.loads", lambda *a, **k: calls.append(a))
+    texts = ["c", ""] + [chr(ord("d") + i) for i in range(BULK_EVENTS)]
+    scan.feed(events(*texts), 3)
     assert calls == []
-    assert scan.chunk_times == [1, 2, 2, 2] and scan.chunk_tokens == [0, 0, 0, 0]
+    assert scan.chunk_times == [1, 2] + [3] * (len(texts) - 1) and scan.chunk_tokens == [0] * (len(texts) + 1)
 
 
 def test_key_counts_of_two_unusual_events_cannot_pass_for_plain_ones():

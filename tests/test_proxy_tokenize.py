@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 import requests
 
+from ledgers import ScriptedGroup
 from otlp import attrs
 from procs import free_port, start_proxy, start_sim
 from waits import wait_until
@@ -75,3 +77,34 @@ def test_tokenize_with_the_decode_down_is_a_502_json_error():
     assert r.status_code == 502
     err = r.json()["error"]
     assert "did not answer /tokenize" in err["message"] and err["code"] == "connect_error"
+
+
+def test_tokenize_and_detokenize_pass_admission():
+    """--max-inflight counts them: at capacity they are refused at once with 503, as completions are,
+    instead of adding load the operator bounded."""
+    d = ScriptedGroup("decode", 1)
+    proxy, url = start_proxy("--decode", d.url, "--max-inflight", "1", "--max-queue", "0",
+                             "--health-check-interval", "0")
+    held: dict = {}
+    worker = threading.Thread(target=lambda: held.update(r=requests.post(
+        url + "/v1/completions", json={"model": "m", "prompt": "a", "max_tokens": 2}, timeout=30)))
+    try:
+        d.script({"hold": True})  # the completion takes the only slot until released
+        worker.start()
+        wait_until(lambda: d.journal() or None, "the completion to reach the decode", timeout=10)
+        for path in ("/tokenize", "/detokenize"):
+            r = requests.post(url + path, json={"prompt": "a"}, timeout=10)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", (path, r.text)
+            assert r.headers["Retry-After"] == "1"
+        assert [e["path"] for e in d.journal()] == ["/v1/completions"]  # neither reached the instance
+        requests.post(d.url + "/_release", timeout=10)
+        worker.join(30)
+        assert held["r"].status_code == 200
+        r = requests.post(url + "/tokenize", json={"prompt": "a"}, timeout=10)  # the slot is free again
+        assert r.status_code == 200 and d.journal()[-1]["path"] == "/tokenize"
+    finally:
+        requests.post(d.url + "/_release", timeout=10)
+        if worker.is_alive():
+            worker.join(30)
+        proxy.stop()
+        d.stop()

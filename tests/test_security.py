@@ -126,6 +126,10 @@ def smuggling_bodies() -> dict[str, bytes]:
     def text(key: str) -> str:
         return '{"model": "m", "prompt": "a b", "max_tokens": 2, "%s": %s}' % (key, json.dumps(FORGED))
 
+    def xargs(key: str) -> str:  # vLLM copies vllm_xargs into extra_args, where connectors read the key
+        return ('{"model": "m", "prompt": "a b", "max_tokens": 2, "vllm_xargs": {"keep": 1, "%s": %s}}'
+                % (key, json.dumps(FORGED)))
+
     literal = text("kv_transfer_params")
     return {
         "literal": literal.encode(),
@@ -135,6 +139,8 @@ def smuggling_bodies() -> dict[str, bytes]:
         "utf-16-be": literal.encode("utf-16-be"),
         "utf-32-le": literal.encode("utf-32-le"),
         "utf-8 bom": literal.encode("utf-8-sig"),
+        "vllm_xargs": xargs("kv_transfer_params").encode(),
+        "vllm_xargs escaped": xargs("kv\\u005ftransfer_params").encode(),
     }
 
 
@@ -152,8 +158,8 @@ def assert_no_client_params(entries: list[dict], what: str) -> None:
 
 def test_client_kv_params_never_reach_the_decode_in_any_spelling_or_encoding():
     """Single mode, P/D with a prefill that returns no params, and a decode retry (fresh params from a
-    second prefill): in `strip` mode the decode gets the checked object without the client's key, and
-    only ever a prefill's coordinates; in `reject` mode a 400."""
+    second prefill): in `strip` mode the decode gets the checked object without the client's key (at
+    the top or in `vllm_xargs`), and only ever a prefill's coordinates; in `reject` mode a 400."""
     p, d = ScriptedGroup("prefill", 1), ScriptedGroup("decode", 2)
     common = ("--health-check-interval", "0", "--prefill-retries", "0", "--decode-retries", "1",
               "--eject-after-failures", "0")
@@ -174,13 +180,16 @@ def test_client_kv_params_never_reach_the_decode_in_any_spelling_or_encoding():
                     d.script(*decode_steps)
                     r = post_raw(url, data)
                     if mode == "reject":
-                        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", what
+                        param = "vllm_xargs" if name.startswith("vllm_xargs") else "kv_transfer_params"
+                        assert r.status_code == 400 and r.json()["error"]["param"] == param, what
                         assert d.journal() == [] and p.journal() == [], what
                         continue
                     assert r.status_code == 200, (what, r.text)
                     sent = d.journal()
                     assert len(sent) == (2 if case == "decode retry" else 1), what
                     assert_no_client_params(sent + p.journal(), what)
+                    if name.startswith("vllm_xargs"):  # the client's other custom arguments go on
+                        assert all(e["body"]["vllm_xargs"] == {"keep": 1} for e in sent + p.journal()), what
                     if case == "decode retry":  # the second prefill's coordinates, never the client's
                         assert sent[-1]["body"]["kv_transfer_params"]["remote_engine_id"] == "engine-p", what
                         assert len(p.journal()) == 2, what

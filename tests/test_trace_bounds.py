@@ -202,3 +202,31 @@ def test_hostile_401s_cannot_grow_the_trace_file_past_its_bound(sim, tmp_path, w
         print(f"\n{sent} refusals; files {[f.stat().st_size for f in (trace_file, backup)]} bytes, bound {MIB}")
     finally:
         proxy.stop()
+
+
+def test_tokenizer_refusals_are_traced_within_the_same_rate(guarded):
+    """/tokenize and /detokenize cost a client as little to have refused as a completion: a flood of
+    them is traced within --trace-rejected-rate too, so it cannot push real spans out of the export
+    queue; the call that is served is traced."""
+    url, trace_file = guarded
+    refused: set[str] = set()
+    untraced_before = metric(url, "pdproxy_untraced_refusals_total")
+    with httpx.Client(timeout=10) as client:
+        started = time.monotonic()
+        while time.monotonic() - started < 2 and len(refused) < 300:
+            trace_id, parent = traceparent()
+            path = ("/tokenize", "/detokenize")[len(refused) % 2]
+            r = client.post(url + path, json={"prompt": "one two"}, headers={"traceparent": parent})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized"
+            refused.add(trace_id)
+        elapsed = time.monotonic() - started
+        ok_id, parent = traceparent()
+        assert client.post(url + "/tokenize", json={"model": "sim-model", "prompt": "one two"}, headers={
+            "traceparent": parent, "Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert len(refused) >= 50, f"only {len(refused)} refusals sent in the phase"
+    assert wait_for(lambda: any(s["traceId"] == ok_id for s in spans_in(trace_file)))
+    traced = {s["traceId"] for s in spans_in(trace_file) if s["traceId"] in refused}
+    untraced = metric(url, "pdproxy_untraced_refusals_total") - untraced_before
+    print(f"\n{len(refused)} tokenizer refusals in {elapsed:.1f}s: {len(traced)} traced, {untraced:.0f} untraced")
+    assert len(traced) + untraced == len(refused)
+    assert 1 <= len(traced) <= 5 * elapsed + 5  # the rate, plus one burst

@@ -226,7 +226,8 @@ class Metrics:
                                       "too_long (cut to 512 characters), invalid (discarded)", ("reason",), registry=r)
         self.untraced_refusals = Counter("pdproxy_untraced_refusals",
                                          "Requests refused before admission whose trace was not recorded "
-                                         "(--trace-rejected-rate reached); all are in pdproxy_requests_total",
+                                         "(--trace-rejected-rate reached); completions are also in "
+                                         "pdproxy_requests_total, /tokenize and /detokenize calls only here",
                                          registry=r)
         self.invalid_traceparent = Counter("pdproxy_invalid_traceparent", "Requests whose malformed traceparent "
                                            "was ignored (each started a new trace)", registry=r)

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Mapping
 
 import aiohttp
 
+from pdproxy import jsonio
+
 log = logging.getLogger("pdproxy.models")
 
 OTHER = "other"  # the label of every model name that is not known
@@ -107,7 +109,7 @@ async def _served(session: aiohttp.ClientSession, url: str, headers: Mapping[str
                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if resp.status != 200:
                 return None
-            body = await resp.json(content_type=None)
+            body = await resp.json(content_type=None, loads=jsonio.loads)  # deep nesting: ValueError
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
         return None
     data = body.get("data") if isinstance(body, dict) else None

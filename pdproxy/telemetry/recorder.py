@@ -55,10 +55,14 @@ class Recorder:
         return RequestTrace(self, route, operation, chat, request_id, pd_mode, deployment, ids, headers)
 
     def forwarded(self, route: str, headers: Any, instance: str | None, status: int, start: float,
-                  error_type: str | None = None) -> None:
+                  error_type: str | None = None, refused: bool = False) -> None:
         """One SERVER span for a request passed through to an instance as it is (`POST /tokenize`):
-        no stages, no metrics; `start` on the telemetry clock, the end is now."""
+        no stages, no metrics; `start` on the telemetry clock, the end is now. `refused` (before
+        admission): traced within --trace-rejected-rate, as refused inference requests are."""
         if self.tracing is None:
+            return
+        if refused and not self.refusal_traces.take():
+            self.metrics.untraced_refusals.inc()
             return
         try:
             ids = self.tracing.new_ids(headers)
