@@ -78,3 +78,31 @@ def test_run_a_table_and_json_name_the_decode_side(tmp_path):
     assert "decode's intake before its engine queue" in " ".join(p.stdout.split())  # the definition below
     parts = json.loads(out.read_text())["runs"][0]["engine_split"]["parts"]
     assert parts["kv_transfer.decode_intake"]["p50"] > 1000 * parts["kv_transfer.handoff"]["p50"]
+
+
+def test_run_b_the_killed_decode_has_a_row_with_its_failed_attempts(run_b):
+    rows = {(i["role"], i["address"]): i for i in run_b["instances"]}
+    dead = rows[("decode", DEAD)]
+    assert dead["requests"] == 0  # migration saved every request it had: none finished there
+    assert dead["attempts_failed"] == 10 and dead["attempt_failures"] == {"stream_broken": 10}
+    assert dead["moved_away"] == 10 and dead["abandoned_handoffs"] == 10
+    assert dead["attempts"] == 14  # 4 warm-up requests finished there before the kill
+    alive = rows[("decode", "127.0.0.1:8200")]
+    assert alive["attempts_failed"] == 0 and alive["requests"] == 28
+    assert run_b["stats"]["requests"]["failed"] == 0  # nothing else in the report says anything failed
+    assert [f for f in run_b["instance_flags"] if DEAD in f] == [
+        f"decode {DEAD}: 10 of 14 attempts failed (stream_broken: 10); 10 moved to another instance, "
+        "10 KV hand-offs abandoned; 0 requests finished there"]
+
+
+def test_run_b_table_and_page_show_the_killed_decode(tmp_path):
+    page = tmp_path / "r.html"
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "report", f"pd={XPYD / 'run-b-bench.jsonl.gz'}",
+                        "--traces", str(XPYD / "run-b.otlp.jsonl.gz"), "--html", str(page)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    text = " ".join(p.stdout.split())
+    assert f"FLAG: pd: decode {DEAD}: 10 of 14 attempts failed" in text
+    html = page.read_text()
+    assert html.count("<table class=instances") == 1 and "127.0.0.1:8201" in html
+    assert f"decode {DEAD}: 10 of 14 attempts failed" in html

@@ -217,7 +217,7 @@ def render(report: dict[str, Any]) -> str:
     comp = report["comparison"]
     flags = "".join(f"<div class=flag>{_e(f)}</div>" for f in comp.get("flags") or [])
     notes = "".join(f"<div class=flag>{_e(e['label'])}: {_e(n)}</div>" for e in runs
-                    for n in [*e["condition_notes"], *(e.get("length_flags") or []),
+                    for n in [*(e.get("instance_flags") or []), *e["condition_notes"], *(e.get("length_flags") or []),
                               *((e.get("prompts") or {}).get("notes") or [])])
     defs = "".join(f"<li><b>{_e(k)}</b>: {_e(v)}</li>" for k, v in d.items() if v is not None)
     payload = json.dumps({"runs": [{"label": e["label"], "plots": e["plots"], "stages": e["stages"]} for e in runs],

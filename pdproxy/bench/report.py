@@ -175,6 +175,7 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
         if t:
             maxes.append(t[1])
             by_start.append([r["start_offset"], t[1]])
+    per_instance = instances.breakdown(run.requests, joined, unit=u, stall_threshold=stall_threshold)
     length_flags = [f"class {c}: {what} tokens {v['actual']:g} at the median, {v['requested']:g} asked "
                     f"({v['off']:+.1%})" for c, ls in (st.get("lengths") or {}).items()
                     for what, v in ls.items() if v["flagged"]]
@@ -202,7 +203,8 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
         "stages": stages,
         "kv_transfer": kv,
         "engine_split": _engine_split(ok_infos),
-        "instances": instances.breakdown(run.requests, joined, unit=u, stall_threshold=stall_threshold),
+        "instances": per_instance,
+        "instance_flags": instances.flags(per_instance),
         "engine_counters": (run.summary or {}).get("engine_counters"),
         "stall_attribution": attribution.run_attribution(ok, joined, timeline, threshold=stall_threshold, unit=u)
         if timeline is not None and joined else None,
