@@ -114,6 +114,7 @@ class RequestTrace:
         self.abandoned_handoffs: list[str] = []  # the prefill instance of each
         self.migration_refusal: str | None = None
         self._last_failure = "unknown"
+        self._last_failed_at: str | None = None  # the decode of the last failed attempt
         self._activity: tuple[InstanceRecord, Activity] | None = None  # its KV arrival or prefill (stalls.py)
         self.stall_marks: list[tuple[int, str]] = []  # (monotonic ns inside a gap, its cause), e.g. migration
 
@@ -165,6 +166,8 @@ class RequestTrace:
         self.t.decode_sent = now()
         self.decode_instance = address
         self.decode_attempts += 1
+        if self._counts_attempts:
+            self.recorder.metrics.attempts.attempt(DECODE, address)
         if self.pd_mode:
             self._activity_started("kv_arrival", address, self.t.prefill_done or self.t.decode_sent)
 
@@ -181,10 +184,12 @@ class RequestTrace:
     def decode_failed(self, address: str, reason: str, abandoned: str | None) -> None:
         """A decode attempt failed (`reason`: its error type); `abandoned`: the prefill instance whose
         hand-off it had and that is now given up."""
-        self._last_failure = reason
+        self._last_failure, self._last_failed_at = reason, address
         if abandoned:
             self.abandoned_handoffs.append(abandoned)
         stage = "mid_stream" if self.scan.first_token_ns is not None else "before_first_token"
+        if self._counts_attempts:
+            self.recorder.metrics.attempts.attempt_failed(DECODE, address, reason, abandoned is not None)
         self.attempt_events.append((now(), n.ATTEMPT_EVENT, {
             n.ATTEMPT_NUMBER: self.decode_attempts, **_leg_attributes(address, "decode", None),
             n.MIGRATION_REASON: reason, n.MIGRATION_STAGE: stage, n.ABANDONED: abandoned is not None}))
@@ -192,6 +197,8 @@ class RequestTrace:
     def migrating(self, stage: str, address: str) -> None:
         """Another decode attempt starts in place of the last failed one."""
         self.migrations.append((stage, self._last_failure))
+        if self._counts_attempts and self._last_failed_at is not None:
+            self.recorder.metrics.attempts.moved_away(DECODE, self._last_failed_at, stage)
         if stage == "mid_stream":
             self.mark_stall("migration")  # the gap this splice leaves is the migration's doing
 
@@ -254,6 +261,11 @@ class RequestTrace:
         return m
 
     # -- internals ----------------------------------------------------------------------
+
+    @property
+    def _counts_attempts(self) -> bool:
+        """The primary's attempts go to the per-instance counters; the shadow's instances are not configured."""
+        return self.deployment == "primary"
 
     def _trace_allowed(self, m: Measurement) -> bool:
         """Requests refused before admission (401, 400, 413, 503 ...) are traced within the rate limit."""
