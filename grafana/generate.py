@@ -468,7 +468,8 @@ def overview() -> dict:
 
     L.row("KV transfer (prefill response → first decode token)")
     L.add(timeseries("pd.kv_transfer p50 / p90 / p99 (upper bound)",
-                     "Duration of the pd.kv_transfer span: hand-off + decode queue + KV pull + one decode step. "
+                     "Duration of the pd.kv_transfer span: proxy hand-off + HTTP + the decode's intake before "
+                     "its engine queue + decode queue and KV pull + one decode step. "
                      "An upper bound on the transfer, never the transfer alone.",
                      quantiles(REQ, "pdproxy_stage_duration_seconds", "kv_transfer", 'stage="kv_transfer"')), w=8)
     L.add(timeseries("Decode: KV wait vs compute p50 / p99 (vLLM's spans)",
@@ -476,7 +477,10 @@ def overview() -> dict:
                      "(vLLM with --otlp-traces-endpoint, service.name containing 'decode'; derived by the "
                      "collector): KV wait = the decode's time_in_queue (waiting for the remote KV, NIXL pull "
                      "included); compute = its first step once the KV is there (time_in_model_prefill). "
-                     "pd.kv_transfer minus both is the proxy's hand-off and HTTP. All instances and runs.",
+                     "pd.kv_transfer minus both is mostly on the decode (vLLM's API server to its engine "
+                     "core: time_to_first_token − time_in_queue − time_in_model_prefill), plus HTTP and the "
+                     "proxy's own hand-off (its own panel): `pdproxy report --traces` splits it. All instances "
+                     "and runs.",
                      [prom(VLLM.quantile(0.5, "pdproxy_trace_decode_kv_wait_seconds"), "KV wait p50"),
                       prom(VLLM.quantile(0.99, "pdproxy_trace_decode_kv_wait_seconds"), "KV wait p99", exemplar=True),
                       prom(VLLM.quantile(0.5, "pdproxy_trace_decode_first_step_seconds"), "first step p50"),
@@ -508,6 +512,39 @@ def overview() -> dict:
                      "Derived metrics and traces undercount while this is above zero.",
                      [prom("sum by (reason) (rate(pdproxy_spans_dropped_total[$__rate_interval]))", "{{reason}}")],
                      "short"), w=6)
+
+    L.row("Attempts per decode instance (where requests were sent, not where they ended)")
+    attempts_note = ("Counted where each attempt was sent: a decode that dies while migration saves all its requests "
+                     "ends none of them, so it shows here and not in the request counts. The instance's address is "
+                     "`exported_instance`; every configured decode has a series from the proxy's start.")
+    L.add(timeseries("Decode attempts/s per instance",
+                     "Attempts sent to each decode (a retried or migrated request counts once per attempt). "
+                     + attempts_note,
+                     [prom("sum by (exported_instance) (rate(pdproxy_instance_attempts_total[$__rate_interval]))",
+                           "{{exported_instance}}")], "short"), w=6)
+    L.add(timeseries("Failed decode attempts/s per instance, by reason",
+                     "Failed attempts on each decode by the proxy's error type, also those a migration saved. "
+                     + attempts_note,
+                     [prom("sum by (exported_instance, reason) "
+                           "(rate(pdproxy_instance_attempt_failures_total[$__rate_interval]))",
+                           "{{exported_instance}} {{reason}}")], "short", stack=True), w=6)
+    L.add(timeseries("Share of decode attempts that failed, per instance",
+                     "Failed attempts / attempts sent, per decode: near 1 for a dead decode even while every "
+                     "request succeeds. " + attempts_note,
+                     [prom("sum by (exported_instance) (rate(pdproxy_instance_attempt_failures_total"
+                           "[$__rate_interval])) / sum by (exported_instance) "
+                           "(rate(pdproxy_instance_attempts_total[$__rate_interval]))", "{{exported_instance}}")],
+                     "percentunit", max_=1), w=6)
+    L.add(timeseries("Requests moved away and hand-offs abandoned/s per decode",
+                     "Requests moved to another decode after an attempt on this one failed, by migration stage; "
+                     "and failed attempts here that gave up the request's KV hand-off (the prefill holds those "
+                     "blocks until VLLM_NIXL_ABORT_REQUEST_TIMEOUT). " + attempts_note,
+                     [prom("sum by (exported_instance, stage) "
+                           "(rate(pdproxy_instance_moved_away_total[$__rate_interval]))",
+                           "{{exported_instance}} moved ({{stage}})"),
+                      prom("sum by (exported_instance) "
+                           "(rate(pdproxy_instance_abandoned_handoffs_total[$__rate_interval]))",
+                           "{{exported_instance}} hand-offs abandoned")], "short"), w=6)
 
     L.row("Primary vs shadow (same requests)")
     L.add(timeseries("TTFT p50 / p99 by deployment",

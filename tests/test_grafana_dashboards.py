@@ -178,6 +178,14 @@ def test_overview_has_the_required_panels():
           "pdproxy_trace_decode_first_step_seconds_bucket")
     panel("Tokens/s", "pdproxy_tokens_total")
     panel("per instance", "pdproxy_instance_inflight")
+    # a decode that fails while migration saves its requests shows by its attempts (issue 29)
+    panel("Decode attempts/s per instance", "pdproxy_instance_attempts_total", "by (exported_instance)")
+    panel("Failed decode attempts/s per instance", "pdproxy_instance_attempt_failures_total",
+          "by (exported_instance, reason)")
+    panel("Share of decode attempts that failed", "pdproxy_instance_attempt_failures_total",
+          "pdproxy_instance_attempts_total")
+    panel("moved away and hand-offs abandoned", "pdproxy_instance_moved_away_total",
+          "pdproxy_instance_abandoned_handoffs_total")
     panel("by deployment", "by (le, deployment)")
     table = panel("Slowest requests", "span.gen_ai.response.time_to_first_chunk")
     assert next(p for p in panels(d) if p["title"] == table)["targets"][0]["tableType"] == "traces"
