@@ -43,8 +43,8 @@ ENGINE_SPAN = "llm_request"
 # (stage, part) in the order a request goes through them
 PARTS: tuple[tuple[str, str], ...] = (
     ("prefill", "overhead"), ("prefill", "queue"), ("prefill", "compute"),
-    ("kv_transfer", "failed_attempts"), ("kv_transfer", "handoff"), ("kv_transfer", "decode_intake"), ("kv_transfer", "kv_wait"),
-    ("kv_transfer", "first_step"), ("kv_transfer", "http"),
+    ("kv_transfer", "failed_attempts"), ("kv_transfer", "handoff"), ("kv_transfer", "decode_intake"),
+    ("kv_transfer", "kv_wait"), ("kv_transfer", "first_step"), ("kv_transfer", "http"),
     ("decode", "compute"), ("decode", "relay"),
 )
 PART_LABELS = {

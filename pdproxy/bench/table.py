@@ -159,10 +159,11 @@ def _prefix_hits(e: dict[str, Any]) -> str:
     return text + (f", {len(unread)} unreadable" if unread else "")
 
 
-INSTANCE_COLUMNS = ("role", "address", "requests", "failed (by reason)", "attempts (warm-up incl.)",
-                    "failed attempts (by reason)",
-                    "moved away", "hand-offs abandoned", "TTFT p50 / p99", "KV wait p50 / p99", "max ITL p50 / p99",
+INSTANCE_COLUMNS = ("role", "address", "requests", "failed (by reason)", "attempts*", "attempts failed* (by reason)",
+                    "moved away*", "hand-offs abandoned*", "TTFT p50 / p99", "KV wait p50 / p99", "max ITL p50 / p99",
                     "stalls")
+INSTANCE_NOTE = ("* attempts where they were sent, warm-up included; the other columns: measured requests where "
+                 "they ended")
 
 
 def instance_rows(e: dict[str, Any]) -> list[list[str]]:
@@ -196,10 +197,12 @@ def instances_tables(report: dict[str, Any]) -> list[Table]:
         if len(rows) < 2:
             continue
         t = Table(title=f"Per instance, {e['label']} (from the traces; ms)", title_justify="left")
-        for c in INSTANCE_COLUMNS:
-            t.add_column(c, overflow="fold", justify="left" if c in ("role", "address") else "right")
+        for c in INSTANCE_COLUMNS:  # an address is looked up as it is: never broken over lines
+            t.add_column(c, overflow="fold", justify="left" if c in ("role", "address") else "right",
+                         no_wrap=c in ("role", "address"))
         for r in rows:
             t.add_row(*map(Text, r))
+        t.caption, t.caption_justify = INSTANCE_NOTE, "left"
         out.append(t)
     return out
 
