@@ -1,9 +1,10 @@
-"""Per-instance attempt counters in /metrics, on real processes: a decode that fails while migration
-saves every request it had still shows, by its own address, in the proxy's counters.
+"""Per-instance attempt counters in /metrics, on real processes: an instance that fails while migration
+or retries save every request it had still shows, by its own address, in the proxy's counters.
 
-`pdproxy serve` in front of two prefill and two decode `pdproxy sim`s (round robin): the first decode
+`pdproxy serve` in front of two prefill and two decode `pdproxy sim`s (round robin). The first decode
 dies after its status line for 4 requests (the KV pulled: their hand-offs are abandoned), then is
-stopped (later attempts fail to connect: nothing to abandon). Every client gets its whole stream.
+stopped (later attempts fail to connect: nothing to abandon); or the first prefill is stopped. Every
+client gets its whole stream. Label values stay within the configured instances.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import httpx
 import pytest
 
 from ledgers import counter
+from pdproxy.bench import instances, traces
 from test_reliability_migration import Rig, complete, stream
+from waits import wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,6 +34,14 @@ def series(text: str) -> list[dict[str, str]]:
         if name in FAMILIES:
             out.append(dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0])))
     return out
+
+
+def traces_of(path, request_ids: list[str]) -> traces.TraceIndex:
+    """The trace file once every request's trace is in it (spans are written in batches)."""
+    def complete() -> traces.TraceIndex | None:
+        idx = traces.read_traces([str(path)])
+        return idx if all(rid in idx.by_request for rid in request_ids) else None
+    return wait_until(complete, "every request's trace in the trace file")
 
 
 def test_a_failing_decode_shows_in_the_per_instance_attempt_counters(tmp_path):
@@ -72,10 +83,43 @@ def test_a_failing_decode_shows_in_the_per_instance_attempt_counters(tmp_path):
         assert both == 18 + total_failed
         # label values bounded by the configuration: the configured decodes, the fixed reasons and stages
         labels = series(text)
-        assert {s["instance"] for s in labels} == {dead, alive}
-        assert {s["role"] for s in labels} == {"decode"}
+        assert {s["instance"] for s in labels} == {u.removeprefix("http://") for u in rig.prefills + rig.decodes}
+        assert {s["role"] for s in labels} == {"prefill", "decode"}
+        assert {s["instance"] for s in labels if s["role"] == "decode"} == {dead, alive}
         assert {s["reason"] for s in labels if "reason" in s} <= {"stream_broken", "stream_truncated",
                                                                    "connect_error"}
         assert {s["stage"] for s in labels if "stage" in s} == {"before_first_token"}
+    finally:
+        rig.stop()
+
+
+def test_a_dead_prefill_shows_in_the_counters_the_traces_and_the_report(tmp_path):
+    """Retries save every request a stopped prefill gets (connect errors, moved to the other prefill): the
+    dead prefill ends no request, and is seen by its failed attempts in /metrics and in `pdproxy report`."""
+    rig = Rig(tmp_path, "--prefill-retries", "1")
+    try:
+        dead = rig.prefills[0].removeprefix("http://")
+        rig.procs[0].stop()
+        body = {"model": "sim-model", "prompt": "words for a request", "max_tokens": 8, "stream": True}
+        results = [stream(rig.url, body) for _ in range(8)]
+        assert all(complete(r) for r, _ in results)
+        text = httpx.get(rig.url + "/metrics").text
+        failed = counter(text, "pdproxy_instance_attempt_failures_total", role="prefill", instance=dead,
+                         reason="connect_error")
+        assert failed >= 3  # round robin: about half the requests were first sent there
+        assert counter(text, "pdproxy_instance_attempts_total", role="prefill", instance=dead) == failed
+        assert counter(text, "pdproxy_instance_moved_away_total", role="prefill", instance=dead,
+                       stage="before_first_token") == failed
+        assert counter(text, "pdproxy_instance_attempts_total", role="prefill") == 8 + failed
+        assert {s["instance"] for s in series(text) if s["role"] == "prefill"} == {
+            u.removeprefix("http://") for u in rig.prefills}
+        # the report's per-instance rows, from the proxy's trace file
+        idx = traces_of(rig.file, [rid for _, rid in results])
+        joined, _ = traces.join([{"request_id": rid} for _, rid in results], idx)
+        rows = {(i["role"], i["address"]): i for i in instances.breakdown(
+            [{"request_id": rid, "ok": True} for _, rid in results], joined, unit="chunk", stall_threshold=0.1)}
+        assert rows[("prefill", dead)]["attempt_failures"] == {"connect_error": failed}
+        assert rows[("prefill", dead)]["requests"] == 0 and rows[("prefill", dead)]["moved_away"] == failed
+        assert sum(i["attempts"] for (role, _), i in rows.items() if role == "prefill") == 8 + failed
     finally:
         rig.stop()

@@ -12,8 +12,11 @@ migration saves its requests finishes none of them, so it shows only through its
 `pd.decode.attempt_failed` event on `pd.decode` is a failed attempt on the instance it names
 (`server.address`:`server.port`), by reason (`pd.migration.reason`), moved away when another attempt
 followed it, with its KV hand-off abandoned when `pd.handoff.abandoned` says so. The request's last
-decode attempt (`pd.decode.attempts`) counts on `pd.decode.instance` unless an event says it failed;
-a re-prefill for a migration (`pd.prefill.rerun`) is an attempt on its prefill instance. Attempts
+decode attempt (`pd.decode.attempts`) counts on `pd.decode.instance` unless an event says it failed.
+Prefill attempts likewise: each `pd.prefill.attempt_failed` event (on `pd.prefill`, or on `pd.decode`
+for a re-prefill of a migration) is a failed attempt on its instance, by `error.type`; the prefill
+that answered counts on `pd.prefill.instance`, each re-prefill that answered (`pd.prefill.rerun`) on
+its own. Attempts
 count over every traced request of the run, warm-up included (a decode killed while a warm-up request
 waits on it has failed all the same); requests and latencies over the measured ones.
 """
@@ -47,8 +50,8 @@ def breakdown(requests: list[dict[str, Any]], joined: dict[str, TraceInfo], *, u
             continue
         for role, address in attempts(info):  # warm-up included: an instance's failures are not the warm-up's
             row(role, address)["attempts"] += 1
-        for address, reason, moved, abandoned in failed_attempts(info):
-            x = row("decode", address)
+        for role, address, reason, moved, abandoned in failed_attempts(info):
+            x = row(role, address)
             x["attempt_failures"][reason] += 1
             x["moved_away"] += moved
             x["abandoned_handoffs"] += abandoned
@@ -101,12 +104,14 @@ def _address(attrs: dict[str, Any]) -> str | None:
     return f"{host}:{port}" if host and port is not None else None
 
 
-def _events(info: TraceInfo, name: str) -> list[dict[str, Any]]:
-    return [e.attrs for e in info.stage_events.get("decode") or [] if e.name == name]
+def _events(info: TraceInfo, name: str, stages: tuple[str, ...] = ("decode",)) -> list[dict[str, Any]]:
+    return [e.attrs for stage in stages for e in info.stage_events.get(stage) or [] if e.name == name]
 
 
-def failed_attempts(info: TraceInfo) -> list[tuple[str, str, bool, bool]]:
-    """(decode address, reason, moved away, hand-off abandoned) of each failed decode attempt."""
+def failed_attempts(info: TraceInfo) -> list[tuple[str, str, str, bool, bool]]:
+    """(role, address, reason, moved away, hand-off abandoned) of each failed attempt. A decode attempt
+    moved away when a later one followed (its number is below pd.decode.attempts); a prefill attempt
+    unless it is the request's last and the request failed."""
     total = _int(info.stage_attrs.get("decode", {}).get(n.DECODE_ATTEMPTS))
     out = []
     for a in _events(info, n.ATTEMPT_EVENT):
@@ -115,21 +120,26 @@ def failed_attempts(info: TraceInfo) -> list[tuple[str, str, bool, bool]]:
             continue
         number = _int(a.get(n.ATTEMPT_NUMBER))
         moved = total is not None and number is not None and number < total
-        out.append((address, str(a.get(n.MIGRATION_REASON) or "unknown"), moved, a.get(n.ABANDONED) is True))
+        out.append(("decode", address, str(a.get(n.MIGRATION_REASON) or "unknown"), moved, a.get(n.ABANDONED) is True))
+    prefills = [a for a in _events(info, n.PREFILL_ATTEMPT_EVENT, ("prefill", "decode")) if _address(a)]
+    failed = info.status == "ERROR" or bool(info.attrs.get("pd.failed_stage"))
+    for i, a in enumerate(prefills):
+        last = i == len(prefills) - 1 and failed and not _events(info, n.PREFILL_RERUN_EVENT)
+        out.append(("prefill", str(_address(a)), str(a.get("error.type") or "unknown"), not last, False))
     return out
 
 
 def attempts(info: TraceInfo) -> list[tuple[str, str]]:
-    """(role, address) of every attempt the trace shows: the failed decode attempts, the last decode
-    attempt when it did not fail, the prefill that ran, and each re-prefill."""
-    out = [("decode", x[0]) for x in failed_attempts(info)]
+    """(role, address) of every attempt the trace shows: the failed ones, the last decode attempt when it
+    did not fail, the prefill that answered, and each re-prefill that answered."""
+    out = [(x[0], x[1]) for x in failed_attempts(info)]
     total = _int(info.stage_attrs.get("decode", {}).get(n.DECODE_ATTEMPTS))
     numbers = {_int(a.get(n.ATTEMPT_NUMBER)) for a in _events(info, n.ATTEMPT_EVENT)}
     decode = info.attrs.get("pd.decode.instance")
     if decode and (total is None or total not in numbers):
         out.append(("decode", str(decode)))
     prefill = info.attrs.get("pd.prefill.instance")
-    if prefill:
+    if prefill and info.attrs.get("pd.failed_stage") != "prefill":
         out.append(("prefill", str(prefill)))
     out += [("prefill", a) for a in map(_address, _events(info, n.PREFILL_RERUN_EVENT)) if a]
     return out

@@ -416,10 +416,10 @@ class InstanceAttempts:
     exposed at scrape time; every configured instance has its series from the start (at 0), and an
     address that is not one of them (none is, today) is counted as `other`, so the label values are
     bounded by the configuration. `reason` is the proxy's error type (a fixed set), `stage` one of the
-    two migration stages. Decode attempts only: a prefill retried elsewhere is in pd.prefill.attempts."""
+    two migration stages (a prefill retried elsewhere moves `before_first_token`)."""
 
     OTHER = "other"
-    ROLES = ("decode",)
+    ROLES = ("prefill", "decode")
 
     def __init__(self) -> None:
         self.known: set[tuple[str, str]] = set()
@@ -464,7 +464,7 @@ class InstanceAttempts:
             (CounterMetricFamily("pdproxy_instance_moved_away", "Requests moved to another instance after an "
                                  "attempt on this one failed, by migration stage", labels=[*labels, "stage"]),
              self.moved),
-            (CounterMetricFamily("pdproxy_instance_abandoned_handoffs", "Failed attempts on this decode that gave "
+            (CounterMetricFamily("pdproxy_instance_abandoned_handoffs", "Failed attempts on a decode that gave "
                                  "up the request's KV hand-off", labels=labels), self.abandoned),
         )
         for family, counts in families:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import random
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from pdproxy.errors import DECODE, KV_TRANSFER, PREFILL, QUEUE
 from pdproxy.stream import ResponseScan
@@ -78,6 +79,9 @@ class Recorder:
             log.exception("could not record the span of %s", route)
 
 
+T = TypeVar("T")
+
+
 class RequestTrace:
     """Everything known about one request while it is served."""
 
@@ -115,6 +119,8 @@ class RequestTrace:
         self.migration_refusal: str | None = None
         self._last_failure = "unknown"
         self._last_failed_at: str | None = None  # the decode of the last failed attempt
+        self._prefill_failed_at: str | None = None  # the prefill of a failed attempt not yet followed by another
+        self.prefill_events: list[tuple[int, str, dict[str, Any]]] = []  # failed attempts of the first prefill
         self._activity: tuple[InstanceRecord, Activity] | None = None  # its KV arrival or prefill (stalls.py)
         self.stall_marks: list[tuple[int, str]] = []  # (monotonic ns inside a gap, its cause), e.g. migration
 
@@ -156,6 +162,30 @@ class RequestTrace:
         self.prefill_instance, self.decode_instance = prefill_address, decode_address
         if not self.pd_mode:
             self._activity_started("prefill", decode_address, self.t.admitted)
+
+    def counting_prefill(self, attempt: Callable[[Any, int], Awaitable[T]]) -> Callable[[Any, int], Awaitable[T]]:
+        """A prefill leg's `attempt(instance, try)` with each attempt counted on its instance, and each failed
+        one (an outcome with an `error`: the flow's failure) on the trace: the one place the flow reports them."""
+        async def counted(instance: Any, tries: int) -> T:
+            counts = self.recorder.metrics.attempts if self._counts_attempts else None
+            if counts is not None:
+                if self._prefill_failed_at is not None:
+                    counts.moved_away(PREFILL, self._prefill_failed_at, "before_first_token")
+                counts.attempt(PREFILL, instance.address)
+            self._prefill_failed_at = None
+            outcome = await attempt(instance, tries)
+            error = getattr(outcome, "error", None)
+            if error is not None:
+                reason = str(getattr(error, "error_type", None) or "unknown")
+                self._prefill_failed_at = instance.address
+                if counts is not None:
+                    counts.attempt_failed(PREFILL, instance.address, reason, False)
+                events = self.prefill_events if self.t.prefill_done is None else self.attempt_events
+                events.append((now(), n.PREFILL_ATTEMPT_EVENT, {
+                    n.PREFILL_ATTEMPT_NUMBER: tries, **_leg_attributes(instance.address, "prefill", None),
+                    "error.type": reason}))
+            return outcome
+        return counted
 
     def prefill_done(self, address: str, status: int, attempts: int, kv_params: str) -> None:
         self.t.prefill_done = now()
@@ -336,6 +366,8 @@ class RequestTrace:
             span = SpanData(name, kind, ids.trace_id, span_id or random.getrandbits(64), ids.root, to_unix_ns(start),
                             to_unix_ns(end), self._stage_measurements(stage, m, decision), trace_state=ids.tracestate,
                             encoded=self._stage_block(stage, decision))
+            if stage == PREFILL and self.prefill_events:
+                span.events = [(to_unix_ns(at), name, attributes) for at, name, attributes in self.prefill_events]
             if stage == DECODE:
                 attempts = [(to_unix_ns(at), name, attributes) for at, name, attributes in self.attempt_events]
                 span.events = attempts + (self._stall_events(stalls) if m.stalls else [])
