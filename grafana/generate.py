@@ -513,38 +513,38 @@ def overview() -> dict:
                      [prom("sum by (reason) (rate(pdproxy_spans_dropped_total[$__rate_interval]))", "{{reason}}")],
                      "short"), w=6)
 
-    L.row("Attempts per decode instance (where requests were sent, not where they ended)")
-    attempts_note = ("Counted where each attempt was sent: a decode that dies while migration saves all its requests "
-                     "ends none of them, so it shows here and not in the request counts. The instance's address is "
-                     "`exported_instance`; every configured decode has a series from the proxy's start.")
-    L.add(timeseries("Decode attempts/s per instance",
-                     "Attempts sent to each decode (a retried or migrated request counts once per attempt). "
-                     + attempts_note,
-                     [prom("sum by (exported_instance) (rate(pdproxy_instance_attempts_total[$__rate_interval]))",
-                           "{{exported_instance}}")], "short"), w=6)
-    L.add(timeseries("Failed decode attempts/s per instance, by reason",
-                     "Failed attempts on each decode by the proxy's error type, also those a migration saved. "
-                     + attempts_note,
-                     [prom("sum by (exported_instance, reason) "
+    L.row("Attempts per instance (where requests were sent, not where they ended)")
+    attempts_note = ("Counted where each attempt was sent: an instance that dies while retries or migration save all "
+                     "its requests ends none of them, so it shows here and not in the request counts. The instance's "
+                     "address is `exported_instance`; every configured instance has a series from the proxy's start.")
+    L.add(timeseries("Attempts/s per instance",
+                     "Attempts sent to each prefill and decode (a retried or migrated request counts once per "
+                     "attempt). " + attempts_note,
+                     [prom("sum by (role, exported_instance) (rate(pdproxy_instance_attempts_total[$__rate_interval]))",
+                           "{{role}} {{exported_instance}}")], "short"), w=6)
+    L.add(timeseries("Failed attempts/s per instance, by reason",
+                     "Failed attempts on each instance by the proxy's error type, also those a retry or migration "
+                     "saved. " + attempts_note,
+                     [prom("sum by (role, exported_instance, reason) "
                            "(rate(pdproxy_instance_attempt_failures_total[$__rate_interval]))",
-                           "{{exported_instance}} {{reason}}")], "short", stack=True), w=6)
-    L.add(timeseries("Share of decode attempts that failed, per instance",
-                     "Failed attempts / attempts sent, per decode: near 1 for a dead decode even while every "
+                           "{{role}} {{exported_instance}} {{reason}}")], "short", stack=True), w=6)
+    L.add(timeseries("Share of attempts that failed, per instance",
+                     "Failed attempts / attempts sent, per instance: near 1 for a dead instance even while every "
                      "request succeeds. " + attempts_note,
-                     [prom("sum by (exported_instance) (rate(pdproxy_instance_attempt_failures_total"
-                           "[$__rate_interval])) / sum by (exported_instance) "
-                           "(rate(pdproxy_instance_attempts_total[$__rate_interval]))", "{{exported_instance}}")],
+                     [prom("sum by (role, exported_instance) (rate(pdproxy_instance_attempt_failures_total"
+                           "[$__rate_interval])) / sum by (role, exported_instance) "
+                           "(rate(pdproxy_instance_attempts_total[$__rate_interval]))", "{{role}} {{exported_instance}}")],
                      "percentunit", max_=1), w=6)
-    L.add(timeseries("Requests moved away and hand-offs abandoned/s per decode",
-                     "Requests moved to another decode after an attempt on this one failed, by migration stage; "
-                     "and failed attempts here that gave up the request's KV hand-off (the prefill holds those "
+    L.add(timeseries("Requests moved away and hand-offs abandoned/s per instance",
+                     "Requests moved to another instance of the role after an attempt on this one failed, by stage; "
+                     "and failed attempts on a decode that gave up the request's KV hand-off (the prefill holds those "
                      "blocks until VLLM_NIXL_ABORT_REQUEST_TIMEOUT). " + attempts_note,
-                     [prom("sum by (exported_instance, stage) "
+                     [prom("sum by (role, exported_instance, stage) "
                            "(rate(pdproxy_instance_moved_away_total[$__rate_interval]))",
-                           "{{exported_instance}} moved ({{stage}})"),
+                           "{{role}} {{exported_instance}} moved ({{stage}})"),
                       prom("sum by (exported_instance) "
                            "(rate(pdproxy_instance_abandoned_handoffs_total[$__rate_interval]))",
-                           "{{exported_instance}} hand-offs abandoned")], "short"), w=6)
+                           "decode {{exported_instance}} hand-offs abandoned")], "short"), w=6)
 
     L.row("Primary vs shadow (same requests)")
     L.add(timeseries("TTFT p50 / p99 by deployment",

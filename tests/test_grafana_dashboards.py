@@ -178,11 +178,11 @@ def test_overview_has_the_required_panels():
           "pdproxy_trace_decode_first_step_seconds_bucket")
     panel("Tokens/s", "pdproxy_tokens_total")
     panel("per instance", "pdproxy_instance_inflight")
-    # a decode that fails while migration saves its requests shows by its attempts (issue 29)
-    panel("Decode attempts/s per instance", "pdproxy_instance_attempts_total", "by (exported_instance)")
-    panel("Failed decode attempts/s per instance", "pdproxy_instance_attempt_failures_total",
-          "by (exported_instance, reason)")
-    panel("Share of decode attempts that failed", "pdproxy_instance_attempt_failures_total",
+    # an instance that fails while retries or migration save its requests shows by its attempts (issue 29)
+    panel("Attempts/s per instance", "pdproxy_instance_attempts_total", "by (role, exported_instance)")
+    panel("Failed attempts/s per instance", "pdproxy_instance_attempt_failures_total",
+          "by (role, exported_instance, reason)")
+    panel("Share of attempts that failed", "pdproxy_instance_attempt_failures_total",
           "pdproxy_instance_attempts_total")
     panel("moved away and hand-offs abandoned", "pdproxy_instance_moved_away_total",
           "pdproxy_instance_abandoned_handoffs_total")
