@@ -472,19 +472,21 @@ def overview() -> dict:
                      "its engine queue + decode queue and KV pull + one decode step. "
                      "An upper bound on the transfer, never the transfer alone.",
                      quantiles(REQ, "pdproxy_stage_duration_seconds", "kv_transfer", 'stage="kv_transfer"')), w=8)
-    L.add(timeseries("Decode: KV wait vs compute p50 / p99 (vLLM's spans)",
+    L.add(timeseries("Decode: intake, KV wait and compute p50 / p99 (vLLM's spans)",
                      "What pd.kv_transfer is made of, from vLLM's own llm_request spans on the decode instances "
                      "(vLLM with --otlp-traces-endpoint, service.name containing 'decode'; derived by the "
                      "collector): KV wait = the decode's time_in_queue (waiting for the remote KV, NIXL pull "
                      "included); compute = its first step once the KV is there (time_in_model_prefill). "
-                     "pd.kv_transfer minus both is mostly on the decode (vLLM's API server to its engine "
-                     "core: time_to_first_token − time_in_queue − time_in_model_prefill), plus HTTP and the "
-                     "proxy's own hand-off (its own panel): `pdproxy report --traces` splits it. All instances "
-                     "and runs.",
+                     "decode intake = the decode's time_to_first_token − time_in_queue − time_in_model_prefill: "
+                     "on the decode, from its API server's arrival to its engine core queueing the request (plus "
+                     "the first token's way back to its API server), not the proxy's. pd.kv_transfer minus the "
+                     "three is HTTP and the proxy's own hand-off (its own panel). All instances and runs.",
                      [prom(VLLM.quantile(0.5, "pdproxy_trace_decode_kv_wait_seconds"), "KV wait p50"),
                       prom(VLLM.quantile(0.99, "pdproxy_trace_decode_kv_wait_seconds"), "KV wait p99", exemplar=True),
                       prom(VLLM.quantile(0.5, "pdproxy_trace_decode_first_step_seconds"), "first step p50"),
-                      prom(VLLM.quantile(0.99, "pdproxy_trace_decode_first_step_seconds"), "first step p99")]), w=8)
+                      prom(VLLM.quantile(0.99, "pdproxy_trace_decode_first_step_seconds"), "first step p99"),
+                      prom(VLLM.quantile(0.5, "pdproxy_trace_decode_intake_seconds"), "decode intake p50"),
+                      prom(VLLM.quantile(0.99, "pdproxy_trace_decode_intake_seconds"), "decode intake p99")]), w=8)
     L.add(timeseries("Proxy's own hand-off gap p50 / p99",
                      "Prefill response read → decode request sent: the proxy's share of the hand-off.",
                      quantiles(REQ, "pdproxy_handoff_gap_seconds", "hand-off", qs=(0.5, 0.99))), w=8)

@@ -174,8 +174,8 @@ def test_overview_has_the_required_panels():
     panel("Tail ITL across requests", "pdproxy_request_itl_p99_seconds_bucket")
     panel("stall", "pdproxy_requests_with_stall_total")
     panel("kv_transfer", 'stage="kv_transfer"')
-    panel("KV wait vs compute", "pdproxy_trace_decode_kv_wait_seconds_bucket",
-          "pdproxy_trace_decode_first_step_seconds_bucket")
+    panel("KV wait and compute", "pdproxy_trace_decode_kv_wait_seconds_bucket",
+          "pdproxy_trace_decode_first_step_seconds_bucket", "pdproxy_trace_decode_intake_seconds_bucket")
     panel("Tokens/s", "pdproxy_tokens_total")
     panel("per instance", "pdproxy_instance_inflight")
     # an instance that fails while retries or migration save its requests shows by its attempts (issue 29)

@@ -88,7 +88,8 @@ def test_a_failing_decode_shows_in_the_per_instance_attempt_counters(tmp_path):
         assert {s["instance"] for s in labels if s["role"] == "decode"} == {dead, alive}
         assert {s["reason"] for s in labels if "reason" in s} <= {"stream_broken", "stream_truncated",
                                                                    "connect_error"}
-        assert {s["stage"] for s in labels if "stage" in s} == {"before_first_token"}
+        assert {s["stage"] for s in labels if "stage" in s} == {"before_first_token", "mid_stream"}  # 0 from start
+        assert counter(text, "pdproxy_instance_moved_away_total", stage="mid_stream") == 0
     finally:
         rig.stop()
 

@@ -416,10 +416,12 @@ class InstanceAttempts:
     exposed at scrape time; every configured instance has its series from the start (at 0), and an
     address that is not one of them (none is, today) is counted as `other`, so the label values are
     bounded by the configuration. `reason` is the proxy's error type (a fixed set), `stage` one of the
-    two migration stages (a prefill retried elsewhere moves `before_first_token`)."""
+    two migration stages (a prefill retried elsewhere moves `before_first_token`). Attempts, moves and
+    abandoned hand-offs start at 0 for every configured instance; failures appear with their reason."""
 
     OTHER = "other"
     ROLES = ("prefill", "decode")
+    STAGES = ("before_first_token", "mid_stream")
 
     def __init__(self) -> None:
         self.known: set[tuple[str, str]] = set()
@@ -433,6 +435,10 @@ class InstanceAttempts:
             if key[0] in self.ROLES:
                 self.known.add(key)
                 self.sent.setdefault(key, 0)
+                for stage in self.STAGES:
+                    self.moved.setdefault((*key, stage), 0)
+                if key[0] == "decode":  # only a decode's failure gives a hand-off up
+                    self.abandoned.setdefault(key, 0)
 
     def _key(self, role: str, address: str) -> tuple[str, str]:
         return (role, address) if (role, address) in self.known else (role, self.OTHER)
