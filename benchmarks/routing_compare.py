@@ -121,7 +121,7 @@ def main() -> int:
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     n = str(args.requests + 16)
-    prefix_bench = ["--shared-prefixes", "8", "--prefix-len", "1300", "--prompt-len", "64", "--output-len", "16",
+    prefix_bench = ["--shared-prefixes", "8", "--prefix-len", "3000", "--prompt-len", "64", "--output-len", "16",
                     "--concurrency", "16", "--requests", n, "--warmup-requests", "16"]
     slow_bench = ["--prompt-len", "1024", "--output-len", "16", "--concurrency", "12", "--requests", n,
                   "--warmup-requests", "16"]
@@ -138,7 +138,7 @@ def main() -> int:
         return "n/a" if x is None else f"{x:.1%}"
 
     print(f"routing comparison, 2 prefill + 2 decode simulated instances, {args.requests} measured requests per run")
-    print("\nprefix reuse (8 system prompts x 1,300 words, concurrency 16, 1,400 KV blocks per instance):")
+    print("\nprefix reuse (8 system prompts x 3,000 tokens, concurrency 16, 1,400 KV blocks per instance):")
     print(f"  {'prefill policy':<16} {'hit rate':>9} {'computed':>10} {'TTFT p50':>9} {'TTFT p99':>9} {'ok/failed':>10}")
     for r in results["prefix_reuse"]:
         print(f"  {r['policy'].split()[-1]:<16} {pct(r['hit_rate']):>9} {r['computed_tokens']:>10.0f} "

@@ -468,19 +468,25 @@ def overview() -> dict:
 
     L.row("KV transfer (prefill response → first decode token)")
     L.add(timeseries("pd.kv_transfer p50 / p90 / p99 (upper bound)",
-                     "Duration of the pd.kv_transfer span: hand-off + decode queue + KV pull + one decode step. "
+                     "Duration of the pd.kv_transfer span: proxy hand-off + HTTP + the decode's intake before "
+                     "its engine queue + decode queue and KV pull + one decode step. "
                      "An upper bound on the transfer, never the transfer alone.",
                      quantiles(REQ, "pdproxy_stage_duration_seconds", "kv_transfer", 'stage="kv_transfer"')), w=8)
-    L.add(timeseries("Decode: KV wait vs compute p50 / p99 (vLLM's spans)",
+    L.add(timeseries("Decode: intake, KV wait and compute p50 / p99 (vLLM's spans)",
                      "What pd.kv_transfer is made of, from vLLM's own llm_request spans on the decode instances "
                      "(vLLM with --otlp-traces-endpoint, service.name containing 'decode'; derived by the "
                      "collector): KV wait = the decode's time_in_queue (waiting for the remote KV, NIXL pull "
                      "included); compute = its first step once the KV is there (time_in_model_prefill). "
-                     "pd.kv_transfer minus both is the proxy's hand-off and HTTP. All instances and runs.",
+                     "decode intake = the decode's time_to_first_token − time_in_queue − time_in_model_prefill: "
+                     "on the decode, from its API server's arrival to its engine core queueing the request (plus "
+                     "the first token's way back to its API server), not the proxy's. pd.kv_transfer minus the "
+                     "three is HTTP and the proxy's own hand-off (its own panel). All instances and runs.",
                      [prom(VLLM.quantile(0.5, "pdproxy_trace_decode_kv_wait_seconds"), "KV wait p50"),
                       prom(VLLM.quantile(0.99, "pdproxy_trace_decode_kv_wait_seconds"), "KV wait p99", exemplar=True),
                       prom(VLLM.quantile(0.5, "pdproxy_trace_decode_first_step_seconds"), "first step p50"),
-                      prom(VLLM.quantile(0.99, "pdproxy_trace_decode_first_step_seconds"), "first step p99")]), w=8)
+                      prom(VLLM.quantile(0.99, "pdproxy_trace_decode_first_step_seconds"), "first step p99"),
+                      prom(VLLM.quantile(0.5, "pdproxy_trace_decode_intake_seconds"), "decode intake p50"),
+                      prom(VLLM.quantile(0.99, "pdproxy_trace_decode_intake_seconds"), "decode intake p99")]), w=8)
     L.add(timeseries("Proxy's own hand-off gap p50 / p99",
                      "Prefill response read → decode request sent: the proxy's share of the hand-off.",
                      quantiles(REQ, "pdproxy_handoff_gap_seconds", "hand-off", qs=(0.5, 0.99))), w=8)
@@ -508,6 +514,39 @@ def overview() -> dict:
                      "Derived metrics and traces undercount while this is above zero.",
                      [prom("sum by (reason) (rate(pdproxy_spans_dropped_total[$__rate_interval]))", "{{reason}}")],
                      "short"), w=6)
+
+    L.row("Attempts per instance (where requests were sent, not where they ended)")
+    attempts_note = ("Counted where each attempt was sent: an instance that dies while retries or migration save all "
+                     "its requests ends none of them, so it shows here and not in the request counts. The instance's "
+                     "address is `exported_instance`; every configured instance has a series from the proxy's start.")
+    L.add(timeseries("Attempts/s per instance",
+                     "Attempts sent to each prefill and decode (a retried or migrated request counts once per "
+                     "attempt). " + attempts_note,
+                     [prom("sum by (role, exported_instance) (rate(pdproxy_instance_attempts_total[$__rate_interval]))",
+                           "{{role}} {{exported_instance}}")], "short"), w=6)
+    L.add(timeseries("Failed attempts/s per instance, by reason",
+                     "Failed attempts on each instance by the proxy's error type, also those a retry or migration "
+                     "saved. " + attempts_note,
+                     [prom("sum by (role, exported_instance, reason) "
+                           "(rate(pdproxy_instance_attempt_failures_total[$__rate_interval]))",
+                           "{{role}} {{exported_instance}} {{reason}}")], "short", stack=True), w=6)
+    L.add(timeseries("Share of attempts that failed, per instance",
+                     "Failed attempts / attempts sent, per instance: near 1 for a dead instance even while every "
+                     "request succeeds. " + attempts_note,
+                     [prom("sum by (role, exported_instance) (rate(pdproxy_instance_attempt_failures_total"
+                           "[$__rate_interval])) / sum by (role, exported_instance) "
+                           "(rate(pdproxy_instance_attempts_total[$__rate_interval]))", "{{role}} {{exported_instance}}")],
+                     "percentunit", max_=1), w=6)
+    L.add(timeseries("Requests moved away and hand-offs abandoned/s per instance",
+                     "Requests moved to another instance of the role after an attempt on this one failed, by stage; "
+                     "and failed attempts on a decode that gave up the request's KV hand-off (the prefill holds those "
+                     "blocks until VLLM_NIXL_ABORT_REQUEST_TIMEOUT). " + attempts_note,
+                     [prom("sum by (role, exported_instance, stage) "
+                           "(rate(pdproxy_instance_moved_away_total[$__rate_interval]))",
+                           "{{role}} {{exported_instance}} moved ({{stage}})"),
+                      prom("sum by (exported_instance) "
+                           "(rate(pdproxy_instance_abandoned_handoffs_total[$__rate_interval]))",
+                           "decode {{exported_instance}} hand-offs abandoned")], "short"), w=6)
 
     L.row("Primary vs shadow (same requests)")
     L.add(timeseries("TTFT p50 / p99 by deployment",

@@ -192,7 +192,7 @@ class Proxy:
                 return _Failure(err)  # a broken answer: another instance may do better
 
         (kv_params, status), instance, tries = await self._retrying(
-            self.prefill, instance, Budget.start(self.settings.prefill_retries, 0), attempt)
+            self.prefill, instance, Budget.start(self.settings.prefill_retries, 0), trace.counting_prefill(attempt))
         if rerun:
             trace.prefill_rerun(instance.address)
         else:

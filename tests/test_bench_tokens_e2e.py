@@ -72,6 +72,32 @@ def test_prompts_are_the_asked_tokens_and_outputs_exact_through_pdproxy(pd, tmp_
         assert body["min_tokens"] == body["max_tokens"] == 24 and body["ignore_eos"] is True
 
 
+def test_shared_prefixes_and_conversations_are_sized_in_tokens_and_asked_in_full(pd, tmp_path):
+    """Issue 29: prefix_len was counted in words, so a class asked for 900 tokens was sent 2,992 and the
+    report flagged it `900 → 2992 (off)`. The prefix is in the target's tokens now, and each request asks
+    for what it is sent: prefix plus the class's own tokens, every earlier turn of a conversation too."""
+    url, _, _ = pd
+    reqs = bench(url, tmp_path / "p.jsonl", "--prompt-len", "900", "--shared-prefixes", "3", "--prefix-len",
+                 "1200", "--output-len", "8", "--requests", "6", "--concurrency", "3", "--seed", "2")
+    assert len(reqs) == 6 and all(r["ok"] for r in reqs), [r["error_detail"] for r in reqs]
+    for r in reqs:
+        assert r["prompt_tokens_requested"] == 2100
+        assert abs(r["prompt_tokens"] - 2100) <= 2, r["prompt_tokens"]  # exact where the words add up (±1 each)
+    turns = bench(url, tmp_path / "s.jsonl", "--prompt-len", "300", "--sessions", "2", "--turns", "3",
+                  "--output-len", "8", "--requests", "6", "--concurrency", "1", "--seed", "3")
+    assert all(r["ok"] for r in turns)
+    asked = [r["prompt_tokens_requested"] for r in sorted(turns, key=lambda r: r["seq"])]
+    assert asked[:2] == [300, 300] and asked[2] > 600 and asked[4] > asked[2]  # each turn repeats the ones before
+    for r in turns:
+        assert abs(r["prompt_tokens"] - r["prompt_tokens_requested"]) <= 3, r
+    report = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "report", f"p={tmp_path / 'p.jsonl'}", "--json",
+                        str(report), "--no-table"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    lengths = json.loads(report.read_text())["runs"][0]["stats"]["lengths"]["default"]["prompt"]
+    assert lengths["requested"] == 2100 and not lengths["flagged"], lengths
+
+
 def test_report_of_a_2p2d_run_has_a_row_per_instance_and_the_killed_decode_stands_out(tmp_path):
     procs = []
     trace_file = tmp_path / "traces.jsonl"

@@ -174,10 +174,18 @@ def test_overview_has_the_required_panels():
     panel("Tail ITL across requests", "pdproxy_request_itl_p99_seconds_bucket")
     panel("stall", "pdproxy_requests_with_stall_total")
     panel("kv_transfer", 'stage="kv_transfer"')
-    panel("KV wait vs compute", "pdproxy_trace_decode_kv_wait_seconds_bucket",
-          "pdproxy_trace_decode_first_step_seconds_bucket")
+    panel("KV wait and compute", "pdproxy_trace_decode_kv_wait_seconds_bucket",
+          "pdproxy_trace_decode_first_step_seconds_bucket", "pdproxy_trace_decode_intake_seconds_bucket")
     panel("Tokens/s", "pdproxy_tokens_total")
     panel("per instance", "pdproxy_instance_inflight")
+    # an instance that fails while retries or migration save its requests shows by its attempts (issue 29)
+    panel("Attempts/s per instance", "pdproxy_instance_attempts_total", "by (role, exported_instance)")
+    panel("Failed attempts/s per instance", "pdproxy_instance_attempt_failures_total",
+          "by (role, exported_instance, reason)")
+    panel("Share of attempts that failed", "pdproxy_instance_attempt_failures_total",
+          "pdproxy_instance_attempts_total")
+    panel("moved away and hand-offs abandoned", "pdproxy_instance_moved_away_total",
+          "pdproxy_instance_abandoned_handoffs_total")
     panel("by deployment", "by (le, deployment)")
     table = panel("Slowest requests", "span.gen_ai.response.time_to_first_chunk")
     assert next(p for p in panels(d) if p["title"] == table)["targets"][0]["tableType"] == "traces"

@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--corpus", help="fixed prompts: JSONL with 'prompt' (+ 'max_tokens') or a text file, one per line")
     w.add_argument("--shared-prefixes", type=int, metavar="N",
                    help="every prompt starts with one of N system prompts (prefix-cache reuse; default 0: none)")
-    w.add_argument("--prefix-len", help="words of each shared system prompt: N, LOW-HIGH or a preset (default medium)")
+    w.add_argument("--prefix-len", help="tokens of each shared system prompt (the target's tokens, like "
+                   "--prompt-len, which is the part after it): N, LOW-HIGH or a preset (default medium)")
     w.add_argument("--sessions", type=int, metavar="S",
                    help="multi-turn: S conversations side by side, each turn's prompt repeating the turns before")
     w.add_argument("--turns", type=int, help="turns per conversation with --sessions (default 4)")

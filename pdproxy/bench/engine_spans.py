@@ -13,9 +13,21 @@ the `traceparent` the proxy sends on each leg, it is a child of `pd.prefill` or 
 * time_in_model_decode = last token − first token; time_in_model_inference = last token − scheduled.
 * time_to_first_token = first token − arrival; e2e = finish − arrival (arrival: the API server).
 
-The split puts the proxy's stage spans and these intervals together. Each stage's remainder
-(the stage minus vLLM's parts) is time spent outside vLLM's engine: HTTP between proxy and
-instance, vLLM's API server (request parsing, tokenization, detokenization), and the proxy.
+Where those timestamps come from (vLLM 0.23, docs/telemetry.md has the details): arrival is the
+API server's wall clock when it starts rendering the prompt (vllm/renderers/base.py); queued is the
+engine core's QUEUED event, when its busy loop takes the request off its input queue and hands it
+to the scheduler (between two engine steps); scheduled is the first SCHEDULED event. A P/D decode
+request goes QUEUED -> WAITING_FOR_REMOTE_KVS (no SCHEDULED event) -> WAITING once the connector
+reports the KV received -> SCHEDULED: time_in_queue holds the whole KV pull, and the time before
+QUEUED (API server, engine-core input) is in time_to_first_token but in neither of the other two.
+
+The split puts the proxy's stage spans and these intervals together. kv_transfer is split five
+ways: the proxy's measured hand-off (`pd.handoff.gap`), the decode's intake (vLLM's
+time_to_first_token − time_in_queue − time_in_model_prefill: on the decode instance, from its API
+server's arrival to its engine core's queueing, plus the first token's way back to its API server),
+the KV wait, the first step, and HTTP (the rest: proxy→decode request and first token back). The
+other stages' remainders (the stage minus vLLM's parts) are time outside vLLM's engine: HTTP between
+proxy and instance, vLLM's API server (request parsing, tokenization, detokenization), the proxy.
 """
 
 from __future__ import annotations
@@ -24,27 +36,37 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdproxy.bench.otlpjson import attrs_of, unix_s
+from pdproxy.telemetry.names import ATTEMPT_EVENT, HANDOFF_GAP
 
 ENGINE_SPAN = "llm_request"
 
 # (stage, part) in the order a request goes through them
 PARTS: tuple[tuple[str, str], ...] = (
     ("prefill", "overhead"), ("prefill", "queue"), ("prefill", "compute"),
-    ("kv_transfer", "kv_wait"), ("kv_transfer", "first_step"), ("kv_transfer", "handoff"),
+    ("kv_transfer", "failed_attempts"), ("kv_transfer", "handoff"), ("kv_transfer", "decode_intake"),
+    ("kv_transfer", "kv_wait"), ("kv_transfer", "first_step"), ("kv_transfer", "http"),
     ("decode", "compute"), ("decode", "relay"),
 )
 PART_LABELS = {
     "prefill.overhead": "proxy→instance overhead", "prefill.queue": "prefill queue",
-    "prefill.compute": "prefill compute", "kv_transfer.kv_wait": "decode's wait for the KV",
-    "kv_transfer.first_step": "first decode step", "kv_transfer.handoff": "proxy hand-off",
+    "prefill.compute": "prefill compute", "kv_transfer.handoff": "proxy hand-off (measured)",
+    "kv_transfer.failed_attempts": "failed decode attempts (moved away)",
+    "kv_transfer.decode_intake": "decode's intake before its engine queue",
+    "kv_transfer.kv_wait": "decode's wait for the KV", "kv_transfer.first_step": "first decode step",
+    "kv_transfer.http": "HTTP proxy↔decode (the rest)",
     "decode.compute": "decode compute", "decode.relay": "proxy relay",
 }
 SPLIT_DEFINITION = (
     "rows 'vLLM split: stage.part'; from vLLM's llm_request spans (children of pd.prefill / pd.decode; single mode: one span under "
     "pd.prefill) and their gen_ai.latency.* attributes: prefill = proxy→instance overhead (the rest: HTTP, "
     "vLLM's API server, tokenization) + prefill queue (time_in_queue) + prefill compute "
-    "(time_in_model_prefill); kv_transfer = decode's wait for the KV (the decode's time_in_queue, the NIXL "
-    "pull included) + first decode step (the decode's time_in_model_prefill) + proxy hand-off (the rest); "
+    "(time_in_model_prefill); kv_transfer = [failed decode attempts, for a request moved to another decode: "
+    "up to its last pd.decode.attempt_failed event] + proxy hand-off (measured: pd.handoff.gap, after a failed "
+    "attempt its backoff and re-prefill) + decode's intake "
+    "before its engine queue (on the decode, not the proxy: its time_to_first_token − time_in_queue − "
+    "time_in_model_prefill, i.e. API server arrival → engine-core QUEUED, plus the first token's way back to "
+    "its API server) + decode's wait for the KV (its time_in_queue, the NIXL pull included) + first decode "
+    "step (its time_in_model_prefill) + HTTP proxy↔decode (the rest); "
     "decode = decode compute (time_in_model_decode) + proxy relay (the rest). Requests without vLLM spans "
     "have only the proxy's stages."
 )
@@ -130,11 +152,43 @@ def split(info: Any) -> dict[str, float]:
     if last is None:
         return out
     if not single and "kv_transfer" in stages and last.queue is not None and last.prefill is not None:
-        out["kv_transfer.kv_wait"], out["kv_transfer.first_step"] = last.queue, last.prefill
-        out["kv_transfer.handoff"] = stages["kv_transfer"] - last.queue - last.prefill
+        out.update(_kv_split(stages["kv_transfer"], handoff(info), last))
     if "decode" in stages and last.decode is not None:
         out["decode.compute"] = last.decode
         out["decode.relay"] = stages["decode"] - last.decode
+    return out
+
+
+def handoff(info: Any) -> tuple[float | None, float | None]:
+    """(the proxy's own hand-off, time lost on failed decode attempts) of a P/D request, from its trace.
+
+    `pd.handoff.gap` runs from the prefill's answer to the last decode attempt's request; for a request
+    moved off a failed decode it holds the failed attempts (up to the last pd.decode.attempt_failed
+    event), which are not the proxy's: they are given apart. (None, None) without the attribute."""
+    gap = _num((info.stage_attrs.get("kv_transfer") or {}).get(HANDOFF_GAP))
+    if gap is None:
+        return None, None
+    failed = [e.time for e in info.stage_events.get("decode") or [] if e.name == ATTEMPT_EVENT]
+    if not failed or "kv_transfer" not in info.stage_times:
+        return gap, None
+    lost = min(max(0.0, max(failed) - info.stage_times["kv_transfer"][0]), gap)
+    return gap - lost, lost
+
+
+def _kv_split(stage: float, handoff: tuple[float | None, float | None], decode: EngineSpan) -> dict[str, float]:
+    """pd.kv_transfer in the parts named in the module docstring. The proxy's part is the hand-off it
+    measured, never a remainder; without vLLM's time_to_first_token the decode's intake and HTTP
+    cannot be told apart, so neither is given."""
+    queue, step = decode.queue or 0.0, decode.prefill or 0.0
+    out = {"kv_transfer.kv_wait": queue, "kv_transfer.first_step": step}
+    own, lost = handoff
+    if own is not None:
+        out["kv_transfer.handoff"] = own
+    if lost is not None:
+        out["kv_transfer.failed_attempts"] = lost
+    if decode.ttft is not None:
+        out["kv_transfer.decode_intake"] = decode.ttft - queue - step
+        out["kv_transfer.http"] = stage - decode.ttft - (own or 0.0) - (lost or 0.0)
     return out
 
 

@@ -14,8 +14,8 @@ import html
 import json
 from typing import Any
 
-from pdproxy.bench.table import (INSTANCE_COLUMNS, condition_rows, instance_rows, metric_rows, ms, pairing_text,
-                                 results_title, split_text, stalls_text)
+from pdproxy.bench.table import (INSTANCE_COLUMNS, INSTANCE_NOTE, condition_rows, instance_rows, metric_rows, ms,
+                                 pairing_text, results_title, split_text, stalls_text)
 
 CSS = """
 body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1a1a1a;max-width:1400px}
@@ -180,7 +180,8 @@ def _instances(report: dict[str, Any]) -> str:
         if len(rows) > 1:
             out.append(f"<h2>Per instance, {_e(e['label'])} (from the traces; ms)</h2>"
                        + _table(list(INSTANCE_COLUMNS), rows, num_from=2).replace("<table>", f"<table class=instances "
-                                                                                  f"data-run='{_e(e['label'])}'>", 1))
+                                                                                  f"data-run='{_e(e['label'])}'>", 1)
+                       + f"<div class=dim>{_e(INSTANCE_NOTE)}</div>")
     return "".join(out)
 
 
@@ -217,7 +218,7 @@ def render(report: dict[str, Any]) -> str:
     comp = report["comparison"]
     flags = "".join(f"<div class=flag>{_e(f)}</div>" for f in comp.get("flags") or [])
     notes = "".join(f"<div class=flag>{_e(e['label'])}: {_e(n)}</div>" for e in runs
-                    for n in [*e["condition_notes"], *(e.get("length_flags") or []),
+                    for n in [*(e.get("instance_flags") or []), *e["condition_notes"], *(e.get("length_flags") or []),
                               *((e.get("prompts") or {}).get("notes") or [])])
     defs = "".join(f"<li><b>{_e(k)}</b>: {_e(v)}</li>" for k, v in d.items() if v is not None)
     payload = json.dumps({"runs": [{"label": e["label"], "plots": e["plots"], "stages": e["stages"]} for e in runs],

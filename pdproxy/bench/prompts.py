@@ -60,17 +60,20 @@ class Prompts:
         if req.text is not None:
             return req.text, len(req.text.split())
         rng = np.random.default_rng(req.seed)
-        content = req.prompt_tokens - self.lead_tokens
+        words = [LEAD, *self.words(rng, req.prompt_tokens - self.lead_tokens, f"class {req.cls!r}")]
+        return " ".join(words), len(words)
+
+    def words(self, rng: np.random.Generator, tokens: int, what: str) -> list[str]:
+        """Random words that come to `tokens` tokens after the lead word: exactly (±1) where the words'
+        tokens are known, else at the measured tokens per word. Shared prefixes are sized with it too."""
         if self.word_tokens is not None:
-            picks = next((p for p in (fill(rng, n, self.word_tokens) for n in (content, content + 1, content - 1))
+            picks = next((p for p in (fill(rng, n, self.word_tokens) for n in (tokens, tokens + 1, tokens - 1))
                           if p is not None), None)  # exact, else one token off
             if picks is None:
-                raise WorkloadError(f"class {req.cls!r}: {req.prompt_tokens} tokens cannot be reached (±1) with "
-                                    "this tokenizer's words")
+                raise WorkloadError(f"{what}: {tokens} tokens cannot be reached (±1) with this tokenizer's words")
         else:
-            picks = list(rng.integers(0, len(VOCAB), max(0, round(content / self.tokens_per_word))))
-        words = [LEAD, *(VOCAB[i] for i in picks)]
-        return " ".join(words), len(words)
+            picks = list(rng.integers(0, len(VOCAB), max(0, round(tokens / self.tokens_per_word))))
+        return [VOCAB[i] for i in picks]
 
     def observe(self, words: int, prompt_tokens: int | None) -> None:
         """`usage` mode: refit tokens = lead + per_word × (words - 1) from the answers so far."""
@@ -270,6 +273,8 @@ def _check_limits(prompts: Prompts, wl: Workload) -> None:
         if c.corpus:
             continue
         prompt = LengthDist.parse(c.prompt, PROMPT_PRESETS, "prompt").high
+        if c.shared_prefixes:  # the system prompt comes in front of the class's own prompt
+            prompt += LengthDist.parse(c.prefix_len, PROMPT_PRESETS, "prefix_len").high
         output = LengthDist.parse(c.output, OUTPUT_PRESETS, "output").high
         if prompt + output > limit:
             raise WorkloadError(f"class {c.name!r}: prompts up to {prompt} tokens + outputs up to {output} tokens = "

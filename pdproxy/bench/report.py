@@ -21,8 +21,11 @@ from pdproxy.bench.verdict import Slo, decide
 
 KV_DEFINITION = (
     "pd.kv_transfer span = prefill response read -> first decode token received: an upper bound "
-    "(proxy hand-off + decode queue + KV pull + one decode step). 'estimated' = that minus one median "
-    "ITL of the request (pd.kv_transfer.estimated). Single-instance set-ups have no transfer."
+    "(proxy hand-off + HTTP + the decode's intake before its engine queue + its queue and KV pull + one decode "
+    "step; for a request moved off a failed decode, the failed attempts too). 'estimated' = that minus one "
+    "median ITL of the request (pd.kv_transfer.estimated). 'proxy hand-off gap' = pd.handoff.gap, the proxy's "
+    "own measured time from the prefill's answer to the decode's request, less the failed decode attempts "
+    "before it. Single-instance set-ups have no transfer."
 )
 
 CONDITION_LABELS: dict[str, str] = {
@@ -122,8 +125,8 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
                 "upper_bound": stats.describe(i.stages["kv_transfer"] for i in kv_infos),
                 "estimated": stats.describe(i.stage_attrs["kv_transfer"].get("pd.kv_transfer.estimated")
                                             for i in kv_infos),
-                "handoff_gap": stats.describe(i.stage_attrs["kv_transfer"].get("pd.handoff.gap")
-                                              for i in kv_infos),
+                "handoff_gap": stats.describe(engine_spans.handoff(i)[0] for i in kv_infos),
+                "failed_attempts": stats.describe(engine_spans.handoff(i)[1] for i in kv_infos),
                 "decode_queue": stats.describe(i.stage_attrs["kv_transfer"].get("pd.decode.queue_time")
                                                for i in kv_infos),
             }
@@ -172,6 +175,7 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
         if t:
             maxes.append(t[1])
             by_start.append([r["start_offset"], t[1]])
+    per_instance = instances.breakdown(run.requests, joined, unit=u, stall_threshold=stall_threshold)
     length_flags = [f"class {c}: {what} tokens {v['actual']:g} at the median, {v['requested']:g} asked "
                     f"({v['off']:+.1%})" for c, ls in (st.get("lengths") or {}).items()
                     for what, v in ls.items() if v["flagged"]]
@@ -199,7 +203,8 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
         "stages": stages,
         "kv_transfer": kv,
         "engine_split": _engine_split(ok_infos),
-        "instances": instances.breakdown(run.requests, joined, unit=u, stall_threshold=stall_threshold),
+        "instances": per_instance,
+        "instance_flags": instances.flags(per_instance),
         "engine_counters": (run.summary or {}).get("engine_counters"),
         "stall_attribution": attribution.run_attribution(ok, joined, timeline, threshold=stall_threshold, unit=u)
         if timeline is not None and joined else None,

@@ -64,7 +64,7 @@ class _Run:
         self.records: list[dict[str, Any]] = []
         self.iters = [class_requests(wl, i) for i in range(len(wl.classes))]
         self.prompts = sized
-        self.shapers = {c.name: prefixes.PrefixShaper.of(wl, i) for i, c in enumerate(wl.classes)}
+        self.shapers = {c.name: prefixes.PrefixShaper.of(wl, i, sized) for i, c in enumerate(wl.classes)}
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -91,7 +91,8 @@ class _Run:
         traceparent, trace_id, _ = client.new_traceparent()
         headers = {"X-Request-Id": request_id, "traceparent": traceparent, **self.target.auth_headers()}
         text, words = self.prompts.make(req)
-        body, words = self.shapers[req.cls].wrap(req.index, text, words, req.body(self.wl, text))
+        body, words, asked = self.shapers[req.cls].wrap(req.index, text, words, req.prompt_tokens,
+                                                        req.body(self.wl, text))
         start, outcome = await client.send(
             session, self.url, body, headers,
             chat=self.wl.endpoint == "chat", timeout=self.target.timeout, save_text=self.save_text,
@@ -101,7 +102,7 @@ class _Run:
         rec = records.request_record(
             run_id=self.run_id, request_id=request_id, trace_id=trace_id, cls=req.cls, index=req.index,
             seq=seq, warmup=warmup, start_wall=self.wall0 + start_offset, start_offset=start_offset,
-            prompt_words=words, prompt_tokens_requested=req.prompt_tokens, max_tokens=req.max_tokens,
+            prompt_words=words, prompt_tokens_requested=asked, max_tokens=req.max_tokens,
             outcome=outcome,
         )
         self.prompts.observe(words, outcome.prompt_tokens)

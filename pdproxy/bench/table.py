@@ -159,21 +159,30 @@ def _prefix_hits(e: dict[str, Any]) -> str:
     return text + (f", {len(unread)} unreadable" if unread else "")
 
 
-INSTANCE_COLUMNS = ("role", "address", "requests", "failed (by reason)", "TTFT p50 / p99", "KV wait p50 / p99",
-                    "max ITL p50 / p99", "stalls")
+INSTANCE_COLUMNS = ("role", "address", "requests", "failed (by reason)", "attempts*", "attempts failed* (by reason)",
+                    "moved away*", "hand-offs abandoned*", "TTFT p50 / p99", "KV wait p50 / p99", "max ITL p50 / p99",
+                    "stalls")
+INSTANCE_NOTE = ("* attempts where they were sent, warm-up included; the other columns: measured requests where "
+                 "they ended")
 
 
 def instance_rows(e: dict[str, Any]) -> list[list[str]]:
     """A run's per-instance breakdown (bench/instances.py) as cells; shared by the terminal and HTML."""
     rows = []
     for i in e.get("instances") or []:
-        reasons = ", ".join(f"{k}: {v}" for k, v in i["failures"].items())
-        failed = f"{i['failed']}" + (f" ({reasons})" if reasons else "")
-        rows.append([i["role"], i["address"], str(i["requests"]), failed,
+        rows.append([i["role"], i["address"], str(i["requests"]), _by_reason(i["failed"], i["failures"]),
+                     str(i.get("attempts", "n/a")),
+                     _by_reason(i.get("attempts_failed", 0), i.get("attempt_failures") or {}),
+                     str(i.get("moved_away", 0)), str(i.get("abandoned_handoffs", 0)),
                      trio(i["ttft"], ("p50", "p99")),
                      trio(i["kv_wait"], ("p50", "p99")) if i["kv_wait"]["count"] else "n/a",
                      trio(i["max_itl"], ("p50", "p99")), str(i["stalls"])])
     return rows
+
+
+def _by_reason(total: int, reasons: dict[str, int]) -> str:
+    text = ", ".join(f"{k}: {v}" for k, v in reasons.items())
+    return f"{total}" + (f" ({text})" if text else "")
 
 
 def shows_instances(report: dict[str, Any]) -> bool:
@@ -188,10 +197,12 @@ def instances_tables(report: dict[str, Any]) -> list[Table]:
         if len(rows) < 2:
             continue
         t = Table(title=f"Per instance, {e['label']} (from the traces; ms)", title_justify="left")
-        for c in INSTANCE_COLUMNS:
-            t.add_column(c, overflow="fold", justify="left" if c in ("role", "address") else "right")
+        for c in INSTANCE_COLUMNS:  # an address is looked up as it is: never broken over lines
+            t.add_column(c, overflow="fold", justify="left" if c in ("role", "address") else "right",
+                         no_wrap=c in ("role", "address"))
         for r in rows:
             t.add_row(*map(Text, r))
+        t.caption, t.caption_justify = INSTANCE_NOTE, "left"
         out.append(t)
     return out
 
@@ -380,6 +391,8 @@ def render(report: dict[str, Any], console: Console | None = None, drilldown: bo
     for f in comp.get("flags") or []:
         console.print(Text(f"FLAG: {f}", style="bold yellow"))
     for e in report["runs"]:
+        for f in e.get("instance_flags") or []:
+            console.print(Text(f"FLAG: {e['label']}: {f}", style="bold yellow"))
         for f in e.get("length_flags") or []:
             console.print(Text(f"FLAG: {e['label']}: {f}: more than 5 % off what the workload asked",
                                style="bold yellow"))

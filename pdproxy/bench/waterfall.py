@@ -132,10 +132,15 @@ def split_lines(info: TraceInfo) -> list[str]:
     for stage in ("prefill", "kv_transfer", "decode"):
         parts = [(pt, split[f"{st}.{pt}"]) for st, pt in PARTS if st == stage and f"{st}.{pt}" in split]
         if stage in info.stages:
-            text = f"{stage} {_ms(info.stages[stage])}"
-            if parts:
-                text += " = " + " + ".join(f"{pt.replace('_', ' ')} {_ms(v)}" for pt, v in parts)
-            out.append(("  " + text)[:WIDTH])
+            line = f"  {stage} {_ms(info.stages[stage])}"
+            for i, (pt, v) in enumerate(parts):  # wrapped between parts: every figure stays whole
+                item = f"{' = ' if i == 0 else ' + '}{pt.replace('_', ' ')} {_ms(v)}"
+                if len(line) + len(item) > WIDTH:
+                    out.append(line)
+                    line = "    " + item.lstrip()
+                else:
+                    line += item
+            out.append(line[:WIDTH])
     if out and not split:
         out.append("  (no vLLM spans in this trace: the proxy's stages only)")
     return out

@@ -83,7 +83,7 @@ class TrafficClass:
     requests: int | None = None  # per-class cap (optional)
     corpus: str | None = None  # JSONL/text file of fixed prompts, used in order, cycling
     shared_prefixes: int = 0  # prompts start with one of this many system prompts (pdproxy/bench/prefixes.py)
-    prefix_len: str = "medium"  # words of each system prompt: N, LOW-HIGH or a preset
+    prefix_len: str = "medium"  # tokens of each system prompt (before `prompt`'s): N, LOW-HIGH or a preset
     sessions: int = 0  # multi-turn: this many conversations side by side, each turn repeating the ones before
     turns: int = 4  # turns per conversation
 

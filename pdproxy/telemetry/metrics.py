@@ -231,6 +231,8 @@ class Metrics:
                                          registry=r)
         self.invalid_traceparent = Counter("pdproxy_invalid_traceparent", "Requests whose malformed traceparent "
                                            "was ignored (each started a new trace)", registry=r)
+        self.attempts = InstanceAttempts()
+        r.register(self.attempts)
         Gauge("pdproxy_build_info", "pdproxy version", ("version",), registry=r).labels(__version__).set(1)
         self._series: dict[tuple[str, ...], _Series] = {}
 
@@ -246,8 +248,10 @@ class Metrics:
         self.registry.register(_EngineReadCollector(failures))
 
     def watch(self, instances: InstanceLoad, proxy: ProxyLoad) -> None:
-        """Gauges read at scrape time, so serving never updates them."""
+        """Gauges read at scrape time, so serving never updates them; the instances listed now are the
+        ones the per-instance attempt counters may name."""
         self.registry.register(_LoadCollector(instances, proxy))
+        self.attempts.configure((role, address) for role, address, _, _ in instances())
 
     def record(self, m: Measurement, route: str, model: str, mode: str, deployment: str, trace_id: str | None) -> None:
         labels = (route, model, mode, deployment, self.run)
@@ -405,6 +409,75 @@ class _LoadCollector:
         yield healthy
         yield GaugeMetricFamily("pdproxy_inflight_requests", "Requests inside the proxy", value=inside)
         yield GaugeMetricFamily("pdproxy_queue_depth", "Requests waiting for admission", value=waiting)
+
+
+class InstanceAttempts:
+    """Attempts per instance, counted where they were sent: a decode that dies while migration saves its
+    requests finishes none of them, and shows only here. Plain counters written from the event loop,
+    exposed at scrape time; every configured instance has its series from the start (at 0), and an
+    address that is not one of them (none is, today) is counted as `other`, so the label values are
+    bounded by the configuration. `reason` is the proxy's error type (a fixed set), `stage` one of the
+    two migration stages (a prefill retried elsewhere moves `before_first_token`). Attempts, moves and
+    abandoned hand-offs start at 0 for every configured instance; failures appear with their reason."""
+
+    OTHER = "other"
+    ROLES = ("prefill", "decode")
+    STAGES = ("before_first_token", "mid_stream")
+
+    def __init__(self) -> None:
+        self.known: set[tuple[str, str]] = set()
+        self.sent: dict[tuple[str, str], int] = {}
+        self.failed: dict[tuple[str, str, str], int] = {}
+        self.moved: dict[tuple[str, str, str], int] = {}
+        self.abandoned: dict[tuple[str, str], int] = {}
+
+    def configure(self, instances: Iterable[tuple[str, str]]) -> None:
+        for key in instances:
+            if key[0] in self.ROLES:
+                self.known.add(key)
+                self.sent.setdefault(key, 0)
+                for stage in self.STAGES:
+                    self.moved.setdefault((*key, stage), 0)
+                if key[0] == "decode":  # only a decode's failure gives a hand-off up
+                    self.abandoned.setdefault(key, 0)
+
+    def _key(self, role: str, address: str) -> tuple[str, str]:
+        return (role, address) if (role, address) in self.known else (role, self.OTHER)
+
+    def attempt(self, role: str, address: str) -> None:
+        key = self._key(role, address)
+        self.sent[key] = self.sent.get(key, 0) + 1
+
+    def attempt_failed(self, role: str, address: str, reason: str, abandoned: bool) -> None:
+        key = self._key(role, address)
+        self.failed[(*key, reason)] = self.failed.get((*key, reason), 0) + 1
+        if abandoned:
+            self.abandoned[key] = self.abandoned.get(key, 0) + 1
+
+    def moved_away(self, role: str, address: str, stage: str) -> None:
+        key = (*self._key(role, address), stage)
+        self.moved[key] = self.moved.get(key, 0) + 1
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        labels = ["role", "instance"]
+        families = (
+            (CounterMetricFamily("pdproxy_instance_attempts", "Attempts sent to each instance (a retried or "
+                                 "migrated request counts once per attempt)", labels=labels), self.sent),
+            (CounterMetricFamily("pdproxy_instance_attempt_failures", "Failed attempts per instance by the "
+                                 "proxy's error type", labels=[*labels, "reason"]), self.failed),
+            (CounterMetricFamily("pdproxy_instance_moved_away", "Requests moved to another instance after an "
+                                 "attempt on this one failed, by migration stage", labels=[*labels, "stage"]),
+             self.moved),
+            (CounterMetricFamily("pdproxy_instance_abandoned_handoffs", "Failed attempts on a decode that gave "
+                                 "up the request's KV hand-off", labels=labels), self.abandoned),
+        )
+        for family, counts in families:
+            for key, value in list(counts.items()):
+                family.add_metric(list(key), value)
+            yield family
 
 
 class _EngineReadCollector:

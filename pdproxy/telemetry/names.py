@@ -32,6 +32,10 @@ MIGRATION_REASON = "pd.migration.reason"  # the failed attempt's error type
 MIGRATION_STAGE = "pd.migration.stage"  # before_first_token | mid_stream
 ABANDONED = "pd.handoff.abandoned"  # its KV coordinates may have been read: never given out again
 PREFILL_RERUN_EVENT = "pd.prefill.rerun"
+# each failed prefill attempt (retried on another instance, or the request's last): on pd.prefill, or on
+# pd.decode for a re-prefill of a migration; with the leg's server.address/port and error.type
+PREFILL_ATTEMPT_EVENT = "pd.prefill.attempt_failed"
+PREFILL_ATTEMPT_NUMBER = "pd.prefill.attempt"
 # leg-span attributes: the routing decision that chose the leg's instance (pdproxy/policies/)
 ROUTE_POLICY, ROUTE_REASON = "pd.route.policy", "pd.route.reason"
 ROUTE_MATCHED, ROUTE_MATCHED_UNIT = "pd.route.matched_prefix", "pd.route.matched_prefix.unit"

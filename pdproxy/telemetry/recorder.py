@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import random
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from pdproxy.errors import DECODE, KV_TRANSFER, PREFILL, QUEUE
 from pdproxy.stream import ResponseScan
@@ -82,6 +83,9 @@ class Recorder:
             log.exception("could not record the span of %s", route)
 
 
+T = TypeVar("T")
+
+
 class RequestTrace:
     """Everything known about one request while it is served."""
 
@@ -118,6 +122,9 @@ class RequestTrace:
         self.abandoned_handoffs: list[str] = []  # the prefill instance of each
         self.migration_refusal: str | None = None
         self._last_failure = "unknown"
+        self._last_failed_at: str | None = None  # the decode of the last failed attempt
+        self._prefill_failed_at: str | None = None  # the prefill of a failed attempt not yet followed by another
+        self.prefill_events: list[tuple[int, str, dict[str, Any]]] = []  # failed attempts of the first prefill
         self._activity: tuple[InstanceRecord, Activity] | None = None  # its KV arrival or prefill (stalls.py)
         self.stall_marks: list[tuple[int, str]] = []  # (monotonic ns inside a gap, its cause), e.g. migration
 
@@ -160,6 +167,30 @@ class RequestTrace:
         if not self.pd_mode:
             self._activity_started("prefill", decode_address, self.t.admitted)
 
+    def counting_prefill(self, attempt: Callable[[Any, int], Awaitable[T]]) -> Callable[[Any, int], Awaitable[T]]:
+        """A prefill leg's `attempt(instance, try)` with each attempt counted on its instance, and each failed
+        one (an outcome with an `error`: the flow's failure) on the trace: the one place the flow reports them."""
+        async def counted(instance: Any, tries: int) -> T:
+            counts = self.recorder.metrics.attempts if self._counts_attempts else None
+            if counts is not None:
+                if self._prefill_failed_at is not None:
+                    counts.moved_away(PREFILL, self._prefill_failed_at, "before_first_token")
+                counts.attempt(PREFILL, instance.address)
+            self._prefill_failed_at = None
+            outcome = await attempt(instance, tries)
+            error = getattr(outcome, "error", None)
+            if error is not None:
+                reason = str(getattr(error, "error_type", None) or "unknown")
+                self._prefill_failed_at = instance.address
+                if counts is not None:
+                    counts.attempt_failed(PREFILL, instance.address, reason, False)
+                events = self.prefill_events if self.t.prefill_done is None else self.attempt_events
+                events.append((now(), n.PREFILL_ATTEMPT_EVENT, {
+                    n.PREFILL_ATTEMPT_NUMBER: tries, **_leg_attributes(instance.address, "prefill", None),
+                    "error.type": reason}))
+            return outcome
+        return counted
+
     def prefill_done(self, address: str, status: int, attempts: int, kv_params: str) -> None:
         self.t.prefill_done = now()
         self.prefill_instance, self.prefill_status, self.prefill_attempts = address, status, attempts
@@ -169,6 +200,8 @@ class RequestTrace:
         self.t.decode_sent = now()
         self.decode_instance = address
         self.decode_attempts += 1
+        if self._counts_attempts:
+            self.recorder.metrics.attempts.attempt(DECODE, address)
         if self.pd_mode:
             self._activity_started("kv_arrival", address, self.t.prefill_done or self.t.decode_sent)
 
@@ -185,10 +218,12 @@ class RequestTrace:
     def decode_failed(self, address: str, reason: str, abandoned: str | None) -> None:
         """A decode attempt failed (`reason`: its error type); `abandoned`: the prefill instance whose
         hand-off it had and that is now given up."""
-        self._last_failure = reason
+        self._last_failure, self._last_failed_at = reason, address
         if abandoned:
             self.abandoned_handoffs.append(abandoned)
         stage = "mid_stream" if self.scan.first_token_ns is not None else "before_first_token"
+        if self._counts_attempts:
+            self.recorder.metrics.attempts.attempt_failed(DECODE, address, reason, abandoned is not None)
         self.attempt_events.append((now(), n.ATTEMPT_EVENT, {
             n.ATTEMPT_NUMBER: self.decode_attempts, **_leg_attributes(address, "decode", None),
             n.MIGRATION_REASON: reason, n.MIGRATION_STAGE: stage, n.ABANDONED: abandoned is not None}))
@@ -196,6 +231,8 @@ class RequestTrace:
     def migrating(self, stage: str, address: str) -> None:
         """Another decode attempt starts in place of the last failed one."""
         self.migrations.append((stage, self._last_failure))
+        if self._counts_attempts and self._last_failed_at is not None:
+            self.recorder.metrics.attempts.moved_away(DECODE, self._last_failed_at, stage)
         if stage == "mid_stream":
             self.mark_stall("migration")  # the gap this splice leaves is the migration's doing
 
@@ -258,6 +295,11 @@ class RequestTrace:
         return m
 
     # -- internals ----------------------------------------------------------------------
+
+    @property
+    def _counts_attempts(self) -> bool:
+        """The primary's attempts go to the per-instance counters; the shadow's instances are not configured."""
+        return self.deployment == "primary"
 
     def _trace_allowed(self, m: Measurement) -> bool:
         """Requests refused before admission (401, 400, 413, 503 ...) are traced within the rate limit."""
@@ -328,6 +370,8 @@ class RequestTrace:
             span = SpanData(name, kind, ids.trace_id, span_id or random.getrandbits(64), ids.root, to_unix_ns(start),
                             to_unix_ns(end), self._stage_measurements(stage, m, decision), trace_state=ids.tracestate,
                             encoded=self._stage_block(stage, decision))
+            if stage == PREFILL and self.prefill_events:
+                span.events = [(to_unix_ns(at), name, attributes) for at, name, attributes in self.prefill_events]
             if stage == DECODE:
                 attempts = [(to_unix_ns(at), name, attributes) for at, name, attributes in self.attempt_events]
                 span.events = attempts + (self._stall_events(stalls) if m.stalls else [])
