@@ -36,6 +36,7 @@ class Case:
     preset: str
     overrides: tuple[tuple[str, Any], ...] = ()  # preset fields as the recorded instances had them
     setup: str | None = None  # the target's set-up (default: from its conditions)
+    source_traces: tuple[str, ...] = ()  # the source run's traces with vLLM's spans (for --calibrate)
 
 
 @dataclass
@@ -63,10 +64,24 @@ def target_setup(case: Case, run: records.Run) -> setups.Setup:
     return replace(s, recorded=False)
 
 
-def run_case(case: Case, preset_override: Any = None) -> list[Row]:
+def calibrated(case: Case, preset: Any) -> Any:
+    """The preset fitted to the source run's own spans only (never the target's: that is what is predicted)."""
+    from pdproxy.whatif import calibrate
+
+    ids = {str(r["request_id"]) for r in records.read_run(case.source).requests}
+    idx = traces.read_traces(list(case.source_traces))
+    infos = [i for i in idx.by_request.values() if i.engine and i.request_id in ids]
+    if not infos:
+        raise ValueError(f"{case.name}: no vLLM spans of the source run in {case.source_traces}")
+    return calibrate.fit(infos, preset).preset
+
+
+def run_case(case: Case, calibrate: bool = False) -> list[Row]:
     wl = workload.from_bench(case.source)
     target = records.read_run(case.target)
-    preset = preset_override or replace(PRESETS[case.preset], **dict(case.overrides))
+    preset = replace(PRESETS[case.preset], **dict(case.overrides))
+    if calibrate:
+        preset = calibrated(case, preset)
     pred = predict.run_setup(wl, target_setup(case, target), ModelParams(preset))
     idx = traces.read_traces(list(case.target_traces)) if case.target_traces else None
     recorded = bench_report.build([target], idx, verdict=False)["runs"][0]
