@@ -269,7 +269,8 @@ class Engine:
                     break
             if seq.state is not RUNNING:
                 break  # seq preempted itself: nothing later in the list is left either
-            seq.blocks.extend(self.pool.allocate(need))
+            if need > 0:
+                seq.blocks.extend(self.pool.allocate(need))
             batch.append((seq, n))
             budget -= n
             if n > 1:

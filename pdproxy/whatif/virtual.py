@@ -88,17 +88,53 @@ class VirtualClock:
             await asyncio.sleep(seconds)
 
 
+class _Noop:
+    __slots__ = ()
+
+    def observe(self, value: float) -> None:
+        pass
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def set(self, value: float) -> None:
+        pass
+
+
 class NullMetrics:
-    """Stands in for the simulator's Prometheus metrics: the model reads its own timestamps instead."""
+    """Stands in for the simulator's Prometheus metrics (`SimMetrics`): the model reads its own timestamps.
 
-    def __getattr__(self, name: str) -> NullMetrics:
-        return self
+    The instruments the engine touches on every step are plain attributes (no per-call lookup); anything
+    else falls back to a no-op through `__getattr__`."""
 
-    def __getitem__(self, key: Any) -> NullMetrics:
-        return self
+    def __init__(self) -> None:
+        noop = _Noop()
+        for name in ("ttft", "itl", "tpot", "queue", "inference", "prefill", "decode", "e2e", "running", "waiting",
+                     "kv_usage", "generation_tokens", "preemptions", "nixl_xfer_time", "nixl_bytes", "nixl_failed",
+                     "nixl_expired"):
+            setattr(self, name, noop)
+        self.success = _AnyKey(noop)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> NullMetrics:
-        return self
+    def prompt_computed(self, tokens: int) -> None:
+        pass
+
+    def prompt_queried(self, tokens: int, hit: int) -> None:
+        pass
+
+    def prompt_transferred(self, tokens: int) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> _Noop:
+        return _Noop()
+
+
+class _AnyKey(dict):
+    def __init__(self, value: _Noop) -> None:
+        super().__init__()
+        self._value = value
+
+    def __missing__(self, key: object) -> _Noop:
+        return self._value
 
 
 def run(main: Any) -> Any:
