@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--chunk", action="append", type=int, default=[], metavar="TOKENS",
                    help=f"chunk sizes for the default chunked set-ups (default {setups.DEFAULT_CHUNKS[0]})")
     m = p.add_argument_group("model")
-    m.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET,
+    m.add_argument("--preset", choices=sorted(n for n, p in PRESETS.items() if not p.instant), default=DEFAULT_PRESET,
                    help=f"timing preset of every instance (default {DEFAULT_PRESET}; `h200-llama8b` for instances "
                         "sharing one GPU, whose NIXL path is slow)")
     m.add_argument("--max-model-len", type=int, help="as the recorded instances had it (default: the recording's, "
@@ -120,6 +120,9 @@ def choose_setups(args: argparse.Namespace, wl: Workload) -> tuple[int, list[set
         chosen = [rec if s.name == rec.name else s for s in chosen]
         if not any(s.recorded for s in chosen):
             chosen.insert(0, rec)
+    elif rec is not None:
+        wl.notes.append(f"the recorded set-up {rec.name} has {rec.gpus} instances on {gpus} GPU(s); the model gives "
+                        f"each instance a GPU, so it is not among the candidates (pass --gpus {rec.gpus} to add it)")
     names = [s.name for s in chosen]
     if len(set(names)) != len(names):
         raise setups.SetupError(f"a set-up is given twice: {', '.join(names)}")

@@ -113,6 +113,7 @@ def from_bench(path: str | Path) -> Workload:
         raise WorkloadError(f"{path}: no request records")
     out_missing = prompt_missing = 0
     classes = []
+    streams: dict[Any, int] = {}  # each request's own ids (or its conversation's), numbered in order: deterministic
     for name, recs in by_class.items():
         recs.sort(key=lambda r: int(r.get("index") or 0))
         ci, cdef = class_defs.get(name, (None, {}))
@@ -124,19 +125,18 @@ def from_bench(path: str | Path) -> Workload:
         drawn = 0
         for r in recs:
             idx = int(r.get("index") or 0)
-            prefix, prefix_tokens, stream = None, 0, hash((name, idx)) & 0xFFFFF
+            prefix, prefix_tokens, stream = None, 0, streams.setdefault((name, idx), len(streams))
             if shaper is not None:
                 while drawn <= idx:  # the shaper draws in request order; replay the draws up to this one
                     text, conversation = shaper.shape(drawn, "")
                     drawn += 1
-                if cdef.get("shared_prefixes"):
-                    words = text.split()
-                    key = " ".join(words[:_prefix_words(words, cdef)])
+                if cdef.get("shared_prefixes"):  # with an empty draw of its own, the shaped text is the prefix
+                    key = text.strip()
                     prefix = prefix_ids.setdefault(key, len(prefix_ids) + 1000 * (ci or 0))
-                    prefix_tokens = round(_prefix_words(words, cdef) * tpw)
+                    prefix_tokens = round(len(key.split()) * tpw)
                 if conversation is not None:
-                    stream = hash((name, conversation)) & 0xFFFFF
-                    prefix_tokens = 0  # the conversation's own history is the shared part
+                    stream = streams.setdefault((name, conversation), len(streams))
+                    prefix, prefix_tokens = None, 0  # the conversation's own history is the shared part
             pt = r.get("prompt_tokens")
             if not pt:
                 prompt_missing += 1
@@ -165,10 +165,6 @@ def from_bench(path: str | Path) -> Workload:
                     warmup_seconds=float(wl_dict.get("warmup_seconds") or 0.0), conditions=dict(run.conditions),
                     max_model_len=int(prompts["max_model_len"]) if prompts.get("max_model_len") else None,
                     label=run.label, notes=notes, header=h)
-
-
-def _prefix_words(words: list[str], cdef: dict[str, Any]) -> int:
-    return len(words)  # the shaper's prefix is the whole text when the class's own draw is empty
 
 
 def from_traces(paths: list[str]) -> Workload:
