@@ -50,5 +50,13 @@ def test_calibrate_prints_the_fit_and_predicts_with_it(tmp_path):
 def test_calibrate_without_spans_is_a_clear_error():
     r = whatif("--records", str(PD_RECORDS), *RUN_A, "--calibrate")
     assert r.returncode == 2 and "give the trace files" in r.stderr
-    r = whatif("--records", str(PD_RECORDS), *RUN_A, "--calibrate", "--traces", str(FIX / "pd-a.jsonl.gz"))
-    assert r.returncode == 2 and "no vLLM llm_request spans" in r.stderr.replace("\n", " ")
+
+
+def test_calibrate_on_proxy_spans_alone_says_so():
+    """No vLLM spans: the fit falls back to pdproxy's stages and says it is the less precise one."""
+    r = whatif("--records", str(PD_RECORDS), *RUN_A, "--setup", "4xsingle", "--calibrate", "--no-table",
+               "--traces", str(FIX / "pd-a.jsonl.gz"), "--traces", str(FIX / "pd-dp.jsonl.gz"))
+    assert r.returncode == 0, r.stderr
+    err = r.stderr.replace("\n", " ")
+    assert "no vLLM llm_request spans: fitted on pdproxy's own stage spans" in err
+    assert "prefill:" in err and "decode step:" in err and "KV transfer:" in err and "residual" in err

@@ -28,7 +28,7 @@ import numpy as np
 
 from pdproxy.bench import traces
 from pdproxy.bench.engine_spans import EngineSpan
-from pdproxy.sim.presets import Preset
+from pdproxy.sim.presets import SIM_LOOPBACK_MS, Preset
 from pdproxy.sim.timing import PiecewiseLinear
 
 MIN_PER_BUCKET = 3
@@ -49,9 +49,10 @@ class Fit:
 class Calibration:
     preset: Preset
     fits: list[Fit] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"preset": self.preset.name, "fits": [
+        return {"preset": self.preset.name, "notes": self.notes, "fits": [
             {"name": f.name, "points": f.points, "spans": f.spans, "note": f.note,
              "residuals": [{"x": x, "measured": m, "fitted": y} for x, m, y in f.residuals]} for f in self.fits]}
 
@@ -189,20 +190,56 @@ def fit(infos: list[traces.TraceInfo], preset: Preset) -> Calibration:
     return Calibration(new, [prefill, decode, kv])
 
 
+PROXY_NOTE = ("no vLLM llm_request spans: fitted on pdproxy's own stage spans, which also hold HTTP and vLLM's "
+              "API server (the preset's front-end time and one loopback taken off), so less precise; start vLLM with "
+              "--otlp-traces-endpoint for vLLM's own timings")
+
+
+def _from_proxy(info: traces.TraceInfo, preset: Preset) -> traces.TraceInfo | None:
+    """The request's engine intervals estimated from pdproxy's stages, as `EngineSpan`s the fits read."""
+    a, st, times = info.attrs, info.stages, info.stage_times
+    prompt, out = a.get("gen_ai.usage.input_tokens"), a.get("gen_ai.usage.output_tokens")
+    if not isinstance(prompt, int) or "prefill" not in st or "prefill" not in times or "decode" not in st:
+        return None
+    fixed = (preset.frontend_overhead_ms + SIM_LOOPBACK_MS) / 1e3
+    step = PiecewiseLinear(preset.decode_step_ms)(1) / 1e3
+    pd = str(a.get("pd.mode")) == "pd" and "kv_transfer" in st and "kv_transfer" in times
+    decode_at = str(a.get("pd.decode.instance") or "")
+
+    def span(instance: str, start: float, ttft: float, queue: float | None, compute: float,
+             decode: float | None) -> EngineSpan:
+        return EngineSpan("pdproxy", instance, start, start + ttft + (decode or 0.0), info.request_id, queue,
+                          max(compute, 0.0), decode, ttft, None, prompt, out if isinstance(out, int) else None)
+
+    engine = {"prefill": span(str(a.get("pd.prefill.instance") or decode_at), times["prefill"][0], st["prefill"],
+                              0.0, st["prefill"] - fixed, None if pd else st["decode"])}
+    if pd:
+        kv = st["kv_transfer"]
+        engine["decode"] = span(decode_at, times["kv_transfer"][0], kv, max(kv - fixed - step, 0.0), step,
+                                st["decode"])
+    return replace(info, engine=engine)
+
+
 def fit_files(paths: list[str], preset: Preset) -> Calibration:
+    """Fit on vLLM's spans when the files hold them, else on pdproxy's stage spans (and say so)."""
     if not paths:
-        raise ValueError("--calibrate fits the recorded spans: give the trace files (--traces), with vLLM's "
+        raise ValueError("--calibrate fits the recorded spans: give the trace files (--traces), best with vLLM's "
                          "llm_request spans (vLLM started with --otlp-traces-endpoint)")
     idx = traces.read_traces(paths)
     infos = [i for i in idx.by_request.values() if i.engine]
-    if not infos:
-        raise ValueError("--calibrate: no vLLM llm_request spans joined to pdproxy's traces in the --traces files "
-                         "(start vLLM with --otlp-traces-endpoint and give its spans' file too)")
-    return fit(infos, preset)
+    if infos:
+        return fit(infos, preset)
+    estimated = [e for i in idx.by_request.values() if (e := _from_proxy(i, preset)) is not None]
+    if not estimated:
+        raise ValueError("--calibrate: the --traces files hold no request with its stages and token counts "
+                         "(pdproxy's pd.prefill / pd.decode spans and gen_ai.usage.*)")
+    cal = fit(estimated, preset)
+    cal.notes.append(PROXY_NOTE)
+    return cal
 
 
 def render(cal: Calibration) -> str:
-    lines = [f"Calibration from the recorded spans (model preset {cal.preset.name}):"]
+    lines = [f"Calibration from the recorded spans (model preset {cal.preset.name}):", *(f"  note: {n}" for n in cal.notes)]
     for f in cal.fits:
         head = f"  {f.name}: {f.spans} spans" + (f"; {f.note}" if f.note else "")
         lines.append(head)

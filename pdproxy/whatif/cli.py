@@ -82,26 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_slo_arguments(v)
 
 
-def recorded_setup(conditions: dict[str, Any]) -> setups.Setup | None:
-    """The set-up a recording came from, as its conditions say (None when they do not)."""
-    mode = str(conditions.get("pd.mode") or "")
-    try:
-        if mode == "pd":
-            s = setups.parse_setup(f"{int(conditions['pd.prefill.count'])}P{int(conditions['pd.decode.count'])}D")
-        elif mode == "single":
-            n = int(conditions.get("gpu.count") or conditions.get("pd.decode.count"))
-            chunk = conditions.get("vllm.max_num_batched_tokens")
-            chunked = str(conditions.get("vllm.enable_chunked_prefill", "")).lower() == "true" and chunk
-            s = setups.parse_setup(f"{n}xchunked:{int(chunk)}" if chunked else f"{n}xsingle")
-        else:
-            return None
-    except (KeyError, TypeError, ValueError):
-        return None
-    return replace(s, recorded=True)
-
-
 def choose_setups(args: argparse.Namespace, wl: Workload) -> tuple[int, list[setups.Setup]]:
-    rec = recorded_setup(wl.conditions)
+    rec = setups.recorded(wl.conditions)
     gpus = args.gpus
     if gpus is None:
         try:

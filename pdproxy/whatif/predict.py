@@ -10,7 +10,6 @@ tell apart within that error, which are the real runs worth making next.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Any
 

@@ -12,7 +12,8 @@ Each instance is one GPU (tensor parallelism is not modelled).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 DEFAULT_CHUNKS = (2048,)
 
@@ -89,3 +90,21 @@ def candidates(gpus: int, chunks: tuple[int, ...] = DEFAULT_CHUNKS) -> list[Setu
 def check_fits(setup: Setup, gpus: int) -> None:
     if setup.gpus > gpus:
         raise SetupError(f"set-up {setup.name} needs {setup.gpus} GPUs (one per instance) but the total is {gpus}")
+
+
+def recorded(conditions: dict[str, Any]) -> Setup | None:
+    """The set-up a recording came from, as its conditions say (None when they do not)."""
+    mode = str(conditions.get("pd.mode") or "")
+    try:
+        if mode == "pd":
+            s = parse_setup(f"{int(conditions['pd.prefill.count'])}P{int(conditions['pd.decode.count'])}D")
+        elif mode == "single":
+            n = int(conditions.get("gpu.count") or conditions.get("pd.decode.count"))
+            chunk = conditions.get("vllm.max_num_batched_tokens")
+            chunked = str(conditions.get("vllm.enable_chunked_prefill", "")).lower() == "true" and chunk
+            s = parse_setup(f"{n}xchunked:{int(chunk)}" if chunked else f"{n}xsingle")
+        else:
+            return None
+    except (KeyError, TypeError, ValueError):
+        return None
+    return replace(s, recorded=True)

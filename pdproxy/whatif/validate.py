@@ -56,9 +56,7 @@ class Row:
 def target_setup(case: Case, run: records.Run) -> setups.Setup:
     if case.setup:
         return setups.parse_setup(case.setup)
-    from pdproxy.whatif.cli import recorded_setup
-
-    s = recorded_setup(run.conditions)
+    s = setups.recorded(run.conditions)
     if s is None:
         raise ValueError(f"{case.target}: its conditions do not say its set-up")
     return replace(s, recorded=False)
