@@ -38,7 +38,7 @@ class ModelParams:
     prefill_policy: str = "cache_aware"
     decode_policy: str = "load_aware"
     policy_params: dict[str, Any] = field(default_factory=dict)
-    loopback_ms: float = SIM_LOOPBACK_MS  # one HTTP leg's cost, which the preset's curves leave out
+    loopback_ms: float = SIM_LOOPBACK_MS  # one HTTP leg's cost (request and first answer), left out of the curves
 
 
 @dataclass
@@ -207,8 +207,7 @@ class _Cluster:
             finally:
                 prefill.inflight -= 1
             out.queue = (pseq.scheduled_at or pseq.queued_at) - pseq.queued_at
-            out.prefill_done = clock.now() + self.params.loopback_ms / 1000.0  # the answer's way back
-            await clock.sleep_until(out.prefill_done)
+            out.prefill_done = clock.now()  # the leg's one loopback (request and answer) was paid at its start
             if pseq.held_blocks is None:
                 out.error = pseq.error or "prefill returned no KV"
                 return out
