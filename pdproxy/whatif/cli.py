@@ -40,7 +40,7 @@ CALIBRATED_NOTE = ("calibrated on the given spans: the stated error is the shipp
                    "workload with the curves fitted to its spans, TTFT and KV wait landed within 21 % on vllm023 "
                    "P/D, but across set-ups calibration helped some figures and hurt others (docs/whatif.md)")
 SHARED_GPU_NOTE = ("preset h200-llama8b (instances sharing one GPU, same-GPU NIXL) is outside the stated error: "
-                   "on the recorded 4-instance H200 the model had TTFT 75-85 % and the KV wait 84 % too low, the "
+                   "on the recorded 4-instance H200 the model had TTFT 75-85 % and the KV wait 84-86 % too low, the "
                    "1-GPU P/D's KV wait 47 % too low (docs/whatif.md); read its figures as an ordering only")
 
 
