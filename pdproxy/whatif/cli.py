@@ -172,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
         wl = load(args.records, args.traces)
+        if args.records and args.traces and not args.calibrate:
+            wl.notes.append("the workload is the bench record's; the trace files given beside it serve --calibrate "
+                            "only, and were not read")
         gpus, chosen = choose_setups(args, wl)
         params = model_params(args, wl)
         calibration = None
