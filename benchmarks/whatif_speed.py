@@ -99,6 +99,7 @@ def main() -> int:
     # on a shared machine the wall time also holds other processes' turns; the CPU time is the work itself
     print(f"{'CPU time, all processes (s)':<34}{cpu:>10.1f}")
     print(f"{'CPU time / 2 cores (s)':<34}{cpu / 2:>10.1f}{TARGET_S:>10.0f}{cpu / 2 / TARGET_S:>8.2f}")
+    print(f"{'peak memory of a process (MB)':<34}{cpu1.ru_maxrss / 1024:>10.0f}")
     print(f"{'virtual s per wall s':<34}{simulated / wall:>10.1f}{simulated / TARGET_S:>10.1f}"
           f"{(simulated / wall) / (simulated / TARGET_S):>8.2f}")
     print("wall:", "PASS" if wall < TARGET_S else "MISS", f"({wall:.1f} s for {len(setups)} x {args.minutes:g} min);",
