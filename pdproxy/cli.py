@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("pdproxy.bench.cli", "drive a workload against an OpenAI-compatible endpoint"),
     "report": ("pdproxy.bench.report_cli", "turn bench records and traces into the comparison table"),
     "trace": ("pdproxy.bench.trace_cli", "one request's waterfall: proxy stages and vLLM's spans, from files or a store"),
+    "whatif": ("pdproxy.whatif.cli", "predict the report of set-ups not run, from a recorded workload (virtual time)"),
     "demo": ("pdproxy.demo", "single vs chunked vs P/D on simulated instances, end to end"),
 }
 

@@ -34,13 +34,14 @@ import asyncio
 import collections
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 from pdproxy.sim.kv import BlockPool, KVLeases, KVPuller, PullOutcome, RemoteKV
 from pdproxy.sim.metrics import SimMetrics
 from pdproxy.sim.prefix_cache import UNBOUNDED_BLOCKS, PrefixCache
 from pdproxy.sim.settings import SimSettings
-from pdproxy.sim.timing import PreciseClock
+from pdproxy.sim.timing import PreciseClock, kv_link_seconds
 
 # Steps follow an ideal timeline (each starts where the previous one ended), so the host's
 # scheduling hiccups do not slow the simulated GPU down: a late wake-up is made up by the next
@@ -146,6 +147,9 @@ class Engine:
         self.preemptions = 0
         self.requests_total = 0
         self.busy_seconds = 0.0
+        # called with (sequence, time) for every token sampled, before the sequence's own bookkeeping; the
+        # virtual-time model (pdproxy/whatif) reads each request's token times through it
+        self.on_token: Callable[[Sequence, float], None] | None = None
 
     # ---- requests in and out ---------------------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -233,10 +237,9 @@ class Engine:
             await asyncio.sleep(0)  # let handlers write what this step produced
 
     def _link_seconds(self, tokens: int) -> float:
-        """A KV transfer's own time on the preset's link (latency + bytes / bandwidth), without queueing."""
-        p = self.settings.preset
-        bandwidth = p.kv_bandwidth_gbps * 1e9 / self.settings.time_scale
-        return self.settings.scaled(p.kv_latency_ms) + (tokens * p.kv_bytes_per_token / bandwidth if bandwidth else 0)
+        if self.settings.instant:
+            return 0.0
+        return kv_link_seconds(self.settings.preset, tokens, self.settings.time_scale)
 
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
@@ -266,7 +269,8 @@ class Engine:
                     break
             if seq.state is not RUNNING:
                 break  # seq preempted itself: nothing later in the list is left either
-            seq.blocks.extend(self.pool.allocate(need))
+            if need > 0:
+                seq.blocks.extend(self.pool.allocate(need))
             batch.append((seq, n))
             budget -= n
             if n > 1:
@@ -378,6 +382,8 @@ class Engine:
             seq.cached_blocks = full
 
     def _emit_token(self, seq: Sequence, now: float) -> None:
+        if self.on_token is not None:
+            self.on_token(seq, now)
         m = self.metrics
         seq.num_generated += 1
         m.generation_tokens.inc()

@@ -30,7 +30,7 @@ from pdproxy.sim.protocol import (APIError, GenerationRequest, error_body, parse
                                   parse_json, parse_tokenize)
 from pdproxy.sim.render import DONE, Renderer, request_metrics, usage
 from pdproxy.sim.settings import SimSettings
-from pdproxy.sim.timing import PreciseClock
+from pdproxy.sim.timing import PreciseClock, kv_bytes
 from pdproxy.sim import tokens
 from pdproxy.sim.generation import Generation
 
@@ -459,7 +459,7 @@ class SimServer:
             lease = leases.claim(str(engine_id), str(request_id), blocks if isinstance(blocks, list) else [])
         except PullRejected as exc:
             return _json({"reason": exc.reason, "message": exc.message}, exc.status)
-        nbytes = len(lease.blocks) * self.settings.preset.block_size * self.settings.preset.kv_bytes_per_token
+        nbytes = kv_bytes(self.settings.preset, len(lease.blocks))
         try:
             queued, total = await self.link.transfer(nbytes)
         finally:

@@ -21,6 +21,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 Points = tuple[tuple[float, float], ...]
 
@@ -62,6 +63,32 @@ class CostModel:
         if prefill_tokens:
             ms += self.prefill_extra(prefill_tokens)
         return ms * self.time_scale / 1000.0
+
+
+class KVLinkShape(Protocol):
+    """The preset fields a KV transfer's duration depends on."""
+
+    kv_bytes_per_token: int
+    kv_bandwidth_gbps: float
+    kv_latency_ms: float
+    block_size: int
+
+
+def kv_bytes(shape: KVLinkShape, blocks: int) -> int:
+    """Bytes moved for `blocks` KV blocks (NIXL moves whole blocks)."""
+    return blocks * shape.block_size * shape.kv_bytes_per_token
+
+
+def kv_wire_seconds(shape: KVLinkShape, nbytes: int, time_scale: float = 1.0) -> float:
+    """The bytes' time on the prefill's outgoing link (0 for an infinite link), latency not included."""
+    bandwidth = shape.kv_bandwidth_gbps * 1e9 / time_scale
+    return nbytes / bandwidth if bandwidth > 0 else 0.0
+
+
+def kv_link_seconds(shape: KVLinkShape, tokens: int, time_scale: float = 1.0) -> float:
+    """A KV transfer's own time on the link (latency + bytes / bandwidth), without queueing behind others."""
+    return shape.kv_latency_ms * time_scale / 1000.0 + kv_wire_seconds(shape, tokens * shape.kv_bytes_per_token,
+                                                                       time_scale)
 
 
 class PreciseClock:

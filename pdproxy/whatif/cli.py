@@ -1,0 +1,212 @@
+"""`pdproxy whatif`: predict the report of set-ups you have not run, from a workload you recorded.
+
+Examples:
+
+    pdproxy whatif --records bench/pd-88412b25.jsonl --max-model-len 8192 --num-gpu-blocks 4096
+    pdproxy whatif --traces pd-a.jsonl --gpus 4 --setup 2P2D --setup 4xchunked:1024 --html whatif.html
+    pdproxy whatif --records run.jsonl --traces proxy.jsonl --traces vllm.jsonl --calibrate
+
+The recorded workload (arrivals, prompt and output tokens, shared prefixes) is replayed on each
+candidate set-up at the same GPU total (every P:D ratio, all single, all chunked at --chunk sizes, and
+the set-up it was recorded on) by the simulator's engine in virtual time, and printed as `pdproxy
+report` prints a real comparison: the same rows, verdicts against the recorded set-up, and the real
+runs worth making next. Every figure is a prediction with the expected error stated (docs/whatif.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+from pdproxy import policies
+from pdproxy.bench import html, records, table, traces
+from pdproxy.bench.report_cli import add_slo_arguments, slo_from
+from pdproxy.sim.presets import PRESETS
+from pdproxy.whatif import predict, setups
+from pdproxy.whatif.model import ModelParams
+from pdproxy.whatif.workload import Workload, WorkloadError, load
+
+DEFAULT_PRESET = "h200-llama8b-2gpu"  # one instance per GPU, NIXL between GPUs
+CALIBRATED_NOTE = ("calibrated on the given spans: the stated error is the shipped presets'; replaying a run's own "
+                   "workload with the curves fitted to its spans, TTFT and KV wait landed within 21 % on vllm023 "
+                   "P/D, but across set-ups calibration helped some figures and hurt others (docs/whatif.md)")
+SHARED_GPU_NOTE = ("preset h200-llama8b (instances sharing one GPU, same-GPU NIXL) is outside the stated error: "
+                   "on the recorded 4-instance H200 the model had TTFT 75-85 % and the KV wait 84-86 % too low, the "
+                   "1-GPU P/D's KV wait 47 % too low (docs/whatif.md); read its figures as an ordering only")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = __doc__.split("\n", 2)[2]
+    i = p.add_argument_group("recorded workload")
+    i.add_argument("--records", action="append", default=[], metavar="FILE",
+                   help="a `pdproxy bench` record file: arrivals, tokens, closed-loop concurrency, shared prefixes")
+    i.add_argument("--traces", action="append", default=[], metavar="FILE",
+                   help="pdproxy trace file(s) (OTLP-JSON lines): the workload when no records are given; with "
+                        "--calibrate also the spans to fit")
+    s = p.add_argument_group("candidate set-ups")
+    s.add_argument("--gpus", type=int, help="GPU total (default: the recording's gpu.count)")
+    s.add_argument("--setup", action="append", default=[], metavar="SPEC",
+                   help="a set-up to predict: 2P2D, 4xsingle, 4xchunked:2048 (repeatable; default: every P:D "
+                        "ratio, all single, all chunked, and the recorded one)")
+    s.add_argument("--chunk", action="append", type=int, default=[], metavar="TOKENS",
+                   help=f"chunk sizes for the default chunked set-ups (default {setups.DEFAULT_CHUNKS[0]})")
+    m = p.add_argument_group("model")
+    m.add_argument("--preset", choices=sorted(n for n, p in PRESETS.items() if not p.instant), default=DEFAULT_PRESET,
+                   help=f"timing preset of every instance (default {DEFAULT_PRESET}; `h200-llama8b` for instances "
+                        "sharing one GPU, whose NIXL path is slow)")
+    m.add_argument("--max-model-len", type=int, help="as the recorded instances had it (default: the recording's, "
+                                                     "else the preset's)")
+    m.add_argument("--num-gpu-blocks", type=int, help="KV blocks per instance (default: the preset's)")
+    m.add_argument("--policy", default=None, help="single set-ups' routing policy (default cache_aware)")
+    m.add_argument("--prefill-policy", default=None, help="P/D prefill routing policy (default cache_aware)")
+    m.add_argument("--decode-policy", default=None, help="P/D decode routing policy (default load_aware)")
+    m.add_argument("--calibrate", action="store_true",
+                   help="fit prefill, decode and KV-transfer curves from the --traces' vLLM spans, print the fit "
+                        "and its residuals, and predict with it (default: the preset)")
+    m.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="set-ups simulated in parallel")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="PATH", help="write the report as JSON ('-' for stdout)")
+    o.add_argument("--html", metavar="PATH", help="write the HTML page `pdproxy report` writes, marked as a prediction")
+    o.add_argument("--no-table", action="store_true", help="do not print the terminal table")
+    v = p.add_argument_group("verdict (each set-up vs the recorded one)")
+    add_slo_arguments(v)
+
+
+def choose_setups(args: argparse.Namespace, wl: Workload) -> tuple[int, list[setups.Setup]]:
+    rec = setups.recorded(wl.conditions)
+    gpus = args.gpus
+    if gpus is None:
+        try:
+            gpus = int(wl.conditions["gpu.count"])
+        except (KeyError, TypeError, ValueError):
+            if rec is None:
+                raise setups.SetupError("the recording says neither its GPU total (gpu.count) nor its instances "
+                                        "(pd.mode, pd.prefill.count, pd.decode.count): pass --gpus") from None
+            gpus = rec.gpus
+            wl.notes.append(f"no gpu.count in the recording: GPU total {gpus}, one per recorded instance ({rec.name})")
+    chosen = [setups.parse_setup(s) for s in args.setup] if args.setup else \
+        setups.candidates(gpus, tuple(args.chunk) or setups.DEFAULT_CHUNKS)
+    for s in chosen:
+        setups.check_fits(s, gpus)
+    if rec is not None and rec.gpus == gpus:
+        chosen = [rec if s.name == rec.name else s for s in chosen]
+        if not any(s.recorded for s in chosen):
+            chosen.insert(0, rec)
+    elif rec is not None:
+        wl.notes.append(f"the recorded set-up {rec.name} has {rec.gpus} instances on {gpus} GPU(s); the model gives "
+                        f"each instance a GPU, so it is not among the candidates (pass --gpus {rec.gpus} to add it)")
+    names = [s.name for s in chosen]
+    if len(set(names)) != len(names):
+        raise setups.SetupError(f"a set-up is given twice: {', '.join(names)}")
+    return gpus, chosen
+
+
+def model_params(args: argparse.Namespace, wl: Workload) -> ModelParams:
+    preset = PRESETS[args.preset]
+    over: dict[str, Any] = {}
+    mml = args.max_model_len or wl.max_model_len
+    if mml:
+        over["max_model_len"] = mml
+    if args.num_gpu_blocks:
+        over["num_gpu_blocks"] = args.num_gpu_blocks
+    if over:
+        preset = replace(preset, **over)
+        if preset.num_gpu_blocks and -(-preset.max_model_len // preset.block_size) > preset.num_gpu_blocks:
+            raise setups.SetupError(f"max-model-len {preset.max_model_len} does not fit in {preset.num_gpu_blocks} "
+                                    "KV blocks: raise --num-gpu-blocks (vLLM refuses to start in this case too)")
+    chosen = {"single_policy": args.policy or "cache_aware", "prefill_policy": args.prefill_policy or "cache_aware",
+              "decode_policy": args.decode_policy or "load_aware"}
+    for name in chosen.values():
+        if name not in policies.POLICIES:
+            raise setups.SetupError(f"unknown routing policy {name!r}; choose one of {', '.join(policies.POLICIES)}")
+    return ModelParams(preset, **chosen)
+
+
+def _one(job: tuple[Workload, setups.Setup, ModelParams]) -> predict.Prediction:
+    return predict.run_setup(*job)
+
+
+def predictions(wl: Workload, chosen: list[setups.Setup], params: ModelParams, jobs: int) -> list[predict.Prediction]:
+    work = [(wl, s, params) for s in chosen]
+    if jobs <= 1 or len(work) == 1:
+        return [_one(w) for w in work]
+    with ProcessPoolExecutor(max_workers=min(jobs, len(work))) as pool:
+        return list(pool.map(_one, work))
+
+
+def print_prediction(rep: dict[str, Any], console: Console) -> None:
+    w = rep["whatif"]
+    console.print(Text(w["prediction"], style="bold yellow"))
+    for n in w["workload"]["notes"]:
+        console.print(Text(f"assumed: {n}", style="yellow"))
+    for n in w.get("calibration_notes") or []:
+        console.print(Text(n, style="yellow"))
+    for line in w["suggested_runs"]:
+        console.print(Text(line, style="bold" if line.startswith("Real runs") else ""))
+
+
+def html_page(rep: dict[str, Any]) -> str:
+    """`pdproxy report`'s page with the prediction banner and the suggested runs on top."""
+    w = rep["whatif"]
+    esc = html._e
+    banner = (f"<div class=flag><b>{esc(w['prediction'])}</b></div>"
+              + "".join(f"<div class=flag>assumed: {esc(n)}</div>" for n in w["workload"]["notes"])
+              + "<h2>Suggested real runs</h2><ul>" + "".join(f"<li>{esc(s)}</li>" for s in w["suggested_runs"])
+              + "</ul>")
+    page = html.render(rep)
+    page = page.replace("<h1>pdproxy report:", "<h1>pdproxy whatif (prediction):", 1)
+    return page.replace("<body>\n", "<body>\n" + banner + "\n", 1)
+
+
+def run(args: argparse.Namespace) -> int:
+    err = Console(stderr=True)
+    try:
+        wl = load(args.records, args.traces)
+        if args.records and args.traces and not args.calibrate:
+            wl.notes.append("the workload is the bench record's; the trace files given beside it serve --calibrate "
+                            "only, and were not read")
+        gpus, chosen = choose_setups(args, wl)
+        params = model_params(args, wl)
+        calibration = None
+        if args.calibrate:
+            from pdproxy.whatif import calibrate
+
+            calibration = calibrate.fit_files(args.traces, params.preset)
+            err.print(calibrate.render(calibration))
+            params = replace(params, preset=calibration.preset)
+        wl.check(params.preset.max_model_len)
+        if params.preset.name.split("+")[0] == "h200-llama8b":
+            wl.notes.append(SHARED_GPU_NOTE)
+        preds = predictions(wl, chosen, params, args.jobs)
+        rep = predict.build_report(wl, preds, slo=slo_from(args))
+        if calibration is not None:
+            rep["whatif"]["calibration"] = calibration.to_dict()
+            rep["whatif"]["calibration_notes"] = [CALIBRATED_NOTE]
+    except (WorkloadError, setups.SetupError, records.RecordError, traces.TraceError, OSError, ValueError) as e:
+        err.print(f"[red]pdproxy whatif: {e}[/]")
+        return 2
+    out = table.make_console(stderr=args.json == "-")
+    if not args.no_table:
+        table.render(rep, out, drilldown=False)
+    print_prediction(rep, out)
+    if args.json:
+        text = json.dumps(rep, indent=1)
+        if args.json == "-":
+            sys.stdout.write(text + "\n")
+        else:
+            Path(args.json).write_text(text)
+            err.print(f"JSON report: {args.json}")
+    if args.html:
+        Path(args.html).write_text(html_page(rep))
+        err.print(f"HTML report: {args.html}")
+    return 0

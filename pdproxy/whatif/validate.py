@@ -1,0 +1,87 @@
+"""How far a prediction lands from a real run: replay run X's workload, predict set-up Y, compare with run Y.
+
+A case names two recorded runs on the same instances (bench records + the proxy's trace files, which
+give the KV wait): the workload of `source` is replayed on the set-up `target` was recorded on, and
+each figure of the prediction is compared with the same figure of `target`'s report. Used by
+benchmarks/whatif_validation.py (the docs' error table) and the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pdproxy.bench import records, report as bench_report, traces
+from pdproxy.sim.presets import PRESETS
+from pdproxy.whatif import predict, setups, workload
+from pdproxy.whatif.model import ModelParams
+
+# (name, how to read it from a report run entry)
+FIGURES: tuple[tuple[str, Any], ...] = (
+    ("TTFT p50", lambda e: e["stats"]["ttft"].get("p50")),
+    ("TTFT p99", lambda e: e["stats"]["ttft"].get("p99")),
+    ("tail ITL p50", lambda e: e["stats"]["tail_itl"]["per_request_max"].get("p50")),
+    ("tail ITL p99", lambda e: e["stats"]["tail_itl"]["per_request_max"].get("p99")),
+    ("KV wait p50", lambda e: ((e.get("kv_transfer") or {}).get("upper_bound") or {}).get("p50")),
+    ("KV wait p99", lambda e: ((e.get("kv_transfer") or {}).get("upper_bound") or {}).get("p99")),
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    source: str  # bench records whose workload is replayed
+    target: str  # bench records of the set-up predicted
+    target_traces: tuple[str, ...]  # the proxy's traces of the target run (KV wait)
+    preset: str
+    overrides: tuple[tuple[str, Any], ...] = ()  # preset fields as the recorded instances had them
+    setup: str | None = None  # the target's set-up (default: from its conditions)
+    source_traces: tuple[str, ...] = ()  # the source run's traces with vLLM's spans (for --calibrate)
+
+
+@dataclass
+class Row:
+    case: str
+    figure: str
+    recorded: float | None
+    predicted: float | None
+
+    @property
+    def error(self) -> float | None:
+        if self.recorded is None or self.predicted is None or self.recorded == 0:
+            return None
+        return (self.predicted - self.recorded) / self.recorded
+
+
+def target_setup(case: Case, run: records.Run) -> setups.Setup:
+    if case.setup:
+        return setups.parse_setup(case.setup)
+    s = setups.recorded(run.conditions)
+    if s is None:
+        raise ValueError(f"{case.target}: its conditions do not say its set-up")
+    return replace(s, recorded=False)
+
+
+def calibrated(case: Case, preset: Any) -> Any:
+    """The preset fitted to the source run's own spans only (never the target's: that is what is predicted)."""
+    from pdproxy.whatif import calibrate
+
+    ids = {str(r["request_id"]) for r in records.read_run(case.source).requests}
+    idx = traces.read_traces(list(case.source_traces))
+    infos = [i for i in idx.by_request.values() if i.engine and i.request_id in ids]
+    if not infos:
+        raise ValueError(f"{case.name}: no vLLM spans of the source run in {case.source_traces}")
+    return calibrate.fit(infos, preset).preset
+
+
+def run_case(case: Case, calibrate: bool = False) -> list[Row]:
+    wl = workload.from_bench(case.source)
+    target = records.read_run(case.target)
+    preset = replace(PRESETS[case.preset], **dict(case.overrides))
+    if calibrate:
+        preset = calibrated(case, preset)
+    pred = predict.run_setup(wl, target_setup(case, target), ModelParams(preset))
+    idx = traces.read_traces(list(case.target_traces)) if case.target_traces else None
+    recorded = bench_report.build([target], idx, verdict=False)["runs"][0]
+    predicted = predict.build_report(wl, [pred])["runs"][0]
+    return [Row(case.name, name, get(recorded), get(predicted)) for name, get in FIGURES]

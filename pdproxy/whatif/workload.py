@@ -1,0 +1,226 @@
+"""A recorded workload as the model replays it: who arrived when, with how many tokens, sharing what.
+
+Read from `pdproxy bench` records (arrival offsets, prompt and output tokens as the server counted
+them, the class's closed-loop concurrency, shared system prompts re-drawn from the recorded seed) or
+from pdproxy's trace files (root span start, `gen_ai.usage.*`, and the router's
+`pd.route.matched_prefix` for prefix sharing). What a prediction needs but the input lacks is
+assumed, and each assumption is kept in `Workload.notes` so that the output can say it.
+
+Prompts become token ids the model can hash: a shared prefix is the same ids in every request that
+has it, the rest is unique to the request (or, in a multi-turn class, to its conversation).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from pdproxy.bench import records, traces
+from pdproxy.bench.prefixes import PrefixShaper
+from pdproxy.bench.workload import Workload as BenchWorkload
+
+_TPW = 2.3  # tokens per word when a record does not say (the simulator's tokenizer mean)
+_STREAM = 10_000_000  # token-id range per prefix / conversation / request
+
+
+class WorkloadError(ValueError):
+    """Input a prediction cannot be made from; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class Request:
+    request_id: str
+    cls: str
+    index: int
+    arrival: float  # seconds from the workload's start (open loop) / the recorded start (closed loop)
+    prompt_tokens: int
+    output_tokens: int
+    prompt_tokens_requested: int | None = None
+    max_tokens: int | None = None
+    prefix: int | None = None  # shared-prefix group
+    prefix_tokens: int = 0
+    stream: int = 0  # where the request's own ids come from (its conversation in a multi-turn class)
+
+    def token_ids(self) -> list[int]:
+        n = min(self.prefix_tokens, self.prompt_tokens)
+        ids = list(range((self.prefix + 1) * _STREAM, (self.prefix + 1) * _STREAM + n)) if self.prefix is not None \
+            else []
+        base = (1 << 40) + self.stream * _STREAM
+        ids.extend(range(base, base + self.prompt_tokens - n))
+        return ids
+
+    def again(self, i: int, n: int) -> Request:
+        """The `i`-th request of a closed-loop class past the `n` recorded: the recorded one's shape, a new id."""
+        if i < n:
+            return self
+        return replace(self, request_id=f"{self.request_id}~{i // n}", index=i, stream=self.stream + (i // n) * (1 << 20))
+
+
+@dataclass
+class ClassPlan:
+    name: str
+    concurrency: int | None  # closed loop: that many clients back to back; None: replay the arrivals
+    requests: list[Request] = field(default_factory=list)
+
+
+@dataclass
+class Workload:
+    source: str
+    classes: list[ClassPlan]
+    duration: float | None = None
+    warmup_seconds: float = 0.0
+    conditions: dict[str, str] = field(default_factory=dict)  # the recorded set-up's
+    max_model_len: int | None = None
+    label: str = ""
+    notes: list[str] = field(default_factory=list)
+    header: dict[str, Any] = field(default_factory=dict)  # the bench run header, when read from one
+
+    @property
+    def requests(self) -> list[Request]:
+        return [r for c in self.classes for r in c.requests]
+
+    def check(self, max_model_len: int) -> None:
+        over = [r for r in self.requests if r.prompt_tokens + r.output_tokens > max_model_len]
+        if over:
+            worst = max(over, key=lambda r: r.prompt_tokens + r.output_tokens)
+            raise WorkloadError(
+                f"{len(over)} request(s) need more than max-model-len {max_model_len} tokens (prompt + output), e.g. "
+                f"{worst.request_id}: {worst.prompt_tokens} + {worst.output_tokens}; a real instance refuses them: "
+                "pass --max-model-len as the recorded instances had it")
+
+
+def from_bench(path: str | Path) -> Workload:
+    run = records.read_run(path)
+    h = run.header
+    wl_dict = h.get("workload") or {}
+    notes: list[str] = []
+    prompts = h.get("prompts") or {}
+    tpw = float(prompts.get("tokens_per_word") or _TPW)
+    class_defs = {c.get("name"): (i, c) for i, c in enumerate(wl_dict.get("classes") or [])}
+    shapers: dict[str, PrefixShaper] = {}
+    try:
+        bench_wl = BenchWorkload.from_dict(wl_dict) if wl_dict else None
+    except Exception as exc:  # an older or hand-written header: no prefix re-draw
+        bench_wl = None
+        notes.append(f"the run's workload could not be read back ({exc}): no shared prefixes assumed")
+    by_class: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in run.requests:
+        by_class[str(r.get("class"))].append(r)
+    if not by_class:
+        raise WorkloadError(f"{path}: no request records")
+    out_missing = prompt_missing = 0
+    classes = []
+    streams: dict[Any, int] = {}  # each request's own ids (or its conversation's), numbered in order: deterministic
+    for name, recs in by_class.items():
+        recs.sort(key=lambda r: int(r.get("index") or 0))
+        ci, cdef = class_defs.get(name, (None, {}))
+        shaper = None
+        if bench_wl is not None and ci is not None and (cdef.get("shared_prefixes") or cdef.get("sessions")):
+            shaper = shapers[name] = PrefixShaper.of(bench_wl, ci)
+        prefix_ids: dict[str, int] = {}
+        plan = ClassPlan(name, int(cdef["concurrency"]) if cdef.get("concurrency") else None)
+        drawn = 0
+        for r in recs:
+            idx = int(r.get("index") or 0)
+            prefix, prefix_tokens, stream = None, 0, streams.setdefault((name, idx), len(streams))
+            if shaper is not None:
+                while drawn <= idx:  # the shaper draws in request order; replay the draws up to this one
+                    text, conversation = shaper.shape(drawn, "")
+                    drawn += 1
+                if cdef.get("shared_prefixes"):  # with an empty draw of its own, the shaped text is the prefix
+                    key = text.strip()
+                    prefix = prefix_ids.setdefault(key, len(prefix_ids) + 1000 * (ci or 0))
+                    prefix_tokens = round(len(key.split()) * tpw)
+                if conversation is not None:
+                    stream = streams.setdefault((name, conversation), len(streams))
+                    prefix, prefix_tokens = None, 0  # the conversation's own history is the shared part
+            pt = r.get("prompt_tokens")
+            if not pt:
+                prompt_missing += 1
+                pt = r.get("prompt_tokens_requested") or round((r.get("prompt_words") or 0) * tpw)
+            ot = r.get("output_tokens") if r.get("ok") else None
+            if not ot:
+                out_missing += 1
+                ot = r.get("max_tokens") or 16
+            plan.requests.append(Request(str(r["request_id"]), name, idx, float(r.get("start_offset") or 0.0), int(pt),
+                                         int(ot), r.get("prompt_tokens_requested"), r.get("max_tokens"), prefix,
+                                         prefix_tokens, stream))
+        classes.append(plan)
+    if prompt_missing:
+        notes.append(f"{prompt_missing} request(s) without the server's prompt token count: assumed the requested "
+                     "size (or words x tokens per word)")
+    if out_missing:
+        notes.append(f"{out_missing} request(s) without an output token count (failed or not streamed with usage): "
+                     "assumed max_tokens")
+    for c in classes:
+        if c.concurrency:
+            notes.append(f"class {c.name}: closed loop, {c.concurrency} clients back to back for the recorded "
+                         f"{wl_dict.get('duration')} s (a faster set-up serves more requests, as the bench would)")
+    if not wl_dict:
+        notes.append("no workload in the run header: arrivals replayed as recorded (open loop)")
+    return Workload(str(path), classes, duration=float(wl_dict["duration"]) if wl_dict.get("duration") else None,
+                    warmup_seconds=float(wl_dict.get("warmup_seconds") or 0.0), conditions=dict(run.conditions),
+                    max_model_len=int(prompts["max_model_len"]) if prompts.get("max_model_len") else None,
+                    label=run.label, notes=notes, header=h)
+
+
+def from_traces(paths: list[str]) -> Workload:
+    idx = traces.read_traces(paths)
+    infos = [i for i in idx.by_request.values() if i.deployment == "primary"]
+    if not infos:
+        raise WorkloadError(f"{', '.join(paths)}: no pdproxy request traces (root spans with pd.request_id)")
+    infos.sort(key=lambda i: i.start)
+    t0 = infos[0].start
+    notes = ["arrivals replayed as recorded (open loop): trace files do not say whether the client waited"]
+    missing_in = [i for i in infos if not i.attrs.get("gen_ai.usage.input_tokens")]
+    missing_out = [i for i in infos if not i.attrs.get("gen_ai.usage.output_tokens")]
+    known_in = [int(i.attrs["gen_ai.usage.input_tokens"]) for i in infos if i.attrs.get("gen_ai.usage.input_tokens")]
+    if missing_in and not known_in:
+        raise WorkloadError("no trace has gen_ai.usage.input_tokens (the prompt's token count): a prediction needs "
+                            "it; record with usage in the stream (stream_options.include_usage) or use bench records")
+    fallback_in = int(statistics.median(known_in)) if known_in else 0
+    if missing_in:
+        notes.append(f"{len(missing_in)} trace(s) without gen_ai.usage.input_tokens: assumed the median of the others "
+                     f"({fallback_in})")
+    if missing_out:
+        notes.append(f"{len(missing_out)} trace(s) without gen_ai.usage.output_tokens: assumed "
+                     "gen_ai.request.max_tokens (16 where that is missing too)")
+    matched_seen = False
+    groups: dict[int, int] = {}
+    reqs = []
+    for n, info in enumerate(infos):
+        a = info.attrs
+        matched = 0
+        for stage in ("prefill", "decode"):
+            m = (info.stage_attrs.get(stage) or {}).get("pd.route.matched_prefix")
+            unit = (info.stage_attrs.get(stage) or {}).get("pd.route.matched_prefix.unit", "tokens")
+            if m is not None:
+                matched_seen = True
+                matched = max(matched, int(m) if unit == "tokens" else round(int(m) / 4))
+        prefix = groups.setdefault(matched // 16, len(groups)) if matched >= 16 else None
+        pt = int(a.get("gen_ai.usage.input_tokens") or fallback_in)
+        ot = int(a.get("gen_ai.usage.output_tokens") or a.get("gen_ai.request.max_tokens") or 16)
+        reqs.append(Request(info.request_id, "traced", n, info.start - t0, pt, ot, None,
+                            a.get("gen_ai.request.max_tokens"), prefix, matched, n))
+    if matched_seen:
+        notes.append("prefix sharing from pd.route.matched_prefix (the router's estimate): requests whose matched "
+                     "prefix has the same length are assumed to share it")
+    else:
+        notes.append("no routing attributes with a matched prefix: no shared prefixes assumed")
+    conditions = traces.resource_conditions(infos)
+    return Workload(",".join(paths), [ClassPlan("traced", None, reqs)], duration=None,
+                    conditions={k: str(v) for k, v in conditions.items()}, label="recorded", notes=notes)
+
+
+def load(bench: list[str], trace_files: list[str]) -> Workload:
+    """One workload: the bench records when given (one run), else the trace files."""
+    if len(bench) > 1:
+        raise WorkloadError("give one bench record file per prediction (one recorded workload)")
+    if bench:
+        return from_bench(bench[0])
+    if trace_files:
+        return from_traces(trace_files)
+    raise WorkloadError("no input: give a bench record file (--records) or trace files (--traces)")

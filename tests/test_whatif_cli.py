@@ -1,0 +1,97 @@
+"""`pdproxy whatif` end to end on the recorded real run A (tests/fixtures/real-xpyd-2026-12-01b): the report's
+table and verdicts for each candidate set-up, the prediction's error, the suggested runs, and clear errors
+for input a prediction cannot be made from."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+FIX = Path(__file__).parent / "fixtures" / "real-xpyd-2026-12-01b"
+PD_RECORDS = FIX / "bench-pd-88412b25.jsonl.gz"
+PD_TRACES = FIX / "pd-a.jsonl.gz"
+RUN_A = ("--preset", "h200-llama8b", "--num-gpu-blocks", "4096")  # one shared H200: same-GPU NIXL, 8 GiB KV each
+
+
+def whatif(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdproxy", "whatif", *args], capture_output=True, text=True,
+                          timeout=timeout, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin",
+                                                "PYTHONPATH": str(Path(__file__).parent.parent)})
+
+
+def test_every_candidate_at_the_recorded_gpu_total(tmp_path):
+    out_json, out_html = tmp_path / "w.json", tmp_path / "w.html"
+    r = whatif("--records", str(PD_RECORDS), *RUN_A, "--json", str(out_json), "--html", str(out_html))
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(out_json.read_text())
+    labels = [e["label"] for e in rep["runs"]]
+    assert labels == ["1P3D", "2P2D (recorded)", "3P1D", "4xsingle", "4xchunked:2048"]
+    for e in rep["runs"]:
+        assert e["stats"]["requests"]["ok"] > 0 and e["stats"]["requests"]["failed"] == 0, e["label"]
+        assert e["gpu_total"] == 4
+        assert (e["kv_transfer"] is not None) == (e["mode"] == "pd")
+    # every other set-up gets a verdict against the recorded one, on the same resources
+    assert [v["candidate"] for v in rep["verdicts"]] == [x for x in labels if x != "2P2D (recorded)"]
+    assert all(v["baselines"] == ["2P2D (recorded)"] for v in rep["verdicts"])
+    # same-GPU NIXL at a fraction of a GB/s: the model has P/D's TTFT dominated by the KV wait, as recorded (tens of s)
+    pd = rep["runs"][1]
+    assert pd["kv_transfer"]["upper_bound"]["p50"] > 0.8 * pd["stats"]["ttft"]["p50"]
+    single = rep["runs"][3]
+    assert single["stats"]["ttft"]["p50"] < 0.1 * pd["stats"]["ttft"]["p50"]
+    # the terminal output: the report's table, verdicts, the prediction's error and the suggested runs
+    for text in ("Results", "TTFT", "tail ITL", "KV transfer", "throughput", "Verdict:", "PREDICTION",
+                 "Expected error", "Real runs worth making next"):
+        assert text in r.stdout, text
+    assert "not a measurement" in rep["whatif"]["prediction"]
+    assert rep["whatif"]["suggested_runs"][0].startswith("Real runs worth making next")
+    page = out_html.read_text()
+    assert "pdproxy whatif (prediction)" in page and "not a measurement" in page and "Suggested real runs" in page
+
+
+def test_trace_files_alone(tmp_path):
+    r = whatif("--traces", str(PD_TRACES), *RUN_A, "--max-model-len", "8192", "--setup", "2P2D", "--setup", "4xsingle",
+               "--json", "-", "--no-table")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert [e["label"] for e in rep["runs"]] == ["2P2D (recorded)", "4xsingle"]
+    notes = rep["whatif"]["workload"]["notes"]
+    assert any("open loop" in n for n in notes)
+    assert any("gpu.count" in n for n in notes)  # the recording's resource attributes lack it: said, and inferred
+
+
+def test_missing_fields_are_named_and_assumed(tmp_path):
+    """A trace without output token counts: the prediction says so and what it assumed."""
+    stripped = tmp_path / "stripped.jsonl"
+    with gzip.open(PD_TRACES, "rt") as src, open(stripped, "w") as dst:
+        for line in src:
+            doc = json.loads(line)
+            for rs in doc["resourceSpans"]:
+                for ss in rs["scopeSpans"]:
+                    for sp in ss["spans"]:
+                        sp["attributes"] = [a for a in sp.get("attributes", [])
+                                            if a["key"] != "gen_ai.usage.output_tokens"]
+            dst.write(json.dumps(doc) + "\n")
+    r = whatif("--traces", str(stripped), *RUN_A, "--max-model-len", "8192", "--setup", "4xsingle", "--no-table")
+    assert r.returncode == 0, r.stderr
+    assert "without gen_ai.usage.output_tokens" in r.stdout and "assumed" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--records", str(PD_RECORDS), "--setup", "3P3D"), "needs 6 GPUs"),
+    (("--records", str(PD_RECORDS), "--max-model-len", "4096", "--num-gpu-blocks", "4096"), "max-model-len 4096"),
+    (("--records", str(PD_RECORDS), "--setup", "2Q2D"), "not understood"),
+    (("--records", str(FIX / "README.md")), "not JSON"),
+    ((), "no input"),
+])
+def test_bad_input_is_a_clear_error(args, message):
+    r = whatif(*args, timeout=60)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert message in r.stderr.replace("\n", " "), r.stderr
+    assert "Traceback" not in r.stderr
