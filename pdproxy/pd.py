@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 import logging
 import random
 import re
@@ -37,7 +36,8 @@ from aiohttp.web_protocol import RequestPayloadError
 from pdproxy import jsonio
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
-from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, retry_after_seconds
+from pdproxy.errors import (DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, instance_message,
+                            retry_after_seconds)
 from pdproxy.migration import (BEFORE_FIRST_TOKEN, MID_STREAM, Attempt, Budget, Continuation, Handoff, TokenTap,
                                MIGRATABLE, first_token_timeout, read_head)
 from pdproxy.policies import RequestView
@@ -154,7 +154,10 @@ class Proxy:
                 nonlocal attempt
                 broken, attempt = attempt, None
                 broken.close()  # vLLM aborts the request when its connection closes
-                attempt = await self._migrate(continuation, broken, failure, trace, headers, budget)
+                try:
+                    attempt = await self._migrate(continuation, broken, failure, trace, headers, budget)
+                except UpstreamResponse as answer:  # the client has its 200: an instance's status cannot follow
+                    raise answer.in_stream() from None
                 return attempt
 
             try:
@@ -238,7 +241,11 @@ class Proxy:
                 trace.decode_failed(inst.address, outcome.error.error_type, abandoned)
             return outcome
 
-        return (await self._retrying(self.decode, instance, budget, attempt))[0]
+        try:
+            return (await self._retrying(self.decode, instance, budget, attempt))[0]
+        except (ProxyError, UpstreamResponse):
+            trace.handoff_abandoned(handoff.spent(True))  # no decode will pull its blocks now
+            raise
 
     async def _decode_once(self, inst: Instance, body: dict[str, Any], raw: bytes | None,
                            kv_params: dict[str, Any] | None, route: Route, trace: RequestTrace,
@@ -516,7 +523,7 @@ def _status_failure(role: str, instance: Instance, status: int, headers: dict[st
     if status < 500:
         return _Failure(UpstreamResponse(status, raw, content_type, stage=role, retry_after=retry_after),
                         retry=False, outlier=False, charged=False)
-    message = _message(raw)
+    message = instance_message(raw)
     if role == DECODE and _is_kv_load_failure(message):
         return _Failure(ProxyError(502, f"{role} instance {instance.address} could not load the prompt's KV cache "
                                         f"({status}: {message})", error_type="kv_load_failed", stage=role),
@@ -557,16 +564,3 @@ def _kv_params(raw: bytes, instance: Instance) -> dict[str, Any] | None:
         raise ProxyError(502, f"prefill instance {instance.address} sent malformed kv_transfer_params",
                          error_type="invalid_kv_params", stage=PREFILL)
     return params
-
-
-def _message(raw: bytes) -> str:
-    """The instance's own error message, for the client's error body."""
-    try:
-        error = json.loads(raw).get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])[:300]
-        if isinstance(error, str):
-            return error[:300]
-    except (ValueError, AttributeError):
-        pass
-    return raw[:200].decode("utf-8", "replace") or "(empty body)"

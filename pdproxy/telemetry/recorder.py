@@ -189,6 +189,12 @@ class RequestTrace:
             n.ATTEMPT_NUMBER: self.decode_attempts, **_leg_attributes(address, "decode", None),
             n.MIGRATION_REASON: reason, n.MIGRATION_STAGE: stage, n.ABANDONED: abandoned is not None}))
 
+    def handoff_abandoned(self, address: str | None) -> None:
+        """The request gave up the hand-off of prefill instance `address` (if any) without a decode
+        pulling it: its blocks stay held there until vLLM's abort timeout."""
+        if address:
+            self.abandoned_handoffs.append(address)
+
     def migrating(self, stage: str, address: str) -> None:
         """Another decode attempt starts in place of the last failed one."""
         self.migrations.append((stage, self._last_failure))

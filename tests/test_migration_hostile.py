@@ -1,0 +1,155 @@
+"""Migration against hostile and odd decode instances, on real processes: `pdproxy serve` in front of
+scripted instances (tests/scripted_backend.py) that send exact bytes: token ids that do not add up,
+streams that never reach a token, busy continuations, reasoning deltas, batched choices, streams that
+break after `[DONE]`.
+
+Whatever an instance does, the client gets what the standards say: a JSON error before the status
+line, only SSE events after it (one error event, one `[DONE]`), nothing unbounded, every failure traced
+and counted; and a stream is continued elsewhere only when the continuation is exact.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import httpx
+import pytest
+
+from ledgers import Counters, ScriptedGroup, proc_rss, sse_events, trace_of
+from otlp import attrs
+from procs import start_proxy
+from waits import scaled
+
+pytestmark = pytest.mark.timeout(120)
+
+ENV = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
+FAST = ("--retry-backoff", "0.01", "--health-check-interval", "0", "--eject-after-failures", "0")
+PROMPT_IDS = [101, 102, 103]
+GREEDY = {"model": "m", "prompt": "count with me", "max_tokens": 12, "stream": True, "temperature": 0}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "think, then count"}], "max_tokens": 12,
+        "stream": True, "temperature": 0}
+
+
+def event(obj: dict) -> str:
+    return "data: " + json.dumps(obj) + "\n\n"
+
+
+def text_event(text: str, ids: list[int], first: bool = False, finish: str | None = None, index: int = 0) -> str:
+    """A completions chunk as vLLM 0.23 streams it with return_token_ids (facts file, fact 4)."""
+    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "token_ids": ids,
+              "prompt_token_ids": PROMPT_IDS if first else None}
+    return event({"id": "cmpl-up", "object": "text_completion", "created": 1, "model": "m", "choices": [choice]})
+
+
+def chat_event(delta: dict, ids: list[int] | None = None, first: bool = False, finish: str | None = None) -> str:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    if ids is not None:
+        choice["token_ids"] = ids
+    obj = {"id": "chatcmpl-up", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [choice]}
+    if first:
+        obj["prompt_token_ids"] = PROMPT_IDS
+    return event(obj)
+
+
+DONE = "data: [DONE]\n\n"
+WORDS = [text_event(w, [200 + i], first=i == 0) for i, w in enumerate(["one", " two", " three"])]
+REST = [text_event(w, [300 + i]) for i, w in enumerate([" four", " five"])] + [text_event("", [], finish="length"), DONE]
+
+
+def broken_after(chunks: list[str]) -> dict:
+    """A step that sends `chunks`, then resets the connection."""
+    return {"chunks": chunks + ["data: never sent\n\n"], "abort_after": len(chunks), "chunk_delay": 0.01}
+
+
+@pytest.fixture
+def started():
+    procs = []
+    yield procs
+    for proc in reversed(procs):
+        proc.stop()
+
+
+def rig(started, tmp_path, *proxy_args: str, prefill: bool = False, decodes: int = 2):
+    """Scripted decode instances (one script, one journal) behind a proxy that writes spans to a file."""
+    d = ScriptedGroup("decode", decodes)
+    started.append(d)
+    legs = ()
+    if prefill:
+        p = ScriptedGroup("prefill", 1)
+        started.append(p)
+        legs = ("--prefill", p.url)
+    trace_file = tmp_path / "spans.jsonl"
+    proxy, url = start_proxy(*legs, "--decode", *d.urls, "--trace-file", str(trace_file), *FAST, *proxy_args, env=ENV)
+    started.append(proxy)
+    return d, url, trace_file, proxy
+
+
+def post(url: str, body: dict, path: str = "/v1/completions", timeout: float = 30) -> tuple[httpx.Response, str]:
+    rid = f"h-{uuid.uuid4().hex[:10]}"
+    return httpx.post(url + path, json=body, headers={"X-Request-Id": rid}, timeout=scaled(timeout)), rid
+
+
+def data_events(r: httpx.Response) -> list[dict]:
+    return [json.loads(e[6:]) for e in sse_events(r.text) if e.startswith("data: {")]
+
+
+def assert_sse_error_end(r: httpx.Response, code: str) -> dict:
+    """A 200 whose body is only SSE events, ending in exactly one error event and one [DONE]."""
+    assert r.status_code == 200
+    assert "HTTP/1.1" not in r.text  # no second response inside the first
+    events = sse_events(r.text)
+    assert all(e.startswith("data: ") for e in events), events
+    assert events.count("data: [DONE]") == 1 and events[-1] == "data: [DONE]"
+    errors = [json.loads(e[6:])["error"] for e in events if '"error"' in e]
+    assert len(errors) == 1 and errors[0]["code"] == code and events[-2].startswith('data: {"error"')
+    return errors[0]
+
+
+# -- 1: a busy or refusing continuation after the client's 200 --------------------------------------------
+
+
+@pytest.mark.parametrize("answer, code", [
+    ({"status": 429, "headers": {"Retry-After": "30"}, "body": {"error": {"message": "busy", "code": 429}}},
+     "upstream_429"),
+    ({"status": 503, "headers": {"Retry-After": "30"}, "body": {"error": {"message": "overloaded"}}}, "upstream_503"),
+    ({"status": 400, "body": {"error": {"message": "prompt too long for the context"}}}, "upstream_4xx"),
+])
+def test_a_continuation_that_is_turned_away_ends_the_stream_with_one_error_event(started, tmp_path, answer, code):
+    """The decode breaks after three tokens; the continuation's decode answers 429/503/400 (default
+    --decode-retries 1: the migration spent it). The client's 200 gets one error event and one [DONE],
+    never an HTTP status line inside its body; the failure is traced at the decode stage and counted."""
+    d, url, trace_file, _ = rig(started, tmp_path, "--migrate-mid-stream")
+    d.script(broken_after(WORDS), answer)
+    c = Counters(url)
+    r, rid = post(url, GREEDY)
+    error = assert_sse_error_end(r, code)
+    assert error["message"].startswith("decode instance answered") and error["type"]
+    assert "".join(ch["choices"][0]["text"] for ch in data_events(r) if "choices" in ch) == "one two three"
+    first, continuation = d.journal()
+    assert continuation["body"]["prompt"] == PROMPT_IDS + [200, 201, 202]
+    root = attrs(trace_of(trace_file, rid)["root"])
+    assert root["error.type"] == code and root["pd.failed_stage"] == "decode"
+    assert c.errors("decode", code) == 1 and c.requests(200, "decode") == 1
+
+
+# -- 7: hand-offs no decode will pull ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("answers, retries, abandoned", [
+    ([{"status": 429, "body": {"error": {"message": "busy"}}}], "0", 1),
+    ([{"status": 400, "body": {"error": {"message": "bad request"}}}], "0", 1),
+    ([{"status": 500, "body": {"error": {"message": "engine broke"}}}], "0", 1),
+    ([{"status": 429, "body": {"error": {"message": "busy"}}}, {}], "1", 0),  # the retry pulls the same blocks
+])
+def test_every_hand_off_no_decode_pulls_is_counted_abandoned(started, tmp_path, answers, retries, abandoned):
+    """A prefill's blocks that no decode pulls stay held until vLLM's abort timeout (facts file, fact 3),
+    whether the decode answered 500, 429 or 400: each such hand-off is counted once."""
+    d, url, trace_file, _ = rig(started, tmp_path, "--decode-retries", retries, prefill=True)
+    d.script(*answers)
+    c = Counters(url)
+    r, rid = post(url, {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True})
+    assert r.status_code == (200 if abandoned == 0 else answers[0]["status"] if answers[0]["status"] < 500 else 502)
+    assert c.delta("pdproxy_abandoned_handoffs_total") == abandoned
+    assert attrs(trace_of(trace_file, rid)["root"]).get("pd.handoffs.abandoned", 0) == abandoned
