@@ -101,18 +101,32 @@ class Budget:
         return True
 
 
+# What a decode may send before its first token, all held until then (the client's status line waits for
+# it): vLLM sends a role-only delta (chat), a few events whose text the detokenizer holds back, and with
+# return_token_ids the prompt's ids in its first event (~7 bytes an id: 16 MiB is a 2M-token prompt).
+MAX_HEAD_EVENTS = 1024
+MAX_HEAD_BYTES = 16 * 1024 * 1024
+
+
 async def read_head(response: Response, scan: ResponseScan, tap: TokenTap | None) -> bytes:
     """Read a stream up to its commit point: its first token-bearing event (or its finish). Anything
-    else first — the end of the stream, an error event, a malformed event, a broken connection —
-    is a `ProxyError` the caller may retry, since not one byte of it has reached the client.
+    else first — the end of the stream, an error event, a malformed event, a broken connection, more
+    than MAX_HEAD_EVENTS events or MAX_HEAD_BYTES bytes without a token — is a `ProxyError` the caller
+    may retry, since not one byte of it has reached the client.
     (A continuation's scan already holds the delivered stream: its own events are the new ones.)"""
     parts = []
     tokens, finishes, malformed = len(scan.chunk_times), len(scan.finish_reasons), scan.malformed
+    received = events = 0
     while True:
         data = await read_stream(response, "before its first token")
         if not data:
             raise ProxyError(502, "decode instance ended the stream before its first token",
                              error_type="stream_truncated", stage=DECODE)
+        received += len(data)
+        events += data.count(b"\n\n") + data.count(b"\r\n\r\n")
+        if received > MAX_HEAD_BYTES or events > MAX_HEAD_EVENTS:
+            raise ProxyError(502, f"decode instance sent {events} events ({received} bytes) and no token",
+                             error_type="no_first_token", stage=DECODE)
         if tap is not None:
             data = tap.feed(data)
         scan.feed(data, time.monotonic_ns())

@@ -11,6 +11,7 @@ and counted; and a stream is continued elsewhere only when the continuation is e
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 
@@ -153,3 +154,58 @@ def test_every_hand_off_no_decode_pulls_is_counted_abandoned(started, tmp_path, 
     assert r.status_code == (200 if abandoned == 0 else answers[0]["status"] if answers[0]["status"] < 500 else 502)
     assert c.delta("pdproxy_abandoned_handoffs_total") == abandoned
     assert attrs(trace_of(trace_file, rid)["root"]).get("pd.handoffs.abandoned", 0) == abandoned
+
+
+# -- 2: a decode that streams but never a token -------------------------------------------------------
+
+
+class PeakRss:
+    """The largest resident size of a process while the block runs (sampled every 20 ms)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self.start = pid, 0, proc_rss(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, proc_rss(self.pid))
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.start
+
+
+ROLE_ONLY = chat_event({"role": "assistant", "content": ""})
+COMMENT = ": " + "x" * (1 << 16) + "\n\n"  # an SSE comment of 64 KiB
+
+
+@pytest.mark.parametrize("chunk, repeat, path", [
+    (ROLE_ONLY, 1_000_000, "/v1/chat/completions"),  # ~100 MB of role-only deltas, endless to the old proxy
+    (COMMENT, 3200, "/v1/completions"),  # 200 MiB of comments
+])
+def test_a_decode_that_streams_no_token_is_cut_off_within_bounds(started, tmp_path, chunk, repeat, path):
+    """Before the first token the proxy holds what it reads (the client's status line waits for a token):
+    past MAX_HEAD_EVENTS events or MAX_HEAD_BYTES bytes without one, the attempt fails, is retried on the
+    other decode, and the client gets a JSON 502 at once; the proxy's memory stays bounded."""
+    d, url, trace_file, proxy = rig(started, tmp_path, "--decode-retries", "1")
+    d.script(*[{"chunks": [chunk], "repeat": repeat, "chunk_delay": 0}] * 2)
+    c = Counters(url)
+    body = CHAT if path.endswith("chat/completions") else GREEDY
+    started_at = time.monotonic()
+    with PeakRss(proxy.popen.pid) as rss:
+        r, rid = post(url, body, path, timeout=20)
+    assert time.monotonic() - started_at < scaled(10)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "no_first_token", r.text
+    assert len(d.journal()) == 2  # retried on the other instance first
+    assert rss.growth < 80 * 1024 * 1024, rss.growth
+    assert c.delta("pdproxy_request_errors_total", error_type="no_first_token") == 1
+    assert attrs(trace_of(trace_file, rid)["root"])["error.type"] == "no_first_token"
