@@ -288,11 +288,9 @@ class Proxy:
         read as it goes; any other says why not (on its trace), and stays a plain relay."""
         if not self.settings.migrate_mid_stream or not body.get("stream"):
             return None, None
-        refusal = Continuation.refusal(body)
-        if refusal is not None:
-            trace.migration_refusal = refusal
-            return None, None
-        return Continuation(body, route.chat), TokenTap(route.chat, keep_ids=body.get("return_token_ids") is True)
+        continuation = Continuation(body, route.chat)
+        trace.migration_refusal = continuation.refusal()
+        return (None, None) if trace.migration_refusal else (continuation, continuation.tap())
 
     async def _migrate(self, continuation: Continuation | None, broken: Attempt, failure: ProxyError,
                        trace: RequestTrace, headers: dict[str, str], budget: Budget) -> Attempt:
@@ -300,9 +298,10 @@ class Proxy:
         prefill the prompt plus the tokens delivered, decode the rest. Raises `failure` when it cannot."""
         if failure.error_type != "timeout":
             self.decode.failed(broken.instance)
-        if continuation is None or broken.tap is None or not continuation.can_continue(broken.tap):
+        if continuation is None or broken.tap is None:
             raise failure
-        if failure.error_type not in MIGRATABLE or not budget.take():
+        trace.migration_refusal = continuation.obstacle(broken.tap)
+        if trace.migration_refusal or failure.error_type not in MIGRATABLE or not budget.take():
             raise failure
         trace.decode_failed(broken.instance.address, failure.error_type, abandoned=None)
         body, tap = continuation.body_after(broken.tap), broken.tap.continued()

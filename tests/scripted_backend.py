@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--echo-model", action="store_true", help="answer as whatever model was requested")
     args = parser.parse_args()
     backend = Backend(args.role, args.delay, args.chunk_delay, args.echo_model)
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)  # scripts of hostile streams are large
     app.router.add_post("/v1/completions", backend.inference)
     app.router.add_post("/v1/chat/completions", backend.inference)
     app.router.add_get("/health", lambda r: web.json_response({"status": "ok"}))

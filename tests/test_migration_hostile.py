@@ -209,3 +209,112 @@ def test_a_decode_that_streams_no_token_is_cut_off_within_bounds(started, tmp_pa
     assert rss.growth < 80 * 1024 * 1024, rss.growth
     assert c.delta("pdproxy_request_errors_total", error_type="no_first_token") == 1
     assert attrs(trace_of(trace_file, rid)["root"])["error.type"] == "no_first_token"
+
+
+# -- 6: what migration must not continue, or must continue right ---------------------------------------
+
+
+def ineligible(trace_file, rid: str) -> str | None:
+    return attrs(trace_of(trace_file, rid)["root"]).get("pd.migration.ineligible")
+
+
+@pytest.mark.parametrize("body, reason", [
+    ({**GREEDY, "prompt": ["count with me", "and with me"]}, "batched"),
+    ({**GREEDY, "logprobs": 0}, "logprobs"),  # vLLM returns the sampled token's logprob for 0
+    ({**GREEDY, "prompt_logprobs": 0}, "logprobs"),
+    ({**CHAT, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/cat.png"}}]}]}, "multimodal"),
+])
+def test_requests_it_cannot_continue_exactly_are_not_armed(started, tmp_path, body, reason):
+    """Refused up front: the decode is not asked for token ids, and the broken stream ends with the
+    error event, never with a continuation that mixes choices or drops logprobs or images."""
+    d, url, trace_file, _ = rig(started, tmp_path, "--migrate-mid-stream")
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    chunks = ([chat_event({"role": "assistant", "content": ""}, first=True)]
+              + [chat_event({"content": w}, [200 + i]) for i, w in enumerate(["one", " two"])]) if "messages" in body \
+        else [text_event("a", [7], first=True, index=0), text_event("b", [8], index=1), text_event(" two", [9])]
+    d.script(broken_after(chunks), {"chunks": REST})
+    r, rid = post(url, body, path)
+    assert_sse_error_end(r, "stream_broken")
+    (only,) = d.journal()
+    assert "return_token_ids" not in only["body"]
+    assert ineligible(trace_file, rid) == reason
+
+
+def test_reasoning_deltas_are_not_continued_as_content(started, tmp_path):
+    """A chat stream whose tokens so far were reasoning: a completions continuation has no reasoning
+    parser and would send them again as content. Not continued; the client saw the reasoning once."""
+    d, url, trace_file, _ = rig(started, tmp_path, "--migrate-mid-stream")
+    chunks = [chat_event({"role": "assistant", "content": ""}, first=True),
+              chat_event({"reasoning_content": "Let me"}, [200]), chat_event({"reasoning_content": " think"}, [201])]
+    d.script(broken_after(chunks), {"chunks": [text_event("Let me think", [300]), text_event("", [], finish="stop"),
+                                               DONE]})
+    r, rid = post(url, CHAT, "/v1/chat/completions")
+    assert_sse_error_end(r, "stream_broken")
+    assert "Let me think" not in r.text and r.text.count("Let me") == 1
+    assert len(d.journal()) == 1
+    assert ineligible(trace_file, rid) == "reasoning"
+
+
+def test_max_completion_tokens_null_leaves_max_tokens_the_limit(started, tmp_path):
+    """vLLM reads `max_completion_tokens or max_tokens`: with the first null, the continuation gets
+    max_tokens minus what was delivered, not the rest of the context."""
+    d, url, trace_file, _ = rig(started, tmp_path, "--migrate-mid-stream")
+    chunks = [chat_event({"role": "assistant", "content": ""}, first=True),
+              chat_event({"content": "one"}, [200]), chat_event({"content": " two"}, [201])]
+    d.script(broken_after(chunks), {"chunks": REST})
+    body = {**CHAT, "max_tokens": 6, "max_completion_tokens": None}
+    r, rid = post(url, body, "/v1/chat/completions")
+    assert r.status_code == 200 and sse_events(r.text)[-1] == "data: [DONE]" and '"error"' not in r.text
+    assert "".join(c["delta"].get("content") or "" for ch in data_events(r) for c in ch["choices"]) == \
+        "one two four five"
+    first, continuation = d.journal()
+    assert continuation["body"]["max_tokens"] == 4 and continuation["body"]["prompt"] == PROMPT_IDS + [200, 201]
+
+
+JUNK = text_event(" after the end", [999])
+
+
+@pytest.mark.parametrize("ending, armed", [
+    ([text_event("", [], finish="length"), DONE], True),  # finished, [DONE], then the connection breaks
+    ([DONE], True),  # [DONE] without a finish reason
+    ([DONE, JUNK], True),  # and an event after it
+    ([DONE + JUNK], True),  # in the same write
+    ([DONE + JUNK], False),  # a stream not armed for migration (sampled)
+])
+def test_a_stream_that_breaks_after_done_was_delivered_whole(started, tmp_path, ending, armed):
+    """The stream ends at [DONE]: nothing after it reaches the client, a connection that breaks after
+    it is no failure, and nothing is continued (old: a continuation after [DONE], two [DONE]s)."""
+    d, url, trace_file, _ = rig(started, tmp_path, "--migrate-mid-stream")
+    d.script(broken_after(WORDS + ending), {"chunks": REST})
+    c = Counters(url)
+    r, rid = post(url, GREEDY if armed else {**GREEDY, "temperature": 1})
+    events = sse_events(r.text)
+    assert r.status_code == 200 and events.count("data: [DONE]") == 1 and events[-1] == "data: [DONE]", r.text
+    assert '"error"' not in r.text and "after the end" not in r.text and "four" not in r.text
+    assert len(d.journal()) == 1
+    assert c.requests(200) == 1 and attrs(trace_of(trace_file, rid)["root"]).get("pd.migrations", 0) == 0
+
+
+@pytest.mark.parametrize("chunks, prompt", [
+    # 10 one-character events carrying 20,000 ids each (old: a 200,003-id continuation prompt)
+    ([text_event("x", list(range(20_000)), first=i == 0) for i in range(10)], None),
+    # more ids than max_tokens allows
+    ([text_event("x", list(range(8)), first=True), text_event("y", list(range(8)))], None),
+    # usage that does not add up with the ids
+    ([text_event("x", [200], first=True), event({"id": "cmpl-up", "choices": [
+        {"index": 0, "text": "y", "token_ids": [201], "finish_reason": None}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}})], None),
+    # a prompt that is not the one the client sent as ids
+    ([text_event("x", [200], first=True), text_event("y", [201])], [5, 6, 7]),
+])
+def test_token_ids_that_do_not_add_up_are_not_continued(started, tmp_path, chunks, prompt):
+    """The ids come from the instance: checked against what was delivered before a continuation is
+    built from them (bounded per event and by the request, equal to usage and to the client's prompt)."""
+    d, url, trace_file, _ = rig(started, tmp_path, "--migrate-mid-stream")
+    d.script(broken_after(chunks), {"chunks": REST})
+    r, rid = post(url, {**GREEDY, "prompt": prompt} if prompt else GREEDY)
+    assert_sse_error_end(r, "stream_broken")
+    assert len(d.journal()) == 1
+    assert ineligible(trace_file, rid) == "token_ids"
