@@ -22,7 +22,6 @@ The rules (docs/protocol.md, "Retries and migration", says what a client may obs
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -321,7 +320,7 @@ class TokenTap:
         if not event.startswith(b"data: {") or b"\n" in event:
             return event + b"\n\n"  # [DONE], comments, unusual framing: as they are (the scanner judges them)
         try:
-            obj = json.loads(event[6:])
+            obj = jsonio.loads(event[6:])
         except ValueError:
             return event + b"\n\n"
         if not isinstance(obj, dict) or "error" in obj:
@@ -360,7 +359,7 @@ class TokenTap:
                 usage["prompt_tokens"] = self.prompt_tokens
                 usage["completion_tokens"] += self.offset
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+        return b"data: " + jsonio.dumps(obj) + b"\n\n"
 
     def _check(self, choice: dict[str, Any], ids: Any) -> None:
         """Mark the stream untrusted when this choice's ids cannot be continued from exactly."""

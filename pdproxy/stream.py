@@ -39,6 +39,7 @@ _CLOSING = (b'"finish_reason":"', _USAGE, b"[DONE]", b'"error":', b'"metrics":')
 _COMPLETION_TOKENS = b'"completion_tokens":'
 _DATA = b"data: {"
 _ONE_CHOICE = b'"choices":[{'
+MAX_EVENT_BYTES = 16 * 1024 * 1024  # as migration.MAX_HEAD_BYTES: room for a 2M-token prompt's ids
 DONE_GRACE = 1.0  # seconds the end of a body may take after its [DONE] (vLLM: at once)
 # From this many events in one read, counting them in bulk costs less than reading each (orjson)
 BULK_EVENTS = 8
@@ -261,10 +262,16 @@ async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: R
     nothing after it reaches the client, and a connection that breaks after it broke nothing.
     """
     clock = time.monotonic_ns
+    partial = 0  # bytes of the event in progress: held by the scanner, the tap and the client's writer
     while not scan.done:
         data = await read_stream(upstream, "mid-stream")
         if not data:
             break
+        tail = _after_last_event(data)
+        partial = partial + len(data) if tail is None else tail
+        if partial > MAX_EVENT_BYTES:
+            raise ProxyError(502, f"decode instance sent an event longer than {MAX_EVENT_BYTES} bytes",
+                             error_type="malformed_stream", stage=DECODE)
         if tap is not None:
             data = tap.feed(data)
         scan.feed(data, clock())
@@ -291,6 +298,14 @@ async def _drain(upstream: Response) -> None:
                 pass
     except (TimeoutError, UpstreamError):
         pass
+
+
+def _after_last_event(data: bytes) -> int | None:
+    """How many bytes of `data` follow its last complete event; None: no event ends in it."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    if lf < 0 and crlf < 0:
+        return None
+    return len(data) - max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 def _through_done(data: bytes) -> bytes:

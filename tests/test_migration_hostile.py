@@ -318,3 +318,16 @@ def test_token_ids_that_do_not_add_up_are_not_continued(started, tmp_path, chunk
     assert_sse_error_end(r, "stream_broken")
     assert len(d.journal()) == 1
     assert ineligible(trace_file, rid) == "token_ids"
+
+
+def test_an_event_that_never_ends_mid_stream_is_cut_off(started, tmp_path):
+    """After three tokens the decode sends one event that never ends (no blank line): past 16 MiB the
+    stream ends with an error event instead of the proxy holding all of it (scanner, tap and writer)."""
+    d, url, trace_file, proxy = rig(started, tmp_path, "--migrate-mid-stream")
+    endless = 'data: {"id":"cmpl-up","choices":[{"index":0,"text":"' + "x" * (1 << 16)
+    d.script({"chunks": WORDS + [endless], "flood": ["x" * (1 << 16), 1600], "chunk_delay": 0})  # 100 MiB
+    with PeakRss(proxy.popen.pid) as rss:
+        r, rid = post(url, GREEDY, timeout=20)
+    assert_sse_error_end(r, "malformed_stream")
+    assert rss.growth < 80 * 1024 * 1024, rss.growth
+    assert len(d.journal()) == 1  # a malformed stream is not continued
