@@ -11,7 +11,7 @@ Every request ends in exactly one `trace.fail(...)` (when it failed) and always 
 Retries happen only where the client cannot see them: the prefill leg, and the decode leg before
 its first token (the client's status line waits for it). Which KV a retried decode gets, and how a
 stream that breaks after its first token may go on elsewhere (--migrate-mid-stream), is decided in
-`pdproxy/migration.py`. A client that goes away cancels this handler (aiohttp's
+`pdproxy/migration/`. A client that goes away cancels this handler (aiohttp's
 `handler_cancellation`), and with it whichever upstream request is open: closing that connection
 is how vLLM learns to abort the request and free its KV blocks. Both legs go through
 `pdproxy/upstream.py`'s pooled keep-alive client.

@@ -107,7 +107,7 @@ class RequestTrace:
         self.failed_stage: str | None = None
         self._delivered = False  # the client has been given the whole answer
         self.finished: Measurement | None = None
-        # migration (pdproxy/migration.py): failed decode attempts, the moves they caused
+        # migration (pdproxy/migration/): failed decode attempts, the moves they caused
         self.attempt_events: list[tuple[int, str, dict[str, Any]]] = []
         self.migrations: list[tuple[str, str]] = []  # (stage, reason)
         self.prefill_reruns = 0

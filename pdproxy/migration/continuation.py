@@ -1,41 +1,13 @@
-"""Request migration: a decode that fails is replaced by another, at no cost to the client.
-
-The rules (docs/protocol.md, "Retries and migration", says what a client may observe):
-
-* **Before the first token nothing is committed.** The client's status line goes out with the first
-  token-bearing event of a stream (`read_head`), so a decode that fails before it — connect error,
-  reset, 5xx, a stream that ends or errors without a token, silence past `--first-token-timeout` —
-  is retried on another decode instance and the client never knows.
-* **Which KV the next decode uses** follows vLLM 0.23 with NIXL (facts file, fact 2): hand-off
-  parameters whose blocks another decode may have pulled still answer 200 on a second decode,
-  which then streams from blocks that may hold someone else's KV. So the same parameters are
-  reused only when the failed decode provably never got the request (`Handoff.reusable`); in every
-  other case the prefill runs again and the new parameters go to the new decode. The abandoned
-  hand-off's blocks stay held on the prefill until vLLM's `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`.
-* **Mid-stream** (`--migrate-mid-stream`): a decode that dies after tokens reached the client is
-  continued on another one by prefilling the prompt's ids plus the ids already delivered (vLLM's
-  `return_token_ids`), with `max_tokens` reduced by as many, and the new stream is rewritten into
-  the old one (`TokenTap`): same id, no repeated or missing text, usage that adds up, one `[DONE]`.
-  That is exact for greedy decoding of one text prompt only: `Continuation.refusal` names the requests
-  that are not armed, `Continuation.obstacle` the streams whose ids cannot be trusted to continue from.
-"""
+"""Mid-stream continuation (--migrate-mid-stream): which streams can be continued exactly on another
+decode, the continuation request, and the tap that reads, checks and splices a stream's token ids."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdproxy import jsonio
-from pdproxy.errors import DECODE, ProxyError
-from pdproxy.pool import Instance
-from pdproxy.stream import ResponseScan, read_stream
-from pdproxy.upstream import Response
 
-BEFORE_FIRST_TOKEN, MID_STREAM = "before_first_token", "mid_stream"  # the stages a migration happens in
-# mid-stream failures a continuation can repair: the decode went away. An error event is the instance's
-# answer (relayed), and after a malformed event the client's stream cannot be trusted to continue.
-MIGRATABLE = frozenset({"stream_broken", "timeout", "stream_truncated"})
 # bounds on the ids a stream reports, past which it is not continued: a step's tokens in one event
 # (several with speculative decoding), the output when the request sets no limit (a long context),
 # and what a chat template adds to the messages' text
@@ -46,115 +18,6 @@ TEMPLATE_TOKENS = 4096
 _CONTINUED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "stop_token_ids",
                      "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "stream_options",
                      "logit_bias", "allowed_token_ids", "bad_words", "priority", "user", "include_stop_str_in_output")
-
-
-@dataclass
-class Handoff:
-    """The KV coordinates the next decode attempt gets, and whether they are still safe to give."""
-
-    params: dict[str, Any] | None
-    prefill: Instance | None  # the instance holding the blocks (None: single-instance mode)
-    reusable: bool = True  # False once a decode may have pulled them
-
-    def spent(self, used: bool) -> str | None:
-        """Record a failed attempt; the prefill instance's address when its parameters were abandoned
-        (the blocks stay held there).
-
-        `used`: the decode may have read them. Only a request that never reached its decode
-        (connection refused, not accepted in time) or that was turned away as busy (429, 503 with
-        Retry-After: vLLM refuses those before its engine sees them) leaves them usable."""
-        if self.params is None or self.prefill is None or not used or not self.reusable:
-            return None
-        self.reusable = False
-        return self.prefill.address
-
-
-@dataclass
-class Attempt:
-    """A decode answer at its commit point: the client may be answered from it now."""
-
-    instance: Instance
-    response: Response
-    head: bytes  # read before the commit point: the first events of a stream, or a whole body
-    streamed: bool
-    tap: TokenTap | None = None  # rewrites a stream armed for mid-stream migration
-    closed: bool = False
-
-    def close(self) -> None:
-        """An answer not read to its end is closed, not pooled: that aborts it on the instance."""
-        if not self.closed:
-            self.closed = True
-            self.response.release() if self.response.at_eof else self.response.close()
-            self.instance.inflight -= 1
-
-
-@dataclass
-class Budget:
-    """How many more decode attempts a request may start, and until when (--decode-retries, --decode-deadline)."""
-
-    retries: int
-    deadline: float  # time.monotonic()
-    used: int = 0
-
-    @classmethod
-    def start(cls, retries: int, seconds: float) -> Budget:
-        return cls(retries, time.monotonic() + seconds if seconds else float("inf"))
-
-    def take(self) -> bool:
-        """Spend one more attempt; False when none is left."""
-        if self.used >= self.retries or time.monotonic() >= self.deadline:
-            return False
-        self.used += 1
-        return True
-
-
-# What a decode may send before its first token, all held until then (the client's status line waits for
-# it): vLLM sends a role-only delta (chat), a few events whose text the detokenizer holds back, and with
-# return_token_ids the prompt's ids in its first event (~7 bytes an id: 16 MiB is a 2M-token prompt).
-MAX_HEAD_EVENTS = 1024
-MAX_HEAD_BYTES = 16 * 1024 * 1024
-
-
-async def read_head(response: Response, scan: ResponseScan, tap: TokenTap | None) -> bytes:
-    """Read a stream up to its commit point: its first token-bearing event (or its finish). Anything
-    else first — the end of the stream, an error event, a malformed event, a broken connection, more
-    than MAX_HEAD_EVENTS events or MAX_HEAD_BYTES bytes without a token — is a `ProxyError` the caller
-    may retry, since not one byte of it has reached the client.
-    (A continuation's scan already holds the delivered stream: its own events are the new ones.)"""
-    parts = []
-    tokens, finishes, malformed = len(scan.chunk_times), len(scan.finish_reasons), scan.malformed
-    received = events = 0
-    while True:
-        data = await read_stream(response, "before its first token")
-        if not data:
-            raise ProxyError(502, "decode instance ended the stream before its first token",
-                             error_type="stream_truncated", stage=DECODE)
-        received += len(data)
-        events += data.count(b"\n\n") + data.count(b"\r\n\r\n")
-        if received > MAX_HEAD_BYTES or events > MAX_HEAD_EVENTS:
-            raise ProxyError(502, f"decode instance sent {events} events ({received} bytes) and no token",
-                             error_type="no_first_token", stage=DECODE)
-        if tap is not None:
-            data = tap.feed(data)
-        scan.feed(data, time.monotonic_ns())
-        parts.append(data)
-        if scan.malformed > malformed:
-            raise ProxyError(502, "decode instance sent a malformed stream event (not a JSON object)",
-                             error_type="malformed_stream", stage=DECODE)
-        if len(scan.chunk_times) > tokens or len(scan.finish_reasons) > finishes:
-            return b"".join(parts)
-        if scan.error is not None or scan.done:
-            message = str((scan.error or {}).get("message", "stream ended without a token"))[:300]
-            raise ProxyError(502, f"decode instance failed before its first token: {message}",
-                             error_type="stream_error", stage=DECODE)
-
-
-def first_token_timeout(seconds: float) -> ProxyError:
-    return ProxyError(504, f"decode instance sent no token within {seconds:g}s (--first-token-timeout)",
-                      error_type="first_token_timeout", stage=DECODE)
-
-
-# -- mid-stream ----------------------------------------------------------------------------------
 
 
 @dataclass
@@ -408,4 +271,3 @@ def _as_chat_choice(choice: dict[str, Any]) -> dict[str, Any]:
     if choice.get("finish_reason"):
         out["stop_reason"] = choice.get("stop_reason")
     return out
-
