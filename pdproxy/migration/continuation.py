@@ -68,7 +68,7 @@ class Continuation:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
             prompt = prompt[0]  # a batch of one
         given_ids = prompt if isinstance(prompt, list) and prompt else None
-        text = self.body.get("messages") if self.chat else prompt
+        text = self.body if self.chat else prompt  # chat: all the template may render (messages, documents, ...)
         # a token stands for at least one byte of text, plus what the chat template adds
         prompt_bound = len(given_ids) if given_ids else len(jsonio.dumps(text)) + TEMPLATE_TOKENS
         limit = self.limit
