@@ -135,6 +135,19 @@ def test_a_continuation_that_is_turned_away_ends_the_stream_with_one_error_event
     assert c.errors("decode", code) == 1 and c.requests(200, "decode") == 1
 
 
+def test_a_continuation_whose_prefill_is_turned_away_ends_the_stream_with_one_error_event(started, tmp_path):
+    """P/D: the continuation's prefill (the prompt plus the tokens delivered) answers 429 on the only
+    prefill instance: the same single error event, never the prefill's status line in the body."""
+    d, url, trace_file, _ = rig(started, tmp_path, "--migrate-mid-stream", "--prefill-retries", "0", prefill=True)
+    prefill = started[1]
+    prefill.script({}, {"status": 429, "body": {"error": {"message": "busy"}}})
+    d.script(broken_after(WORDS), {"chunks": REST})
+    r, rid = post(url, GREEDY)
+    assert_sse_error_end(r, "upstream_429")
+    assert len(d.journal()) == 1 and len(prefill.journal()) == 2
+    assert attrs(trace_of(trace_file, rid)["root"])["error.type"] == "upstream_429"
+
+
 # -- 7: hand-offs no decode will pull ------------------------------------------------------------------
 
 
