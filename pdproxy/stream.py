@@ -276,7 +276,7 @@ async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: R
             data = tap.feed(data)
         scan.feed(data, clock())
         if scan.done:
-            data = _through_done(data)
+            data = through_done(data)
         if downstream is not None and data:
             try:
                 await downstream.write(data)
@@ -308,7 +308,7 @@ def _after_last_event(data: bytes) -> int | None:
     return len(data) - max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
-def _through_done(data: bytes) -> bytes:
+def through_done(data: bytes) -> bytes:
     """`data` up to the end of its `[DONE]` event: nothing after it is the client's. (CRLF framing,
     rare, and a `[DONE]` split across reads are passed as they came.)"""
     if b"\r" in data:

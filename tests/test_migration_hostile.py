@@ -344,3 +344,13 @@ def test_an_event_that_never_ends_mid_stream_is_cut_off(started, tmp_path):
     assert_sse_error_end(r, "malformed_stream")
     assert rss.growth < 80 * 1024 * 1024, rss.growth
     assert len(d.journal()) == 1  # a malformed stream is not continued
+
+
+def test_nothing_after_done_reaches_the_client_when_the_whole_answer_comes_at_once(started, tmp_path):
+    """The first token, the finish, [DONE] and an event after it in one write (the read that commits
+    the answer): the client's stream still ends at [DONE]."""
+    d, url, trace_file, _ = rig(started, tmp_path)
+    d.script({"chunks": ["".join(WORDS) + text_event("", [], finish="length") + DONE + JUNK]})
+    r, rid = post(url, {**GREEDY, "temperature": 1})
+    events = sse_events(r.text)
+    assert r.status_code == 200 and events[-1] == "data: [DONE]" and "after the end" not in r.text, r.text

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pdproxy.errors import DECODE, ProxyError
 from pdproxy.migration.continuation import TokenTap
 from pdproxy.pool import Instance
-from pdproxy.stream import ResponseScan, read_stream
+from pdproxy.stream import ResponseScan, read_stream, through_done
 from pdproxy.upstream import Response
 
 BEFORE_FIRST_TOKEN, MID_STREAM = "before_first_token", "mid_stream"  # the stages a migration happens in
@@ -112,7 +112,8 @@ async def read_head(response: Response, scan: ResponseScan, tap: TokenTap | None
             raise ProxyError(502, "decode instance sent a malformed stream event (not a JSON object)",
                              error_type="malformed_stream", stage=DECODE)
         if len(scan.chunk_times) > tokens or len(scan.finish_reasons) > finishes:
-            return b"".join(parts)
+            head = b"".join(parts)
+            return through_done(head) if scan.done else head  # a whole answer in one read: nothing after [DONE]
         if scan.error is not None or scan.done:
             message = str((scan.error or {}).get("message", "stream ended without a token"))[:300]
             raise ProxyError(502, f"decode instance failed before its first token: {message}",
