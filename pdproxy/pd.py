@@ -298,10 +298,10 @@ class Proxy:
         prefill the prompt plus the tokens delivered, decode the rest. Raises `failure` when it cannot."""
         if failure.error_type != "timeout":
             self.decode.failed(broken.instance)
-        if continuation is None or broken.tap is None:
+        if continuation is None or broken.tap is None or failure.error_type not in MIGRATABLE:
             raise failure
         trace.migration_refusal = continuation.obstacle(broken.tap)
-        if trace.migration_refusal or failure.error_type not in MIGRATABLE or not budget.take():
+        if trace.migration_refusal or not budget.take():
             raise failure
         trace.decode_failed(broken.instance.address, failure.error_type, abandoned=None)
         body, tap = continuation.body_after(broken.tap), broken.tap.continued()
