@@ -62,7 +62,7 @@ class Settings:
     upstream_keep_alive: float = 4.0
     prefill_retries: int = 1
     decode_retries: int = 1
-    first_token_timeout: float = 0.0
+    first_token_timeout: float = 300.0  # docs/protocol.md: far above a real long prefill, below --read-timeout
     decode_deadline: float = 60.0
     migrate_mid_stream: bool = False
     retry_backoff: float = 0.05
@@ -167,7 +167,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "sees nothing of them) and, with --migrate-mid-stream, after (default 1)")
     route.add_argument("--first-token-timeout", type=float,
                        help="seconds a streamed decode may take to its first token before the request moves to another "
-                            "decode instance; 0 = no limit (default 0)")
+                            "decode instance, also when it keeps sending events without a token; 0 = no limit (default 300: "
+                            "far above the prefill of a long prompt, see docs/protocol.md)")
     route.add_argument("--decode-deadline", type=float,
                        help="seconds after the first decode attempt within which another may start; 0 = no limit "
                             "(default 60)")

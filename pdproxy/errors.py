@@ -98,6 +98,11 @@ class UpstreamResponse(Exception):
         body = error_body(f"{self.message}: {snippet}", self.status, code=self.error_type)
         return web.json_response(body, status=self.status, headers=headers)
 
+    def in_stream(self) -> ProxyError:
+        """The same failure once the client already has its 200: it can only be told in an SSE error event."""
+        return ProxyError(self.status, f"{self.message}: {instance_message(self.body)}",
+                          error_type=self.error_type, stage=self.stage)
+
 
 def upstream_error_type(status: int) -> str:
     """The `error_type` label of an instance's own error status."""
@@ -106,6 +111,19 @@ def upstream_error_type(status: int) -> str:
     if status == 503:
         return "upstream_503"
     return "upstream_4xx" if status < 500 else "upstream_5xx"
+
+
+def instance_message(raw: bytes) -> str:
+    """An instance's own error message, from its error body, for the client's error."""
+    try:
+        error = jsonio.loads(raw).get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])[:300]
+        if isinstance(error, str):
+            return error[:300]
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        pass
+    return raw[:200].decode("utf-8", "replace") or "(empty body)"
 
 
 def retry_after_seconds(value: str | None) -> float | None:

@@ -11,7 +11,7 @@ Every request ends in exactly one `trace.fail(...)` (when it failed) and always 
 Retries happen only where the client cannot see them: the prefill leg, and the decode leg before
 its first token (the client's status line waits for it). Which KV a retried decode gets, and how a
 stream that breaks after its first token may go on elsewhere (--migrate-mid-stream), is decided in
-`pdproxy/migration.py`. A client that goes away cancels this handler (aiohttp's
+`pdproxy/migration/`. A client that goes away cancels this handler (aiohttp's
 `handler_cancellation`), and with it whichever upstream request is open: closing that connection
 is how vLLM learns to abort the request and free its KV blocks. Both legs go through
 `pdproxy/upstream.py`'s pooled keep-alive client.
@@ -36,7 +36,8 @@ from aiohttp.web_protocol import RequestPayloadError
 from pdproxy import jsonio
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
-from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, retry_after_seconds
+from pdproxy.errors import (DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, instance_message,
+                            retry_after_seconds)
 from pdproxy.migration import (BEFORE_FIRST_TOKEN, MID_STREAM, Attempt, Budget, Continuation, Handoff, TokenTap,
                                MIGRATABLE, first_token_timeout, read_head)
 from pdproxy.policies import RequestView
@@ -153,7 +154,10 @@ class Proxy:
                 nonlocal attempt
                 broken, attempt = attempt, None
                 broken.close()  # vLLM aborts the request when its connection closes
-                attempt = await self._migrate(continuation, broken, failure, trace, headers, budget)
+                try:
+                    attempt = await self._migrate(continuation, broken, failure, trace, headers, budget)
+                except UpstreamResponse as answer:  # the client has its 200: an instance's status cannot follow
+                    raise answer.in_stream() from None
                 return attempt
 
             try:
@@ -237,7 +241,11 @@ class Proxy:
                 trace.decode_failed(inst.address, outcome.error.error_type, abandoned)
             return outcome
 
-        return (await self._retrying(self.decode, instance, budget, attempt))[0]
+        try:
+            return (await self._retrying(self.decode, instance, budget, attempt))[0]
+        except (ProxyError, UpstreamResponse):
+            trace.handoff_abandoned(handoff.spent(True))  # no decode will pull its blocks now
+            raise
 
     async def _decode_once(self, inst: Instance, body: dict[str, Any], raw: bytes | None,
                            kv_params: dict[str, Any] | None, route: Route, trace: RequestTrace,
@@ -280,11 +288,9 @@ class Proxy:
         read as it goes; any other says why not (on its trace), and stays a plain relay."""
         if not self.settings.migrate_mid_stream or not body.get("stream"):
             return None, None
-        refusal = Continuation.refusal(body)
-        if refusal is not None:
-            trace.migration_refusal = refusal
-            return None, None
-        return Continuation(body, route.chat), TokenTap(route.chat, keep_ids=body.get("return_token_ids") is True)
+        continuation = Continuation(body, route.chat)
+        trace.migration_refusal = continuation.refusal()
+        return (None, None) if trace.migration_refusal else (continuation, continuation.tap())
 
     async def _migrate(self, continuation: Continuation | None, broken: Attempt, failure: ProxyError,
                        trace: RequestTrace, headers: dict[str, str], budget: Budget) -> Attempt:
@@ -292,9 +298,10 @@ class Proxy:
         prefill the prompt plus the tokens delivered, decode the rest. Raises `failure` when it cannot."""
         if failure.error_type != "timeout":
             self.decode.failed(broken.instance)
-        if continuation is None or broken.tap is None or not continuation.can_continue(broken.tap):
+        if continuation is None or broken.tap is None or failure.error_type not in MIGRATABLE:
             raise failure
-        if failure.error_type not in MIGRATABLE or not budget.take():
+        trace.migration_refusal = continuation.obstacle(broken.tap)
+        if trace.migration_refusal or not budget.take():
             raise failure
         trace.decode_failed(broken.instance.address, failure.error_type, abandoned=None)
         body, tap = continuation.body_after(broken.tap), broken.tap.continued()
@@ -515,7 +522,7 @@ def _status_failure(role: str, instance: Instance, status: int, headers: dict[st
     if status < 500:
         return _Failure(UpstreamResponse(status, raw, content_type, stage=role, retry_after=retry_after),
                         retry=False, outlier=False, charged=False)
-    message = _message(raw)
+    message = instance_message(raw)
     if role == DECODE and _is_kv_load_failure(message):
         return _Failure(ProxyError(502, f"{role} instance {instance.address} could not load the prompt's KV cache "
                                         f"({status}: {message})", error_type="kv_load_failed", stage=role),
@@ -556,16 +563,3 @@ def _kv_params(raw: bytes, instance: Instance) -> dict[str, Any] | None:
         raise ProxyError(502, f"prefill instance {instance.address} sent malformed kv_transfer_params",
                          error_type="invalid_kv_params", stage=PREFILL)
     return params
-
-
-def _message(raw: bytes) -> str:
-    """The instance's own error message, for the client's error body."""
-    try:
-        error = jsonio.loads(raw).get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])[:300]
-        if isinstance(error, str):
-            return error[:300]
-    except (ValueError, AttributeError):
-        pass
-    return raw[:200].decode("utf-8", "replace") or "(empty body)"

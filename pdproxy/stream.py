@@ -38,6 +38,8 @@ _CLOSING = (b'"finish_reason":"', _USAGE, b"[DONE]", b'"error":', b'"metrics":')
 _COMPLETION_TOKENS = b'"completion_tokens":'
 _DATA = b"data: {"
 _ONE_CHOICE = b'"choices":[{'
+MAX_EVENT_BYTES = 16 * 1024 * 1024  # as migration.MAX_HEAD_BYTES: room for a 2M-token prompt's ids
+DONE_GRACE = 1.0  # seconds the end of a body may take after its [DONE] (vLLM: at once)
 # From this many events in one read, counting them in bulk costs less than reading each (orjson)
 BULK_EVENTS = 8
 
@@ -255,24 +257,66 @@ async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: R
     through `tap` (`migration.TokenTap`) first when the stream is armed for mid-stream migration.
 
     Upstream failures, including a stream that ends without `[DONE]`, surface as
-    `ProxyError(stage=decode)`; a client that went away as `ClientGone`.
+    `ProxyError(stage=decode)`; a client that went away as `ClientGone`. The stream ends at `[DONE]`:
+    nothing after it reaches the client, and a connection that breaks after it broke nothing.
     """
     clock = time.monotonic_ns
-    while True:
+    partial = 0  # bytes of the event in progress: held by the scanner, the tap and the client's writer
+    while not scan.done:
         data = await read_stream(upstream, "mid-stream")
         if not data:
             break
+        tail = _after_last_event(data)
+        partial = partial + len(data) if tail is None else tail
+        if partial > MAX_EVENT_BYTES:
+            raise ProxyError(502, f"decode instance sent an event longer than {MAX_EVENT_BYTES} bytes",
+                             error_type="malformed_stream", stage=DECODE)
         if tap is not None:
             data = tap.feed(data)
         scan.feed(data, clock())
+        if scan.done:
+            data = through_done(data)
         if downstream is not None and data:
             try:
                 await downstream.write(data)
             except ConnectionError:
                 raise ClientGone() from None
-    if not scan.done and scan.error is None:
+    if scan.done:
+        await _drain(upstream)
+    elif scan.error is None:
         raise ProxyError(502, "decode instance ended the stream without [DONE]", error_type="stream_truncated",
                          stage=DECODE)
+
+
+async def _drain(upstream: Response) -> None:
+    """Read the body's end after `[DONE]` (what may follow is dropped), so that its connection can be
+    reused; an instance that sends on or holds the connection open gets DONE_GRACE seconds, then it is closed."""
+    try:
+        async with asyncio.timeout(DONE_GRACE):
+            while await upstream.readany():
+                pass
+    except (TimeoutError, UpstreamError):
+        pass
+
+
+def _after_last_event(data: bytes) -> int | None:
+    """How many bytes of `data` follow its last complete event; None: no event ends in it."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    if lf < 0 and crlf < 0:
+        return None
+    return len(data) - max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+
+
+def through_done(data: bytes) -> bytes:
+    """`data` up to the end of its `[DONE]` event: nothing after it is the client's. (CRLF framing,
+    rare, and a `[DONE]` split across reads are passed as they came.)"""
+    if b"\r" in data:
+        return data
+    events = data.split(b"\n\n")
+    for i, event in enumerate(events[:-1]):
+        if any(line[5:].strip() == b"[DONE]" for line in event.split(b"\n") if line.startswith(b"data:")):
+            return b"\n\n".join(events[:i + 1]) + b"\n\n"
+    return data
 
 
 async def read_stream(upstream: Response, when: str) -> bytes:

@@ -108,8 +108,8 @@ class ScriptedGroup:
         self.proc.wait_http(self.url + "/health")
 
     def script(self, *steps: dict) -> None:
-        httpx.post(self.url + "/_reset", json={})
-        httpx.post(self.url + "/_script", json=list(steps))
+        httpx.post(self.url + "/_reset", json={}).raise_for_status()
+        httpx.post(self.url + "/_script", json=list(steps)).raise_for_status()  # e.g. 413 past aiohttp's 1 MiB
 
     def journal(self) -> list[dict]:
         return httpx.get(self.url + "/_journal").json()

@@ -11,7 +11,8 @@ steps, one consumed per inference request) and read what arrived with `GET /_jou
 A step may set: status, headers, body (JSON or string), chunks (list of strings written one by
 one), repeat (send the chunks that many times), hold (answer only once a test posts /_release),
 delay (before the status line), chunk_delay, stall_after (chunks before a long pause),
-abort_after (chunks before the connection is cut), drop (close the connection without answering).
+abort_after (chunks before the connection is cut), drop (close the connection without answering),
+flood ([string, times]: written that many times after the chunks).
 `--delay` and `--chunk-delay` set the defaults for requests without a step. `--echo-model` answers
 every request as the model it asked for (some OpenAI-compatible servers do), while /v1/models
 still lists only `scripted-model`. `GET /metrics` answers 404 until a test posts an exposition to
@@ -113,6 +114,9 @@ class Backend:
                 await asyncio.sleep(step.get("stall", 30))
             await asyncio.sleep(step.get("chunk_delay", 0.005))
             await response.write(chunk.encode())
+        flood, times = step.get("flood", ("", 0))
+        for _ in range(times):  # a large answer from a small script
+            await response.write(flood.encode())
         await response.write_eof()
         return response
 

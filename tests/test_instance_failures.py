@@ -148,7 +148,7 @@ def test_a_lone_instance_is_never_ejected_and_health_follows_the_active_checks(s
 def test_a_kv_load_failure_counts_only_when_the_proxy_sent_the_kv_params(mode, started):
     """In single mode the proxy sends no KV params, so a KV load failure is not the instance's doing
     (the client's, if anyone's). In P/D every decode got a prefill's own params (the retry fresh ones
-    from a second prefill, never the used ones: pdproxy/migration.py), so both failures count; the
+    from a second prefill, never the used ones: pdproxy/migration/), so both failures count; the
     ejection share keeps the second in."""
     legs = ("--prefill", up(started, ScriptedGroup("prefill", 1)).url) if mode == "pd" else ()
     d = up(started, ScriptedGroup("decode", 2))

@@ -452,7 +452,11 @@ class InstanceAttempts:
         key = self._key(role, address)
         self.failed[(*key, reason)] = self.failed.get((*key, reason), 0) + 1
         if abandoned:
-            self.abandoned[key] = self.abandoned.get(key, 0) + 1
+            self.handoff_abandoned(role, address)
+
+    def handoff_abandoned(self, role: str, address: str) -> None:
+        key = self._key(role, address)
+        self.abandoned[key] = self.abandoned.get(key, 0) + 1
 
     def moved_away(self, role: str, address: str, stage: str) -> None:
         key = (*self._key(role, address), stage)

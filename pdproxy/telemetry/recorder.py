@@ -115,7 +115,7 @@ class RequestTrace:
         self.failed_stage: str | None = None
         self._delivered = False  # the client has been given the whole answer
         self.finished: Measurement | None = None
-        # migration (pdproxy/migration.py): failed decode attempts, the moves they caused
+        # migration (pdproxy/migration/): failed decode attempts, the moves they caused
         self.attempt_events: list[tuple[int, str, dict[str, Any]]] = []
         self.migrations: list[tuple[str, str]] = []  # (stage, reason)
         self.prefill_reruns = 0
@@ -227,6 +227,14 @@ class RequestTrace:
         self.attempt_events.append((now(), n.ATTEMPT_EVENT, {
             n.ATTEMPT_NUMBER: self.decode_attempts, **_leg_attributes(address, "decode", None),
             n.MIGRATION_REASON: reason, n.MIGRATION_STAGE: stage, n.ABANDONED: abandoned is not None}))
+
+    def handoff_abandoned(self, address: str | None) -> None:
+        """The request gave up the hand-off of prefill instance `address` (if any) without a decode
+        pulling it: its blocks stay held there until vLLM's abort timeout."""
+        if address:
+            self.abandoned_handoffs.append(address)
+            if self._counts_attempts and self._last_failed_at is not None:  # the decode that gave it up
+                self.recorder.metrics.attempts.handoff_abandoned(DECODE, self._last_failed_at)
 
     def migrating(self, stage: str, address: str) -> None:
         """Another decode attempt starts in place of the last failed one."""

@@ -1,0 +1,128 @@
+"""Decode attempts up to the commit point: which KV the next one gets, how many there may be, and
+the reading of a stream up to its first token (the package docstring says the rules)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pdproxy.errors import DECODE, ProxyError
+from pdproxy.migration.continuation import TokenTap
+from pdproxy.pool import Instance
+from pdproxy.stream import ResponseScan, read_stream, through_done
+from pdproxy.upstream import Response
+
+BEFORE_FIRST_TOKEN, MID_STREAM = "before_first_token", "mid_stream"  # the stages a migration happens in
+# mid-stream failures a continuation can repair: the decode went away. An error event is the instance's
+# answer (relayed), and after a malformed event the client's stream cannot be trusted to continue.
+MIGRATABLE = frozenset({"stream_broken", "timeout", "stream_truncated"})
+
+
+@dataclass
+class Handoff:
+    """The KV coordinates the next decode attempt gets, and whether they are still safe to give."""
+
+    params: dict[str, Any] | None
+    prefill: Instance | None  # the instance holding the blocks (None: single-instance mode)
+    reusable: bool = True  # False once a decode may have pulled them
+
+    def spent(self, used: bool) -> str | None:
+        """Record a failed attempt; the prefill instance's address when its parameters were abandoned
+        (the blocks stay held there).
+
+        `used`: the decode may have read them. Only a request that never reached its decode
+        (connection refused, not accepted in time) or that was turned away as busy (429, 503 with
+        Retry-After: vLLM refuses those before its engine sees them) leaves them usable."""
+        if self.params is None or self.prefill is None or not used or not self.reusable:
+            return None
+        self.reusable = False
+        return self.prefill.address
+
+
+@dataclass
+class Attempt:
+    """A decode answer at its commit point: the client may be answered from it now."""
+
+    instance: Instance
+    response: Response
+    head: bytes  # read before the commit point: the first events of a stream, or a whole body
+    streamed: bool
+    tap: TokenTap | None = None  # rewrites a stream armed for mid-stream migration
+    closed: bool = False
+
+    def close(self) -> None:
+        """An answer not read to its end is closed, not pooled: that aborts it on the instance."""
+        if not self.closed:
+            self.closed = True
+            self.response.release() if self.response.at_eof else self.response.close()
+            self.instance.inflight -= 1
+
+
+@dataclass
+class Budget:
+    """How many more decode attempts a request may start, and until when (--decode-retries, --decode-deadline)."""
+
+    retries: int
+    deadline: float  # time.monotonic()
+    used: int = 0
+
+    @classmethod
+    def start(cls, retries: int, seconds: float) -> Budget:
+        return cls(retries, time.monotonic() + seconds if seconds else float("inf"))
+
+    def take(self) -> bool:
+        """Spend one more attempt; False when none is left."""
+        if self.used >= self.retries or time.monotonic() >= self.deadline:
+            return False
+        self.used += 1
+        return True
+
+
+# What a decode may send before its first token, all held until then (the client's status line waits for
+# it): vLLM sends a role-only delta (chat), a few events whose text the detokenizer holds back, and with
+# return_token_ids the prompt's ids in its first event (~7 bytes an id: 16 MiB is a 2M-token prompt).
+MAX_HEAD_EVENTS = 1024
+MAX_HEAD_BYTES = 16 * 1024 * 1024
+
+
+async def read_head(response: Response, scan: ResponseScan, tap: TokenTap | None) -> bytes:
+    """Read a stream up to its commit point: its first token-bearing event (or its finish). Anything
+    else first — the end of the stream, an error event, a malformed event, a broken connection, more
+    than MAX_HEAD_EVENTS events or MAX_HEAD_BYTES bytes without a token — is a `ProxyError` the caller
+    may retry, since not one byte of it has reached the client.
+    (A continuation's scan already holds the delivered stream: its own events are the new ones.)"""
+    parts = []
+    tokens, finishes, malformed = len(scan.chunk_times), len(scan.finish_reasons), scan.malformed
+    received = events = 0
+    while True:
+        data = await read_stream(response, "before its first token")
+        if not data:
+            raise ProxyError(502, "decode instance ended the stream before its first token",
+                             error_type="stream_truncated", stage=DECODE)
+        received += len(data)
+        events += data.count(b"\n\n") + data.count(b"\r\n\r\n")
+        if received > MAX_HEAD_BYTES or events > MAX_HEAD_EVENTS:
+            raise ProxyError(502, f"decode instance sent {events} events ({received} bytes) and no token",
+                             error_type="no_first_token", stage=DECODE)
+        if tap is not None:
+            data = tap.feed(data)
+        scan.feed(data, time.monotonic_ns())
+        parts.append(data)
+        if scan.malformed > malformed:
+            raise ProxyError(502, "decode instance sent a malformed stream event (not a JSON object)",
+                             error_type="malformed_stream", stage=DECODE)
+        if len(scan.chunk_times) > tokens or len(scan.finish_reasons) > finishes:
+            head = b"".join(parts)
+            return through_done(head) if scan.done else head  # a whole answer in one read: nothing after [DONE]
+        if scan.error is not None or scan.done:
+            message = str((scan.error or {}).get("message", "stream ended without a token"))[:300]
+            raise ProxyError(502, f"decode instance failed before its first token: {message}",
+                             error_type="stream_error", stage=DECODE)
+
+
+def first_token_timeout(seconds: float) -> ProxyError:
+    return ProxyError(504, f"decode instance sent no token within {seconds:g}s (--first-token-timeout)",
+                      error_type="first_token_timeout", stage=DECODE)
+
+
+# -- mid-stream ----------------------------------------------------------------------------------
