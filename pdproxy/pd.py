@@ -141,7 +141,8 @@ class Proxy:
             trace.admitted(prefill_instance and prefill_instance.address, decode_instance.address)
             kv_params = None
             if prefill_instance is not None:
-                kv_params = await self._prefill(body, route, trace, prefill_instance, headers)
+                with decode_instance.reserved():
+                    kv_params = await self._prefill(body, route, trace, prefill_instance, headers)
             budget = Budget.start(self.settings.decode_retries, self.settings.decode_deadline)
             continuation, tap = self._arm(body, route, trace)
             if tap is not None:

@@ -21,8 +21,10 @@ would turn a blip into an outage. Only when none passes its health check is the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -70,6 +72,16 @@ class Instance:
     def healthy(self) -> bool:
         """Passes its health check and is not passively ejected (what /status and the gauge report)."""
         return self.probe_ok and not self.ejected
+
+    @contextlib.contextmanager
+    def reserved(self) -> Iterator[None]:
+        """Count a request as in flight here from the moment it is routed here: a decode is chosen
+        before the prefill runs, and a burst must see the requests already bound for it."""
+        self.inflight += 1
+        try:
+            yield
+        finally:
+            self.inflight -= 1
 
     def available(self, now: float) -> bool:
         return self.probe_ok and now >= self.ejected_until and now >= self.held_until

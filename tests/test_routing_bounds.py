@@ -60,10 +60,10 @@ def procs():
         proc.stop()
 
 
-def scripted(procs, n: int) -> list[str]:
+def scripted(procs, n: int, role: str = "decode") -> list[str]:
     urls = []
     for _ in range(n):
-        proc, url = start_scripted("decode")
+        proc, url = start_scripted(role)
         procs.append(proc)
         urls.append(url)
     return urls
@@ -170,14 +170,21 @@ def test_cache_aware_work_per_request_is_bounded_by_the_body_structure(procs):
     assert lags["cache_aware"] < 1.5 * lags["round_robin"] + scaled(LAG_BOUND), lags
 
 
-def test_one_session_key_cannot_pin_more_than_its_bounded_share_of_the_load(procs):
+@pytest.mark.parametrize("with_prefill", [False, True])
+def test_one_session_key_cannot_pin_more_than_its_bounded_share_of_the_load(procs, with_prefill):
     """40 streams with one client-chosen X-Session-Id all went to one decode instance, unbounded.
     With bounded loads (factor 1.25) an instance takes a keyed request only while it has fewer than
-    ceil(1.25 × mean) in flight, the rest go on along the ring: at most 25 of 40 on one of two."""
+    ceil(1.25 × mean) in flight, the rest go on along the ring: at most 25 of 40 on one of two.
+    In P/D mode the decode is chosen before a slow prefill: the burst must see those already bound for it."""
     decode = scripted(procs, 2)
     for url in decode:  # every request is held open at the instance until the test releases it
         httpx.post(url + "/_script", json=[{"hold": True}] * 40).raise_for_status()
-    proxy, url = start_proxy("--decode", *decode, "--policy", "consistent_hash", *QUIET)
+    legs: tuple[str, ...] = ()
+    if with_prefill:
+        prefill = scripted(procs, 1, role="prefill")
+        httpx.post(prefill[0] + "/_script", json=[{"delay": 1.0}] * 40).raise_for_status()
+        legs = ("--prefill", *prefill)
+    proxy, url = start_proxy(*legs, "--decode", *decode, "--policy", "consistent_hash", *QUIET)
     procs.append(proxy)
     counters = Counters(url)
     answers: list[int] = []
@@ -202,6 +209,7 @@ def test_one_session_key_cannot_pin_more_than_its_bounded_share_of_the_load(proc
         for t in threads:
             t.join()
     assert answers == [200] * 40
-    reasons = {reason: counters.delta("pdproxy_route_decisions_total", policy="consistent_hash", reason=reason)
+    reasons = {reason: counters.delta("pdproxy_route_decisions_total", role="decode", policy="consistent_hash",
+                                      reason=reason)
                for reason in ("hash_key", "load_bound")}
     assert reasons == {"hash_key": max(held), "load_bound": min(held)}, (reasons, held)
