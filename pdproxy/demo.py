@@ -40,11 +40,11 @@ from rich.console import Console
 from rich.text import Text
 
 from pdproxy import __version__
-from pdproxy.children import Group
 from pdproxy.bench import attribution, html, report, runner, table, traces, waterfall
 from pdproxy.bench.records import Run
 from pdproxy.bench.report_cli import add_slo_arguments, slo_from
 from pdproxy.bench.workload import TrafficClass, Workload
+from pdproxy.children import Group
 
 HOST = "127.0.0.1"
 SETUPS = ("single", "chunked", "dp", "pd")
@@ -172,12 +172,11 @@ class Stopper:
         self._cancel: Any = None
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> Stopper:
+    def install(self) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
             self._previous[signum] = signal.signal(signum, self._on_signal)
-        return self
 
-    def __exit__(self, *exc: object) -> None:
+    def restore(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
@@ -351,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
     out_console = table.make_console()
     err = table.make_console(stderr=True)
     stopper = Stopper()
-    stopper.__enter__()  # until the finally below: every return path restores the handlers
+    stopper.install()
     try:
         setups = [s.strip() for s in args.setups.split(",") if s.strip()]
         bad = [s for s in setups if s not in SETUPS]
@@ -404,4 +403,4 @@ def run(args: argparse.Namespace) -> int:
         err.print("[yellow]pdproxy demo: interrupted; every process it started has been stopped[/]")
         return 130
     finally:
-        stopper.__exit__()
+        stopper.restore()
