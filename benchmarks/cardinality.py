@@ -31,6 +31,9 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # pdproxy, also when not installed
+from pdproxy.children import spawn  # noqa: E402  (own session; dies with this script, even SIGKILLed)
+
 HOST = "127.0.0.1"
 SERVED = "sim-model"
 
@@ -43,9 +46,8 @@ def free_port() -> int:
 
 def start(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    popen = subprocess.Popen([sys.executable, "-m", "pdproxy", *args, "--host", HOST, "--port", str(port)],
-                             stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    popen = spawn([sys.executable, "-m", "pdproxy", *args, "--host", HOST, "--port", str(port)],
+                  stdout=open(log, "wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://{HOST}:{port}"
     deadline = time.monotonic() + 30
     while True:

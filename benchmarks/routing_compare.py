@@ -32,6 +32,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # pdproxy, also when not installed
+from pdproxy.children import spawn  # noqa: E402  (own session; dies with this script, even SIGKILLed)
+
 HOST = "127.0.0.1"
 SIM = ("--preset", "h200-llama8b-2gpu", "--kv-bandwidth-gbps", "25")  # a fast KV link: routing decides TTFT
 PREFIX_SIM = (*SIM, "--num-gpu-blocks", "1400")
@@ -46,8 +49,7 @@ def free_port() -> int:
 class Proc:
     def __init__(self, *args: str) -> None:
         self.log = tempfile.TemporaryFile()
-        self.popen = subprocess.Popen([sys.executable, "-m", "pdproxy", *args], stdout=self.log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+        self.popen = spawn([sys.executable, "-m", "pdproxy", *args], stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_http(self, url: str, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime as dt
 import json
 import os
@@ -45,6 +44,7 @@ from pdproxy.bench import attribution, html, report, runner, table, traces, wate
 from pdproxy.bench.records import Run
 from pdproxy.bench.report_cli import add_slo_arguments, slo_from
 from pdproxy.bench.workload import TrafficClass, Workload
+from pdproxy.children import Group
 
 HOST = "127.0.0.1"
 SETUPS = ("single", "chunked", "dp", "pd")
@@ -105,28 +105,26 @@ class Child:
     log: Path
     url: str
 
-    def send(self, signum: int) -> None:
-        """Signal the child's whole session (it may have started processes of its own)."""
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signum)
-
 
 @dataclass
 class Processes:
-    """Every child process the demo started; stopped in reverse order, whatever happens."""
+    """Every child process of one set-up (pdproxy/children.py: own sessions, dead with the demo), stopped
+    together whatever happens."""
 
     logs: Path
     children: list[Child] = field(default_factory=list)
+    group: Group = field(default_factory=Group)
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
         port = free_port()
         log = self.logs / f"{name}.log"
         fh = open(log, "wb")
         cmd = [sys.executable, "-m", "pdproxy", *args, "--host", HOST, "--port", str(port)]
-        popen = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
-        fh.close()
+        try:
+            popen = self.group.spawn(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        finally:
+            fh.close()
         child = Child(name, popen, log, f"http://{HOST}:{port}")
         self.children.append(child)
         return child
@@ -149,25 +147,82 @@ class Processes:
                 time.sleep(0.05)
 
     def stop_all(self, timeout: float = 8.0) -> None:
-        """SIGTERM every child at once (each flushes its trace file), wait for them together, then SIGKILL
-        what is left: a Ctrl-C takes as long as the slowest child, not the sum of them. A second Ctrl-C
-        meanwhile is ignored, so that no child is left running."""
-        in_main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+        """SIGTERM every child at once (each flushes its trace file), SIGKILL what is left after `timeout`,
+        reap them all; an interruption meanwhile only skips the rest of the wait."""
+        self.group.stop(timeout)
+        self.children.clear()
+
+
+class Stopper:
+    """What SIGINT and SIGTERM do while the demo runs.
+
+    The first one tells the running set-up's children to stop at once (SIGTERM), and a watchdog thread
+    SIGKILLs and reaps whichever still run INTERRUPT_GRACE seconds later: however slowly the demo itself
+    unwinds on a busy machine, its children are gone by then. The demo then unwinds: the bench's task is
+    cancelled (it writes its summary, marked interrupted) or KeyboardInterrupt is raised. Later signals
+    are ignored, the stop being under way; if unwinding still has not ended the demo EXIT_BOUND seconds
+    after the signal, the watchdog ends the process."""
+
+    INTERRUPT_GRACE = 3.0
+    EXIT_BOUND = 12.0
+
+    def __init__(self) -> None:
+        self.procs: Processes | None = None
+        self.signalled = False
+        self._cancel: Any = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.signalled:
+            return
+        self.signalled = True
+        procs = self.procs
+        if procs is not None:
+            procs.group.signal(signal.SIGTERM)
+        threading.Thread(target=self._watchdog, args=(procs,), name="pdproxy-demo-stop", daemon=True).start()
+        if self._cancel is not None:
+            self._cancel()
+        else:
+            raise KeyboardInterrupt
+
+    def _watchdog(self, procs: Processes | None) -> None:
+        t0 = time.monotonic()
+        if procs is not None:
+            procs.group.kill_after(self.INTERRUPT_GRACE)
+        time.sleep(max(0.0, self.EXIT_BOUND - (time.monotonic() - t0)))
+        sys.stderr.write(f"pdproxy demo: still unwinding {self.EXIT_BOUND:g}s after the interrupt; exiting "
+                         "(its processes are stopped)\n")
+        sys.stderr.flush()
+        os._exit(130)
+
+    def run(self, coro: Any) -> Any:
+        """asyncio.run(coro), where an interrupt cancels coro's task (as asyncio's own Ctrl-C handling does)."""
+
+        async def main() -> Any:
+            loop, task = asyncio.get_running_loop(), asyncio.current_task()
+            self._cancel = lambda: loop.call_soon_threadsafe(task.cancel)
+            try:
+                return await coro
+            finally:
+                self._cancel = None
+
         try:
-            for c in reversed(self.children):
-                c.send(signal.SIGTERM)
-            deadline = time.monotonic() + timeout
-            for c in reversed(self.children):
-                try:
-                    c.popen.wait(max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    c.send(signal.SIGKILL)
-                    c.popen.wait()
-            self.children.clear()
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
+            result = asyncio.run(main())
+        except asyncio.CancelledError:
+            if self.signalled:
+                raise KeyboardInterrupt from None
+            raise
+        if self.signalled:  # the signal came as the bench ended
+            raise KeyboardInterrupt
+        return result
 
 
 def parse_xpyd(spec: str) -> tuple[int, int]:
@@ -224,10 +279,11 @@ def setup_plan(name: str, args: argparse.Namespace, xpyd: tuple[int, int]) -> di
     return {"sims": sims, "conditions": cond}
 
 
-def run_setup(name: str, plan: dict[str, Any], wl: Workload, out: Path,
-              console: Console) -> tuple[Run, Path, list[Path]]:
+def run_setup(name: str, plan: dict[str, Any], wl: Workload, out: Path, console: Console,
+              stopper: Stopper) -> tuple[Run, Path, list[Path]]:
     """One set-up's run, the proxy's trace file and the instances' (vLLM-shaped llm_request spans)."""
     procs = Processes(out / "logs")
+    stopper.procs = procs
     trace_file = out / f"traces-{name}.jsonl"
     records = out / f"records-{name}.jsonl"
     sim_traces = [out / f"vllm-{name}-{n}.jsonl" for n, _ in plan["sims"]]
@@ -254,9 +310,10 @@ def run_setup(name: str, plan: dict[str, Any], wl: Workload, out: Path,
 
         prog, update = _progress_bar(console, wl, name)
         with prog:
-            res = asyncio.run(runner.run_async(wl, target, records, header, progress=update))
+            res = stopper.run(runner.run_async(wl, target, records, header, progress=update))
     finally:
         procs.stop_all()  # the proxy flushes its trace file on SIGTERM
+        stopper.procs = None
     return (Run(header=res.header, requests=res.records, summary=res.summary, source=str(records)), trace_file,
             sim_traces)
 
@@ -292,12 +349,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     out_console = table.make_console()
     err = table.make_console(stderr=True)
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_term)
+    stopper = Stopper()
+    stopper.install()
     try:
         setups = [s.strip() for s in args.setups.split(",") if s.strip()]
         bad = [s for s in setups if s not in SETUPS]
@@ -317,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
         trace_files: list[Path] = []
         instance_files: list[Path] = []
         for name in setups:
-            run_, tf, sim_tf = run_setup(name, setup_plan(name, args, xpyd), wl, out, err)
+            run_, tf, sim_tf = run_setup(name, setup_plan(name, args, xpyd), wl, out, err, stopper)
             runs.append(run_)
             trace_files.append(tf)
             instance_files += sim_tf
@@ -350,4 +403,4 @@ def run(args: argparse.Namespace) -> int:
         err.print("[yellow]pdproxy demo: interrupted; every process it started has been stopped[/]")
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        stopper.restore()

@@ -28,6 +28,8 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from pdproxy.children import die_with_parent
+
 log = logging.getLogger("pdproxy.workers")
 
 
@@ -59,12 +61,14 @@ def run_workers(count: int, first: socket.socket, host: str, run: callable) -> i
     port = first.getsockname()[1]
     run_dir = tempfile.mkdtemp(prefix="pdproxy-workers-")
     children: list[int] = []
+    parent = os.getpid()
     try:
         for index in range(1, count):
             pid = os.fork()
             if pid == 0:
                 code = 1
                 try:
+                    die_with_parent(parent)  # a SIGKILLed parent cannot stop its workers itself
                     first.close()
                     code = run(bind(host, port, reuse_port=True), WorkerInfo(index, count, run_dir))
                 finally:

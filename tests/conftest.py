@@ -4,6 +4,7 @@ import urllib.request
 
 import pytest
 
+import procs
 from procs import start_proxy, start_scripted
 from waits import SCALE
 
@@ -15,6 +16,32 @@ def pytest_configure(config):
     ini = config.getini("timeout")
     if SCALE != 1 and ini and config.getoption("timeout", None) is None and not os.environ.get("PYTEST_TIMEOUT"):
         config.option.timeout = float(ini) * SCALE
+
+
+OWN_PROCS = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """Note the processes the test itself starts (not its fixtures, which may outlive it)."""
+    first = len(procs.STARTED)
+    yield
+    item.stash[OWN_PROCS] = procs.STARTED[first:]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the test's fixtures are torn down, kill the group of every process the test started that still runs
+    (a failing test's too), and say which: a passing test should have stopped them itself."""
+    yield
+    left = procs.kill_groups(item.stash.get(OWN_PROCS, []))
+    if left:
+        item.warn(pytest.PytestWarning(f"{item.nodeid} left running (now killed): {left}"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Whatever a fixture left running."""
+    procs.kill_groups(procs.STARTED)
 
 
 class Scripted:

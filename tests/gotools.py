@@ -25,6 +25,7 @@ from typing import Iterator
 import pytest
 import yaml
 
+import procs
 from procs import HOST, Proc, free_port
 from waits import scaled
 
@@ -39,7 +40,7 @@ def build(script: str) -> Path:
     Without Go, a developer's machine skips the tests that need it; CI (CI=true) fails instead."""
     if not shutil.which("go") and not os.environ.get("CI"):
         pytest.skip("go is not installed: the Go-built tools cannot be built here")
-    r = subprocess.run(["bash", str(REPO / script)], capture_output=True, text=True, timeout=1800)
+    r = procs.run(["bash", str(REPO / script)], timeout=1800)  # a timeout kills go and its compilers too
     assert r.returncode == 0, f"{script} failed:\n{r.stderr[-4000:]}"
     path = Path(r.stdout.strip().splitlines()[-1])
     assert path.is_file() and os.access(path, os.X_OK), path

@@ -1,7 +1,14 @@
-"""Start pdproxy components as real processes on loopback and wait until they answer."""
+"""Start pdproxy components as real processes on loopback and wait until they answer.
+
+Every process a test starts here runs in a session of its own and is SIGKILLed by the kernel if
+pytest dies (pdproxy/children.py); each is also listed in STARTED, so that conftest.py can kill
+the group of whatever a test left running (a failing test included) and, at the end, anything left.
+"""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
 import signal
@@ -13,9 +20,46 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdproxy import children
 from waits import scaled
 
 HOST = "127.0.0.1"
+STARTED: list[subprocess.Popen] = []  # every process group a test started, in order
+
+
+def spawn(args: list[str], **popen_kwargs) -> subprocess.Popen:
+    """subprocess.Popen in its own session, dying with pytest, listed in STARTED."""
+    popen = children.spawn(args, **popen_kwargs)
+    STARTED.append(popen)
+    return popen
+
+
+def kill_groups(popens: list[subprocess.Popen]) -> list[str]:
+    """SIGKILL the whole process group of each of `popens` and reap it; the commands that were still running."""
+    running = [" ".join(map(str, p.args))[:200] for p in popens if p.poll() is None]
+    for p in popens:
+        # After its leader is reaped a group may still hold what the leader started; it is still ours unless
+        # the pid was reused (the kernel hands out no pid still in use as a group id).
+        if p.returncode is None or not os.path.exists(f"/proc/{p.pid}"):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            p.wait()
+    return running
+
+
+atexit.register(lambda: kill_groups(STARTED))  # pytest itself interrupted, or a script importing this
+
+
+def run(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(args, capture_output=True, text=True) in a session of its own: on a timeout (or an
+    interrupted test) its whole group is killed, not only its first process (a build's compilers)."""
+    popen = spawn(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+    try:
+        stdout, stderr = popen.communicate(timeout=timeout)
+    finally:
+        kill_groups([popen])
+    return subprocess.CompletedProcess(args, popen.returncode, stdout, stderr)
 
 
 def free_port() -> int:
@@ -32,9 +76,7 @@ class Proc:
         self.log = Path(tempfile.mkstemp(prefix=f"pdproxy-{name}-", suffix=".log")[1])
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._fh = open(self.log, "wb")
-        self.popen = subprocess.Popen(
-            args, stdout=self._fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
-        )
+        self.popen = spawn(args, stdout=self._fh, stderr=subprocess.STDOUT, env=full_env)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -9,11 +10,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import procs
 from waits import scaled, wait_until
 
 ROWS = ("TTFT", "ITL pooled", "tail ITL: per-request p99", "tail ITL: per-request max", "KV transfer, upper bound",
@@ -34,12 +37,39 @@ def children_of(pid: int) -> set[int]:
     return out
 
 
+def descendants_of(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        kids = children_of(todo.pop()) - found
+        found |= kids
+        todo += kids
+    return found
+
+
 def alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return False
     return stat[0] != "Z"
+
+
+def kill_sessions(pids: set[int]) -> None:
+    """The test's own clean-up of the demo's children (each leads its own session), should the demo not have."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def cpu_load(seconds: float) -> Iterator[None]:
+    """Twice as many busy-looping processes as cores, for at most `seconds` (and stopped on leaving): a busy machine."""
+    spin = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+    spinners = [procs.Proc([sys.executable, "-c", spin], name="spin") for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        yield
+    finally:
+        procs.kill_groups([s.popen for s in spinners])
 
 
 def test_demo_defaults_finish_in_two_minutes_with_the_comparison(tmp_path: Path) -> None:
@@ -107,41 +137,66 @@ def request_records(path: Path) -> int:
     return n
 
 
-def test_demo_ctrl_c_stops_every_process(tmp_path: Path) -> None:
-    """Ctrl-C in the middle of the first set-up's 60 s: the demo ends at once (not after its three
-    set-ups), marks the records interrupted, and leaves no process behind."""
-    out = tmp_path / "run"
-    demo = subprocess.Popen([sys.executable, "-m", "pdproxy", "demo", "--out-dir", str(out), "--duration", "60"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        # under load: its instance and proxy run and the bench has written a request's record
-        def under_load() -> set[int] | None:
-            assert demo.poll() is None, f"the demo exited {demo.returncode}"
-            kids = children_of(demo.pid)
-            return kids if len(kids) >= 2 and request_records(out / "records-single.jsonl") >= 1 else None
+def start_demo_under_load(out: Path) -> tuple[procs.Proc, set[int]]:
+    """The demo with a 60 s first set-up, once its instance and proxy run and the bench has recorded a request;
+    the demo and its processes."""
+    demo = procs.pdproxy("demo", "--out-dir", str(out), "--duration", "60", "--setups", "single,pd", name="demo")
 
-        kids = wait_until(under_load, "the single set-up to run under load (instance, proxy, a request recorded)",
-                          timeout=60, interval=0.1)
-        interrupted_at = time.monotonic()
-        demo.send_signal(signal.SIGINT)
+    def under_load() -> set[int] | None:
+        assert demo.popen.poll() is None, f"the demo exited {demo.popen.returncode}:\n{demo.output()}"
+        kids = descendants_of(demo.popen.pid)
+        return kids if len(kids) >= 2 and request_records(out / "records-single.jsonl") >= 1 else None
+
+    try:
+        return demo, wait_until(under_load, "the single set-up to run under load (instance, proxy, a request "
+                                            "recorded)", timeout=60, interval=0.1)
+    except BaseException:
+        demo.stop()
+        raise
+
+
+def test_demo_ctrl_c_stops_every_process(tmp_path: Path) -> None:
+    """Ctrl-C in the middle of the first set-up's 60 s on a busy machine (more busy loops than cores): the demo
+    ends within a bound (not after its set-ups left), marks the records interrupted, and has stopped and reaped
+    every process it started."""
+    out = tmp_path / "run"
+    kids: set[int] = set()
+    with cpu_load(scaled(120)):
+        demo, kids = start_demo_under_load(out)
         try:
-            stdout, stderr = demo.communicate(timeout=scaled(20))  # the set-ups left would take minutes
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the demo still runs {scaled(20):.0f} s after Ctrl-C") from None
-        took = time.monotonic() - interrupted_at
-    finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.wait()
+            interrupted_at = time.monotonic()
+            demo.popen.send_signal(signal.SIGINT)
+            try:
+                demo.popen.wait(scaled(20))  # the set-ups left would take minutes
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"the demo still runs {scaled(20):.0f} s after Ctrl-C") from None
+            took = time.monotonic() - interrupted_at
+            # the demo waited for its children: none may be left, not even as a zombie it did not reap
+            left = [k for k in kids if alive(k)]
+        finally:
+            demo.stop()
+            kill_sessions(kids)
     print(f"demo ended {took:.2f} s after Ctrl-C")
-    assert demo.returncode == 130, stderr
-    assert "interrupted" in stderr and "Traceback" not in stderr
-    # the demo waited for its children: none may be left, not even as a zombie it did not reap
-    assert not [k for k in kids if alive(k)], "children left running"
+    output = demo.output()
+    assert not left, f"children left running after the demo ended: {left}"
+    assert demo.popen.returncode == 130, output
+    assert "interrupted" in output and "Traceback" not in output, output
     lines = (out / "records-single.jsonl").read_text().splitlines()
     summary = json.loads(lines[-1])
     assert summary["type"] == "summary" and summary["interrupted"] is True
-    assert not (out / "records-chunked.jsonl").exists(), "the next set-up started after Ctrl-C"
+    assert not (out / "records-pd.jsonl").exists(), "the next set-up started after Ctrl-C"
+
+
+def test_demo_killed_takes_its_processes_along(tmp_path: Path) -> None:
+    """SIGKILL leaves the demo no say: the kernel stops its instance and proxy (they die with their parent)."""
+    demo, kids = start_demo_under_load(tmp_path / "run")
+    try:
+        demo.popen.kill()
+        demo.popen.wait()
+        wait_until(lambda: not [k for k in kids if alive(k)], f"the demo's processes {sorted(kids)} to end", timeout=5)
+    finally:
+        demo.stop()
+        kill_sessions(kids)
 
 
 @pytest.mark.parametrize("args, msg", [(["--setups", "single,warp"], "unknown"), (["--xpyd", "1P"], "1P1D")])

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+import procs
+
 REPO = Path(__file__).resolve().parents[1]
 GRAFANA = REPO / "grafana"
 DASHBOARD_DIR = GRAFANA / "dashboards"
@@ -337,8 +339,8 @@ def _lezer_traceql(tmp_cache: Path):
         return None
     pkg = tmp_cache / "node_modules" / "@grafana" / "lezer-traceql"
     if not pkg.exists():
-        r = subprocess.run([npm, "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(tmp_cache),
-                            "@grafana/lezer-traceql@1.0.0", "@lezer/lr@1.4.2"], capture_output=True, text=True, timeout=120)
+        r = procs.run([npm, "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(tmp_cache),
+                       "@grafana/lezer-traceql@1.0.0", "@lezer/lr@1.4.2"], timeout=120)  # npm's children too
         if r.returncode != 0:
             return None
     return node
