@@ -1,0 +1,18 @@
+"""vLLM's KV-cache events: what every instance holds, and when a request's KV arrives on a decode, from the engine.
+
+Each vLLM instance started with `--kv-events-config` publishes batches of `BlockStored` / `BlockRemoved` /
+`AllBlocksCleared` on a ZMQ PUB socket (and keeps them for replay on a ROUTER socket). Every pdproxy process
+that subscribes to every instance builds the same per-instance prefix index without sharing anything, so
+replicas and workers agree on where a prompt's KV sits (llm-d's precise prefix-cache scorer and Dynamo's KV
+router work the same way).
+
+Public face: `decode_batch` (one message's payload), `BlockIndex` + `chain_hashes` (one instance's cached
+blocks, keyed by pdproxy's hash of their tokens).
+"""
+
+from pdproxy.kvevents.decode import (AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, Event, EventBatch,
+                                     decode_batch, parse_seq)
+from pdproxy.kvevents.index import BlockIndex, chain_hashes
+
+__all__ = ["AllBlocksCleared", "BlockIndex", "BlockRemoved", "BlockStored", "DecodeError", "Event", "EventBatch",
+           "chain_hashes", "decode_batch", "parse_seq"]
