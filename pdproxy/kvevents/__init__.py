@@ -16,3 +16,22 @@ from pdproxy.kvevents.index import BlockIndex, chain_hashes
 
 __all__ = ["AllBlocksCleared", "BlockIndex", "BlockRemoved", "BlockStored", "DecodeError", "Event", "EventBatch",
            "chain_hashes", "decode_batch", "parse_seq"]
+
+
+def start(settings, registry, pools=()) -> "KVEvents | None":
+    """Subscribe to every instance that has an endpoint (None when events are off), count it in `registry`,
+    and hand it to the pools' policies that route by it. Call on the running loop."""
+    from pdproxy.kvevents.metrics import KVEventsCollector
+    from pdproxy.kvevents.sources import sources_of
+    from pdproxy.kvevents.subscriber import KVEvents
+
+    sources = sources_of(settings)
+    if not sources:
+        return None
+    events = KVEvents(sources, settings.kv_events_max_blocks)
+    registry.register(KVEventsCollector(events))
+    for pool in pools:
+        if hasattr(pool.policy, "use_events"):
+            pool.policy.use_events(events)
+    events.start()
+    return events
