@@ -30,7 +30,8 @@ ENV_HELP = ("Every flag can also be set as an environment variable PDPROXY_<FLAG
             "environment, which wins over the file.")
 TOY_DEFAULTS = {"prefiller_hosts": ["localhost"], "prefiller_ports": [8100], "decoder_hosts": ["localhost"], "decoder_ports": [8200]}
 # routing policies, one module each in pdproxy/policies/ (a test keeps the two lists equal)
-POLICIES = ("round_robin", "least_inflight", "power_of_two", "consistent_hash", "cache_aware", "load_aware")
+POLICIES = ("round_robin", "least_inflight", "power_of_two", "consistent_hash", "cache_aware", "load_aware",
+            "precise_prefix")
 DEFAULT_HASH_KEY = "header:X-Session-Id,body:user"
 # flags named other than their setting: the flag's name works in the environment and the file too
 FLAG_NAMES = {"resource_attrs": "resource_attr", "shadow_prefill_urls": "shadow_prefill",
@@ -112,6 +113,7 @@ class Settings:
     kv_events_instances: dict[str, str] = field(default_factory=dict)
     kv_events_replay_instances: dict[str, str] = field(default_factory=dict)
     kv_events_max_blocks: int = 1 << 20
+    tokenizer_file: str | None = None  # precise_prefix: the served model's tokenizer.json for text prompts
 
     @property
     def mode(self) -> str:
@@ -258,6 +260,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="this instance's PUB endpoint instead of the template's (repeatable)")
     kv.add_argument("--kv-events-replay-instance", dest="kv_events_replay_instances", action="append",
                     metavar="HOST:PORT=ENDPOINT", help="this instance's replay endpoint instead of the template's")
+    kv.add_argument("--tokenizer-file", metavar="PATH",
+                    help="precise_prefix: the served model's tokenizer.json (Hugging Face tokenizers), to turn text "
+                         "prompts into token ids; without it only token-id prompts route by events")
     kv.add_argument("--kv-events-max-blocks", type=int,
                     help="blocks kept in each instance's event index, oldest forgotten first (default 1048576)")
 
@@ -509,6 +514,8 @@ def _validate(s: Settings) -> None:
         raise ConfigError("balance-abs-threshold must be >= 0 and balance-rel-threshold >= 1")
     if s.max_tree_size < 1:
         raise ConfigError("max-tree-size must be >= 1")
+    if s.tokenizer_file and not Path(s.tokenizer_file).is_file():
+        raise ConfigError(f"tokenizer-file {s.tokenizer_file} is not a readable file")
     if s.kv_events_max_blocks < 1:
         raise ConfigError("kv-events-max-blocks must be >= 1")
     try:

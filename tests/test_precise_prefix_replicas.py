@@ -1,0 +1,124 @@
+"""Several pdproxy replicas in front of the same instances agree on where a prompt's KV sits, via the engines' events.
+
+Real processes: 2 simulated prefills and 2 decodes publishing KV events; pdproxy replicas (separate processes)
+with requests alternating between them; 6 shared prefixes of 20 blocks, 10 requests each. Three phases over the
+same instances, each with its own prefixes: 2 replicas with cache_aware (today's approximate index), 2 replicas
+with precise_prefix, 1 replica with precise_prefix (the single-process reference). Figures in docs/kv-events.md."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import urllib.request
+
+import pytest
+
+from procs import HOST, free_port, start_proxy, start_sim
+from waits import scaled
+
+PREFIXES, PER_PREFIX, PREFIX_TOKENS = 6, 10, 320
+
+
+def events_config(pub: int, replay: int) -> str:
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{HOST}:{pub}",
+                       "replay_endpoint": f"tcp://{HOST}:{replay}"})
+
+
+def get(url: str):
+    with urllib.request.urlopen(url, timeout=scaled(10)) as r:
+        body = r.read()
+        return json.loads(body) if r.headers.get("Content-Type", "").startswith("application/json") else body.decode()
+
+
+def post(url: str, body: dict) -> None:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=scaled(30)) as r:
+        assert r.status == 200
+
+
+def hits(sim_url: str) -> tuple[float, float]:
+    text = get(sim_url + "/metrics")
+    total = lambda name: sum(float(v) for v in re.findall(rf"^{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return total("vllm:prefix_cache_hits"), total("vllm:prefix_cache_queries")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    procs, urls, overrides = [], {}, []
+    try:
+        for role, names in (("prefill", ("p0", "p1")), ("decode", ("d0", "d1"))):
+            for name in names:
+                pub, replay = free_port(), free_port()
+                proc, url = start_sim(role, "--kv-events-config", events_config(pub, replay), "--time-scale", "0.05")
+                procs.append(proc)
+                urls[name] = url
+                address = url.removeprefix("http://")
+                overrides.append((f"{address}=tcp://{HOST}:{pub}", f"{address}=tcp://{HOST}:{replay}"))
+        env = {"PDPROXY_KV_EVENTS_INSTANCE": ",".join(o[0] for o in overrides),
+               "PDPROXY_KV_EVENTS_REPLAY_INSTANCE": ",".join(o[1] for o in overrides)}
+        yield urls, env, procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def run_phase(cluster, policy: str, replicas: int, base: int) -> dict[str, float]:
+    urls, env, procs = cluster
+    proxies = []
+    try:
+        for _ in range(replicas):
+            proc, url = start_proxy("--prefill", urls["p0"], urls["p1"], "--decode", urls["d0"], urls["d1"],
+                                    "--prefill-policy", policy, "--decode-policy", "round_robin", env=env)
+            proxies.append((proc, url))
+        if policy == "precise_prefix":
+            for _, url in proxies:  # a replica routes by events once it has caught up with every instance
+                deadline = __import__("time").monotonic() + scaled(15)
+                while not all(s["flowing"] for s in get(url + "/status")["kv_events"].values()):
+                    assert __import__("time").monotonic() < deadline, get(url + "/status")
+        before = {name: hits(urls[name]) for name in ("p0", "p1")}
+        rng = random.Random(base)
+        order = [p for p in range(PREFIXES) for _ in range(PER_PREFIX)]
+        rng.shuffle(order)
+        for n, p in enumerate(order):
+            prompt = [base + p * 1000 + k for k in range(PREFIX_TOKENS)] + [rng.randrange(1, 100000)
+                                                                           for _ in range(rng.randint(5, 40))]
+            post(proxies[n % replicas][1] + "/v1/completions", {"model": "sim-model", "prompt": prompt, "max_tokens": 2})
+        # which prefill got each request, in arrival order
+        arrivals = []
+        for name in ("p0", "p1"):
+            for entry in get(urls[name] + "/sim/requests")["requests"]:
+                prompt = (entry.get("body") or {}).get("prompt")
+                if entry["path"] == "/v1/completions" and isinstance(prompt, list) and base <= prompt[0] < base + 1000 * PREFIXES:
+                    arrivals.append((entry["received_at"], (prompt[0] - base) // 1000, name))
+        arrivals.sort()
+        assert len(arrivals) == len(order)
+        seen: dict[int, set[str]] = {}
+        followers = affine = 0
+        for _, prefix, name in arrivals:
+            if prefix in seen:
+                followers += 1
+                affine += name in seen[prefix]
+            seen.setdefault(prefix, set()).add(name)
+        after = {name: hits(urls[name]) for name in ("p0", "p1")}
+        hit = sum(after[n][0] - before[n][0] for n in after)
+        queried = sum(after[n][1] - before[n][1] for n in after)
+        decisions = get(proxies[0][1] + "/metrics")
+        return {"affinity": affine / followers, "hit_rate": hit / queried,
+                "approximate": float(sum(float(v) for v in re.findall(
+                    r'pdproxy_route_decisions_total{[^}]*reason="approximate"[^}]*} (\S+)', decisions)))}
+    finally:
+        for proc, _ in proxies:
+            proc.stop()
+
+
+def test_replicas_route_by_events_as_one_process_does(cluster):
+    approximate = run_phase(cluster, "cache_aware", 2, base=10_000)
+    precise = run_phase(cluster, "precise_prefix", 2, base=40_000)
+    single = run_phase(cluster, "precise_prefix", 1, base=70_000)
+    print(f"\nprefix affinity / engine prefix-cache hit rate: cache_aware x2 {approximate}; "
+          f"precise_prefix x2 {precise}; precise_prefix x1 {single}")
+    assert precise["affinity"] >= 0.95 and single["affinity"] >= 0.95
+    assert precise["approximate"] == 0
+    assert abs(precise["hit_rate"] - single["hit_rate"]) <= 0.02
+    assert approximate["affinity"] < precise["affinity"]
