@@ -97,7 +97,8 @@ async def _lifecycle(app: web.Application, settings: Settings):
         checker.start()
     for pool in pools:
         pool.start(session, auth)  # load_aware reads the engines' /metrics
-    kv_events = app[KV_EVENTS_KEY] = kvevents.start(settings, recorder.metrics.registry, pools)
+    kv_events = app[KV_EVENTS_KEY] = kvevents.start(settings, recorder.metrics.registry, pools, recorder.stalls,
+                                                    [i.address for i in decode.instances])
     # the model names that may label telemetry: what the instances serve (pdproxy/telemetry/models.py)
     learning = asyncio.create_task(recorder.models.watch(
         session, [i.url for p in pools for i in p.instances], auth, settings.health_check_interval,

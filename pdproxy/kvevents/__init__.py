@@ -18,9 +18,10 @@ __all__ = ["AllBlocksCleared", "BlockIndex", "BlockRemoved", "BlockStored", "Dec
            "chain_hashes", "decode_batch", "parse_seq"]
 
 
-def start(settings, registry, pools=()) -> "KVEvents | None":
+def start(settings, registry, pools=(), stalls=None, decodes=()) -> "KVEvents | None":
     """Subscribe to every instance that has an endpoint (None when events are off), count it in `registry`,
-    and hand it to the pools' policies that route by it. Call on the running loop."""
+    hand it to the pools' policies that route by it, and file the `decodes`' KV arrivals into `stalls`
+    (telemetry.StallRecords, None: live attribution off). Call on the running loop."""
     from pdproxy.kvevents.metrics import KVEventsCollector
     from pdproxy.kvevents.sources import sources_of
     from pdproxy.kvevents.subscriber import KVEvents
@@ -33,5 +34,9 @@ def start(settings, registry, pools=()) -> "KVEvents | None":
     for pool in pools:
         if hasattr(pool.policy, "use_events"):
             pool.policy.use_events(events)
+    if stalls is not None:
+        from pdproxy.kvevents.arrivals import arrival_listener
+
+        events.add_listener(arrival_listener(stalls, decodes, "kv_arrival" if settings.mode == "pd" else "prefill"))
     events.start()
     return events
