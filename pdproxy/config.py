@@ -112,7 +112,7 @@ class Settings:
     kv_events_topic: str = ""
     kv_events_instances: dict[str, str] = field(default_factory=dict)
     kv_events_replay_instances: dict[str, str] = field(default_factory=dict)
-    kv_events_max_blocks: int = 1 << 20
+    kv_events_max_blocks: int = 1 << 18
     tokenizer_file: str | None = None  # precise_prefix: the served model's tokenizer.json for text prompts
 
     @property
@@ -264,7 +264,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="precise_prefix: the served model's tokenizer.json (Hugging Face tokenizers), to turn text "
                          "prompts into token ids; without it only token-id prompts route by events")
     kv.add_argument("--kv-events-max-blocks", type=int,
-                    help="blocks kept in each instance's event index, oldest forgotten first (default 1048576)")
+                    help="blocks kept in each instance's event index, oldest forgotten first; ~230 bytes each (default 262144)")
 
     sh = parser.add_argument_group("shadow traffic")
     sh.add_argument("--shadow-url", help="baseline (single instance or decode of another pool) that receives a copy of sampled requests")

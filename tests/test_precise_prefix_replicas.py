@@ -3,7 +3,7 @@
 Real processes: 2 simulated prefills and 2 decodes publishing KV events; pdproxy replicas (separate processes)
 with requests alternating between them; 6 shared prefixes of 20 blocks, 10 requests each. Three phases over the
 same instances, each with its own prefixes: 2 replicas with cache_aware (today's approximate index), 2 replicas
-with precise_prefix, 1 replica with precise_prefix (the single-process reference). Figures in docs/kv-events.md."""
+with precise_prefix, 4 replicas with precise_prefix, 1 replica with precise_prefix (the single-process reference). Figures in docs/kv-events.md."""
 
 from __future__ import annotations
 
@@ -50,9 +50,11 @@ def cluster():
         for role, names in (("prefill", ("p0", "p1")), ("decode", ("d0", "d1"))):
             for name in names:
                 pub, replay = free_port(), free_port()
-                proc, url = start_sim(role, "--kv-events-config", events_config(pub, replay), "--time-scale", "0.05")
+                args = (role, "--kv-events-config", events_config(pub, replay), "--time-scale", "0.05")
+                proc, url = start_sim(*args)
                 procs.append(proc)
                 urls[name] = url
+                urls[name + ":args"] = args
                 address = url.removeprefix("http://")
                 overrides.append((f"{address}=tcp://{HOST}:{pub}", f"{address}=tcp://{HOST}:{replay}"))
         env = {"PDPROXY_KV_EVENTS_INSTANCE": ",".join(o[0] for o in overrides),
@@ -105,8 +107,8 @@ def run_phase(cluster, policy: str, replicas: int, base: int) -> dict[str, float
         queried = sum(after[n][1] - before[n][1] for n in after)
         decisions = get(proxies[0][1] + "/metrics")
         return {"affinity": affine / followers, "hit_rate": hit / queried,
-                "approximate": float(sum(float(v) for v in re.findall(
-                    r'pdproxy_route_decisions_total{[^}]*reason="approximate"[^}]*} (\S+)', decisions)))}
+                "approximate": sum(float(line.rsplit(" ", 1)[1]) for line in decisions.splitlines()
+                                   if line.startswith("pdproxy_route_decisions_total{") and 'reason="approximate"' in line)}
     finally:
         for proc, _ in proxies:
             proc.stop()
@@ -115,10 +117,72 @@ def run_phase(cluster, policy: str, replicas: int, base: int) -> dict[str, float
 def test_replicas_route_by_events_as_one_process_does(cluster):
     approximate = run_phase(cluster, "cache_aware", 2, base=10_000)
     precise = run_phase(cluster, "precise_prefix", 2, base=40_000)
-    single = run_phase(cluster, "precise_prefix", 1, base=70_000)
+    four = run_phase(cluster, "precise_prefix", 4, base=70_000)
+    single = run_phase(cluster, "precise_prefix", 1, base=100_000)
     print(f"\nprefix affinity / engine prefix-cache hit rate: cache_aware x2 {approximate}; "
-          f"precise_prefix x2 {precise}; precise_prefix x1 {single}")
-    assert precise["affinity"] >= 0.95 and single["affinity"] >= 0.95
-    assert precise["approximate"] == 0
-    assert abs(precise["hit_rate"] - single["hit_rate"]) <= 0.02
+          f"precise_prefix x2 {precise}; precise_prefix x4 {four}; precise_prefix x1 {single}")
+    for replicas in (precise, four, single):
+        assert replicas["affinity"] >= 0.95 and replicas["approximate"] == 0
+        assert abs(replicas["hit_rate"] - single["hit_rate"]) <= 0.02
     assert approximate["affinity"] < precise["affinity"]
+
+
+def send(url: str, prompt: list[int]) -> None:
+    post(url + "/v1/completions", {"model": "sim-model", "prompt": prompt, "max_tokens": 2})
+
+
+def wait_status(url: str, what: str, condition) -> dict:
+    import time
+
+    deadline = time.monotonic() + scaled(15)
+    while True:
+        state = get(url + "/status")
+        if condition(state):
+            return state
+        assert time.monotonic() < deadline, f"{what}: {state['kv_events']}"
+        time.sleep(0.05)
+
+
+def test_a_late_replica_catches_up_and_a_restarted_instance_is_resynchronised(cluster):
+    urls, env, procs = cluster
+    legs = ("--prefill", urls["p0"], urls["p1"], "--decode", urls["d0"], urls["d1"], "--prefill-policy",
+            "precise_prefix", "--decode-policy", "round_robin")
+    prompts = [[120_000 + p * 100 + k % 100 for k in range(PREFIX_TOKENS)] for p in range(4)]
+    started = []
+    try:
+        first, first_url = start_proxy(*legs, env=env)
+        started.append(first)
+        wait_status(first_url, "first replica in sync", lambda s: all(v["flowing"] for v in s["kv_events"].values()))
+        for prompt in prompts:
+            send(first_url, prompt)
+        # a replica started now knows the prefills' caches from their replay buffers before routing anything
+        late, late_url = start_proxy(*legs, env=env)
+        started.append(late)
+        state = wait_status(late_url, "late replica in sync",
+                            lambda s: all(v["flowing"] for v in s["kv_events"].values()))
+        prefills = [urls[n].removeprefix("http://") for n in ("p0", "p1")]
+        blocks = {a: state["kv_events"][a]["blocks"] for a in prefills}
+        assert sum(blocks.values()) >= 4 * PREFIX_TOKENS // 16, state["kv_events"]
+        assert all(state["kv_events"][a]["replayed_batches"] >= 1 for a in prefills)
+        for prompt in prompts:
+            send(late_url, prompt + [7, 8, 9])
+        metrics = get(late_url + "/metrics")
+        decisions = [line for line in metrics.splitlines() if line.startswith("pdproxy_route_decisions_total{")]
+        matched = sum(float(line.rsplit(" ", 1)[1]) for line in decisions
+                      if 'role="prefill"' in line and 'reason="prefix_match"' in line)
+        assert matched == len(prompts), decisions  # every one, from the first: caught up before routing
+        # an instance restarted mid-run: sequence from 0, cache empty; both replicas resynchronise
+        procs[0].stop()  # p0
+        procs[0], _ = start_sim(*urls["p0:args"], port=int(urls["p0"].rsplit(":", 1)[1]))
+        address, other = prefills
+        for url in (first_url, late_url):
+            wait_status(url, "resynchronised after the restart", lambda s: s["kv_events"][address]["flowing"]
+                        and s["kv_events"][address]["blocks"] == 0 and s["kv_events"][address]["resyncs"] >= 2)
+        kept = get(first_url + "/status")["kv_events"][other]["blocks"]
+        send(first_url, [125_000 + k % 100 for k in range(PREFIX_TOKENS)])  # a new prefix, after the restart
+        for url in (first_url, late_url):  # both replicas see it, wherever it went
+            wait_status(url, "the new prefix's blocks", lambda s: s["kv_events"][address]["blocks"]
+                        + s["kv_events"][other]["blocks"] == kept + PREFIX_TOKENS // 16)
+    finally:
+        for proc in started:
+            proc.stop()

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pdproxy.kvevents.decode import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
 ROOT = 0  # the key a chain starts from (as pdproxy/sim/prefix_cache.py)
-DEFAULT_MAX_BLOCKS = 1 << 20
+DEFAULT_MAX_BLOCKS = 1 << 18  # 4M tokens of 16: above a GPU's cache; ~230 bytes each (benchmarks/kv_events.py)
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT, limit: int | None = None) -> list[int]:
