@@ -114,6 +114,7 @@ class Settings:
     kv_events_replay_instances: dict[str, str] = field(default_factory=dict)
     kv_events_max_blocks: int = 1 << 18
     tokenizer_file: str | None = None  # precise_prefix: the served model's tokenizer.json for text prompts
+    pd_min_prefill_tokens: int = 0  # selective disaggregation: at most this many to compute -> decode only; 0 off
 
     @property
     def mode(self) -> str:
@@ -263,6 +264,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--tokenizer-file", metavar="PATH",
                     help="precise_prefix: the served model's tokenizer.json (Hugging Face tokenizers), to turn text "
                          "prompts into token ids; without it only token-id prompts route by events")
+    kv.add_argument("--pd-min-prefill-tokens", type=int, metavar="N",
+                    help="selective disaggregation: a prompt leaving at most N tokens to compute after what its "
+                         "decode already holds (from its KV events) goes straight to the decode, no prefill leg "
+                         "(default 0: off)")
     kv.add_argument("--kv-events-max-blocks", type=int,
                     help="blocks kept in each instance's event index, oldest forgotten first; ~230 bytes each (default 262144)")
 
@@ -516,6 +521,8 @@ def _validate(s: Settings) -> None:
         raise ConfigError("max-tree-size must be >= 1")
     if s.tokenizer_file and not Path(s.tokenizer_file).is_file():
         raise ConfigError(f"tokenizer-file {s.tokenizer_file} is not a readable file")
+    if s.pd_min_prefill_tokens < 0:
+        raise ConfigError("pd-min-prefill-tokens must be >= 0")
     if s.kv_events_max_blocks < 1:
         raise ConfigError("kv-events-max-blocks must be >= 1")
     try:

@@ -65,13 +65,14 @@ def cluster():
             proc.stop()
 
 
-def run_phase(cluster, policy: str, replicas: int, base: int) -> dict[str, float]:
+def run_phase(cluster, policy: str, replicas: int, base: int, workers: int = 1) -> dict[str, float]:
     urls, env, procs = cluster
     proxies = []
     try:
         for _ in range(replicas):
             proc, url = start_proxy("--prefill", urls["p0"], urls["p1"], "--decode", urls["d0"], urls["d1"],
-                                    "--prefill-policy", policy, "--decode-policy", "round_robin", env=env)
+                                    "--prefill-policy", policy, "--decode-policy", "round_robin",
+                                    "--workers", str(workers), env=env)
             proxies.append((proc, url))
         if policy == "precise_prefix":
             for _, url in proxies:  # a replica routes by events once it has caught up with every instance
@@ -118,10 +119,11 @@ def test_replicas_route_by_events_as_one_process_does(cluster):
     approximate = run_phase(cluster, "cache_aware", 2, base=10_000)
     precise = run_phase(cluster, "precise_prefix", 2, base=40_000)
     four = run_phase(cluster, "precise_prefix", 4, base=70_000)
-    single = run_phase(cluster, "precise_prefix", 1, base=100_000)
+    workers = run_phase(cluster, "precise_prefix", 1, base=100_000, workers=2)
+    single = run_phase(cluster, "precise_prefix", 1, base=110_000)
     print(f"\nprefix affinity / engine prefix-cache hit rate: cache_aware x2 {approximate}; "
-          f"precise_prefix x2 {precise}; precise_prefix x4 {four}; precise_prefix x1 {single}")
-    for replicas in (precise, four, single):
+          f"precise_prefix x2 {precise}; precise_prefix x4 {four}; --workers 2 {workers}; precise_prefix x1 {single}")
+    for replicas in (precise, four, workers, single):
         assert replicas["affinity"] >= 0.95 and replicas["approximate"] == 0
         assert abs(replicas["hit_rate"] - single["hit_rate"]) <= 0.02
     assert approximate["affinity"] < precise["affinity"]

@@ -1,0 +1,92 @@
+"""Selective disaggregation on real processes: a prompt whose uncached part on its decode is short skips the prefill.
+
+A simulated prefill and decode (the decode publishing its KV events), pdproxy with --pd-min-prefill-tokens 32:
+a long new prompt is disaggregated; once its KV arrived on the decode (the decode's BlockStored), the same prompt
+plus a few tokens goes straight to the decode (no prefill leg, no kv_transfer_params); so does a short prompt;
+chat (no token ids here) is disaggregated. Each decision is on the root span and counted."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+from procs import HOST, free_port, start_proxy, start_sim
+from real_traces import otlp_spans
+from waits import scaled
+
+
+def post(url: str, path: str, body: dict) -> None:
+    req = urllib.request.Request(url + path, data=json.dumps({"model": "sim-model", "max_tokens": 2, **body}).encode(),
+                                 headers={"Content-Type": "application/json", "X-Request-Id": body.pop("id", "x")})
+    with urllib.request.urlopen(req, timeout=scaled(20)) as r:
+        assert r.status == 200
+
+
+def get(url: str):
+    with urllib.request.urlopen(url, timeout=scaled(10)) as r:
+        text = r.read().decode()
+        return json.loads(text) if r.headers.get("Content-Type", "").startswith("application/json") else text
+
+
+def attrs(span: dict) -> dict:
+    return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
+
+
+def test_short_uncached_prompts_skip_the_prefill(tmp_path):
+    pub, replay = free_port(), free_port()
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{HOST}:{pub}",
+                         "replay_endpoint": f"tcp://{HOST}:{replay}"})
+    procs = []
+    try:
+        prefill, p_url = start_sim("prefill", "--time-scale", "0.1")
+        procs.append(prefill)
+        decode, d_url = start_sim("decode", "--time-scale", "0.1", "--kv-events-config", config)
+        procs.append(decode)
+        address = d_url.removeprefix("http://")
+        trace_file = tmp_path / "proxy.jsonl"
+        proxy, url = start_proxy("--prefill", p_url, "--decode", d_url, "--pd-min-prefill-tokens", "32",
+                                 "--kv-events-instance", f"{address}=tcp://{HOST}:{pub}",
+                                 "--kv-events-replay-instance", f"{address}=tcp://{HOST}:{replay}",
+                                 "--trace-file", str(trace_file))
+        procs.append(proxy)
+        deadline = time.monotonic() + scaled(15)
+        while not get(url + "/status")["kv_events"][address]["flowing"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        long = [1000 + k for k in range(200)]
+        post(url, "/v1/completions", {"prompt": long})  # 200 uncached tokens: through the prefill
+        while get(url + "/status")["kv_events"][address]["blocks"] < 12:  # its KV arrived on the decode
+            assert time.monotonic() < deadline, get(url + "/status")
+            time.sleep(0.02)
+        post(url, "/v1/completions", {"prompt": long + list(range(5000, 5010))})  # 18 left: decode only
+        post(url, "/v1/completions", {"prompt": list(range(7000, 7020))})  # 20 tokens, none cached: decode only
+        post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello there"}]})
+
+        prefilled = [e["body"] for e in get(p_url + "/sim/requests")["requests"] if e["path"].startswith("/v1/")]
+        decoded = [e["body"] for e in get(d_url + "/sim/requests")["requests"] if e["path"].startswith("/v1/")]
+        assert [b.get("prompt", ["chat"])[:1] for b in prefilled] == [[1000], ["chat"]]
+        assert len(decoded) == 4
+        assert ["kv_transfer_params" in b for b in decoded] == [True, False, False, True]
+
+        metrics = get(url + "/metrics")
+        counts = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line.startswith("pdproxy_disaggregation_decisions_total{")}
+        assert counts == {'decision="disaggregated",reason="long_uncached"': 1.0,
+                          'decision="decode_only",reason="short_uncached"': 2.0,
+                          'decision="disaggregated",reason="no_token_ids"': 1.0}, counts
+        deadline = time.monotonic() + scaled(10)
+        while True:
+            roots = [attrs(sp) for _, _, sp in otlp_spans(trace_file) if not sp.get("parentSpanId")]
+            if len(roots) >= 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        verdicts = sorted((r["pd.disaggregation"], r["pd.disaggregation.reason"], r.get("pd.disaggregation.held_tokens"),
+                           r.get("pd.disaggregation.uncached_tokens"), "pd.prefill.instance" in r) for r in roots)
+        assert verdicts == sorted([("disaggregated", "long_uncached", "0", "200", True),
+                                   ("decode_only", "short_uncached", "192", "18", False),
+                                   ("decode_only", "short_uncached", "0", "20", False),
+                                   ("disaggregated", "no_token_ids", None, None, True)]), verdicts
+    finally:
+        for proc in procs:
+            proc.stop()
