@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import time
 import urllib.request
 
 import pytest
@@ -75,10 +76,15 @@ def run_phase(cluster, policy: str, replicas: int, base: int, workers: int = 1) 
                                     "--workers", str(workers), env=env)
             proxies.append((proc, url))
         if policy == "precise_prefix":
-            for _, url in proxies:  # a replica routes by events once it has caught up with every instance
-                deadline = __import__("time").monotonic() + scaled(15)
-                while not all(s["flowing"] for s in get(url + "/status")["kv_events"].values()):
-                    assert __import__("time").monotonic() < deadline, get(url + "/status")
+            for _, url in proxies:  # a replica routes by events once every worker caught up with every instance
+                deadline = time.monotonic() + scaled(15)
+                while True:
+                    flowing = [line for line in get(url + "/metrics").splitlines()
+                               if line.startswith("pdproxy_kv_events_flowing{")]  # the minimum over workers
+                    if len(flowing) == 4 and all(line.endswith(" 1.0") for line in flowing):
+                        break
+                    assert time.monotonic() < deadline, flowing
+                    time.sleep(0.05)
         before = {name: hits(urls[name]) for name in ("p0", "p1")}
         rng = random.Random(base)
         order = [p for p in range(PREFIXES) for _ in range(PER_PREFIX)]
@@ -134,8 +140,6 @@ def send(url: str, prompt: list[int]) -> None:
 
 
 def wait_status(url: str, what: str, condition) -> dict:
-    import time
-
     deadline = time.monotonic() + scaled(15)
     while True:
         state = get(url + "/status")

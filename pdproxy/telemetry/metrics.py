@@ -338,8 +338,9 @@ def status_label(status: int) -> str:
 
 
 # merging the expositions of several worker processes (pdproxy/workers.py)
-_MIN_GAUGES = {"pdproxy_instance_healthy"}  # healthy only where every worker has the instance in rotation
-_MAX_GAUGES = {"pdproxy_build_info"}
+_MIN_GAUGES = {"pdproxy_instance_healthy",  # healthy only where every worker has the instance in rotation
+               "pdproxy_kv_events_flowing"}  # in sync only where every worker is (pdproxy/kvevents)
+_MAX_GAUGES = {"pdproxy_build_info", "pdproxy_kv_event_index_blocks"}  # every worker indexes the same blocks
 
 
 def merge_expositions(texts: list[str], accept: str) -> tuple[bytes, str]:
