@@ -11,7 +11,8 @@
 * Memory: 16 instance indexes of `--blocks` blocks each (chains of 256 blocks), traced by tracemalloc.
 * Decision: precise_prefix's choice among 16 instances for a 4,000-token prompt, p50/p99 over `--decisions`
   calls: a token-id prompt (hashing only), and a text prompt through a local tokenizer.json (a byte-level BPE of
-  32,000 merges trained here on synthetic text: no download), beside cache_aware's decision for the same text.
+  32,000 merges trained here on synthetic text: no download), beside cache_aware's decision for the same text;
+  and the round trip to an instance's /tokenize (a simulated one) for a text prompt of about 4,000 tokens.
 """
 
 from __future__ import annotations
@@ -206,6 +207,44 @@ def measure_decisions(n: int, rounds: int) -> dict:
         return out
 
 
+async def measure_remote_tokenize(n: int, text_words: int = 1300) -> tuple[float, float, int]:
+    """p50 / p99 (us) of a 4,000-token text prompt's ids from a simulated instance's /tokenize (a round trip on
+    loopback; the simulator's tokenizer is pure Python, vLLM's a Rust one), and the ids' count."""
+    import aiohttp
+    import urllib.request
+
+    from pdproxy.kvevents.tokenize import RemoteTokenizer
+
+    port = free_ports(1)[0]
+    proc = subprocess.Popen([sys.executable, "-m", "pdproxy", "sim", "--role", "single", "--preset", "instant",
+                             "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.05)
+        rng = random.Random(5)
+        text = " ".join(f"word{rng.randrange(50000)}" for _ in range(text_words))
+        async with aiohttp.ClientSession() as session:
+            tokenizer = RemoteTokenizer(session, [url], {}, timeout=5.0)
+            times, count = [], 0
+            for _ in range(n):
+                view = RequestView({"model": "sim-model", "prompt": text})
+                start = time.perf_counter()
+                await tokenizer.prepare(view)
+                times.append(time.perf_counter() - start)
+                count = len(view.token_ids or [])
+        p50, p99 = percentiles(times)
+        return p50, p99, count
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=10.0)
@@ -233,6 +272,9 @@ def main() -> None:
           f"token ids {tid[0]:.0f} / {tid[1]:.0f}; with text through tokenizer.json {text[0]:.0f} / {text[1]:.0f}; "
           f"cache_aware on the same text {approx[0]:.0f} / {approx[1]:.0f} "
           f"(precise text / approximate: {text[1] / approx[1]:.1f}x at p99)")
+    remote = asyncio.run(measure_remote_tokenize(min(args.decisions, 300)))
+    print(f"   tokenizing the same kind of text through an instance's /tokenize instead (the simulator's, loopback; "
+          f"{remote[2]} tokens): p50 {remote[0]:.0f} us, p99 {remote[1]:.0f} us, to add to the token-id decision")
     print(f"   max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 

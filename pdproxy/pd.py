@@ -74,6 +74,7 @@ class Proxy:
         self.recorder = recorder
         self.shadow = shadow
         self.selective = None  # pdproxy.kvevents.selective.SelectiveDisaggregation when --pd-min-prefill-tokens
+        self.tokens = None  # pdproxy.kvevents.tokenize.RemoteTokenizer: text prompts' ids for routing by events
         self.slow_readers = SlowReaders(settings.write_timeout)  # started by the server for client traffic
         self.timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout,
                                              sock_connect=settings.connect_timeout, sock_read=settings.read_timeout)
@@ -134,6 +135,8 @@ class Proxy:
         view = view or RequestView(body, None, route.chat)
         async with self.admission.slot():
             prefill_instance = None
+            if self.tokens is not None:
+                await self.tokens.prepare(view)
             decode_instance, decode_decision = self.decode.pick(view)
             verdict = self.selective.decide(view, decode_instance.address) if self.prefill and self.selective else None
             if verdict is not None:

@@ -99,10 +99,16 @@ async def _lifecycle(app: web.Application, settings: Settings):
         pool.start(session, auth)  # load_aware reads the engines' /metrics
     kv_events = app[KV_EVENTS_KEY] = kvevents.start(settings, recorder.metrics.registry, pools, recorder.stalls,
                                                     [i.address for i in decode.instances])
-    if settings.pd_min_prefill_tokens > 0 and prefill is not None:
+    selective = settings.pd_min_prefill_tokens > 0 and prefill is not None
+    if selective:
         from pdproxy.kvevents.selective import SelectiveDisaggregation
 
         proxy.selective = SelectiveDisaggregation(settings.pd_min_prefill_tokens, kv_events, settings.tokenizer_file)
+    precise = "precise_prefix" in (settings.prefill_policy, settings.decode_policy) and kv_events is not None
+    if (selective or precise) and not settings.tokenizer_file:  # text and chat through the served model's own
+        from pdproxy.kvevents.tokenize import RemoteTokenizer
+
+        proxy.tokens = RemoteTokenizer(session, [i.url for i in decode.instances], auth, settings.health_check_timeout)
     # the model names that may label telemetry: what the instances serve (pdproxy/telemetry/models.py)
     learning = asyncio.create_task(recorder.models.watch(
         session, [i.url for p in pools for i in p.instances], auth, settings.health_check_interval,

@@ -66,7 +66,16 @@ def cluster():
             proc.stop()
 
 
-def run_phase(cluster, policy: str, replicas: int, base: int, workers: int = 1) -> dict[str, float]:
+def prefix_of(prompt, base: int) -> int | None:
+    """Which of the phase's prefixes a prompt (as the prefill got it) starts with."""
+    if isinstance(prompt, list) and prompt and base <= prompt[0] < base + 1000 * PREFIXES:
+        return (prompt[0] - base) // 1000
+    if isinstance(prompt, str) and prompt.startswith(f"t{base}p"):
+        return int(prompt.split(" ", 1)[0].split("p")[1].split("w")[0])
+    return None
+
+
+def run_phase(cluster, policy: str, replicas: int, base: int, workers: int = 1, text: bool = False) -> dict:
     urls, env, procs = cluster
     proxies = []
     try:
@@ -92,14 +101,17 @@ def run_phase(cluster, policy: str, replicas: int, base: int, workers: int = 1) 
         for n, p in enumerate(order):
             prompt = [base + p * 1000 + k for k in range(PREFIX_TOKENS)] + [rng.randrange(1, 100000)
                                                                            for _ in range(rng.randint(5, 40))]
+            if text:  # about as many tokens, tokenized by the instances' /tokenize for routing
+                prompt = " ".join(f"t{base}p{p}w{k}" for k in range(PREFIX_TOKENS // 4)) + " " + " ".join(
+                    f"x{rng.randrange(100000)}" for _ in range(rng.randint(2, 10)))
             post(proxies[n % replicas][1] + "/v1/completions", {"model": "sim-model", "prompt": prompt, "max_tokens": 2})
         # which prefill got each request, in arrival order
         arrivals = []
         for name in ("p0", "p1"):
             for entry in get(urls[name] + "/sim/requests")["requests"]:
-                prompt = (entry.get("body") or {}).get("prompt")
-                if entry["path"] == "/v1/completions" and isinstance(prompt, list) and base <= prompt[0] < base + 1000 * PREFIXES:
-                    arrivals.append((entry["received_at"], (prompt[0] - base) // 1000, name))
+                prefix = prefix_of((entry.get("body") or {}).get("prompt"), base)
+                if entry["path"] == "/v1/completions" and prefix is not None:
+                    arrivals.append((entry["received_at"], prefix, name))
         arrivals.sort()
         assert len(arrivals) == len(order)
         seen: dict[int, set[str]] = {}
@@ -127,9 +139,10 @@ def test_replicas_route_by_events_as_one_process_does(cluster):
     four = run_phase(cluster, "precise_prefix", 4, base=70_000)
     workers = run_phase(cluster, "precise_prefix", 1, base=100_000, workers=2)
     single = run_phase(cluster, "precise_prefix", 1, base=110_000)
+    text = run_phase(cluster, "precise_prefix", 2, base=16_000, text=True)
     print(f"\nprefix affinity / engine prefix-cache hit rate: cache_aware x2 {approximate}; "
-          f"precise_prefix x2 {precise}; precise_prefix x4 {four}; --workers 2 {workers}; precise_prefix x1 {single}")
-    for replicas in (precise, four, workers, single):
+          f"precise_prefix x2 {precise}; precise_prefix x4 {four}; --workers 2 {workers}; precise_prefix x1 {single}; precise_prefix x2, text prompts {text}")
+    for replicas in (precise, four, workers, single, text):
         assert replicas["affinity"] >= 0.95 and replicas["approximate"] == 0
         assert abs(replicas["hit_rate"] - single["hit_rate"]) <= 0.02
     assert approximate["affinity"] < precise["affinity"]

@@ -3,7 +3,7 @@
 A simulated prefill and decode (the decode publishing its KV events), pdproxy with --pd-min-prefill-tokens 32:
 a long new prompt is disaggregated; once its KV arrived on the decode (the decode's BlockStored), the same prompt
 plus a few tokens goes straight to the decode (no prefill leg, no kv_transfer_params); so does a short prompt;
-chat (no token ids here) is disaggregated. Each decision is on the root span and counted."""
+chat, tokenized by the decode's /tokenize, is short too. Each decision is on the root span and counted."""
 
 from __future__ import annotations
 
@@ -31,6 +31,12 @@ def get(url: str):
 
 def attrs(span: dict) -> dict:
     return {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
+
+
+def roots_chat_tokens(roots: list[dict]) -> str | None:
+    """The chat request's uncached count: all its tokens, as the decode's /tokenize counted them."""
+    chat = [r for r in roots if r.get("gen_ai.operation.name") == "chat"]
+    return chat[0].get("pd.disaggregation.uncached_tokens") if chat else None
 
 
 def test_short_uncached_prompts_skip_the_prefill(tmp_path):
@@ -61,20 +67,20 @@ def test_short_uncached_prompts_skip_the_prefill(tmp_path):
             time.sleep(0.02)
         post(url, "/v1/completions", {"prompt": long + list(range(5000, 5010))})  # 18 left: decode only
         post(url, "/v1/completions", {"prompt": list(range(7000, 7020))})  # 20 tokens, none cached: decode only
+        # chat: tokenized by the decode's own /tokenize (its chat template), a few tokens: decode only
         post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello there"}]})
 
         prefilled = [e["body"] for e in get(p_url + "/sim/requests")["requests"] if e["path"].startswith("/v1/")]
         decoded = [e["body"] for e in get(d_url + "/sim/requests")["requests"] if e["path"].startswith("/v1/")]
-        assert [b.get("prompt", ["chat"])[:1] for b in prefilled] == [[1000], ["chat"]]
+        assert [b["prompt"][:1] for b in prefilled] == [[1000]]
         assert len(decoded) == 4
-        assert ["kv_transfer_params" in b for b in decoded] == [True, False, False, True]
+        assert ["kv_transfer_params" in b for b in decoded] == [True, False, False, False]
 
         metrics = get(url + "/metrics")
         counts = {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                   if line.startswith("pdproxy_disaggregation_decisions_total{")}
         assert counts == {'decision="disaggregated",reason="long_uncached"': 1.0,
-                          'decision="decode_only",reason="short_uncached"': 2.0,
-                          'decision="disaggregated",reason="no_token_ids"': 1.0}, counts
+                          'decision="decode_only",reason="short_uncached"': 3.0}, counts
         deadline = time.monotonic() + scaled(10)
         while True:
             roots = [attrs(sp) for _, _, sp in otlp_spans(trace_file) if not sp.get("parentSpanId")]
@@ -86,7 +92,20 @@ def test_short_uncached_prompts_skip_the_prefill(tmp_path):
         assert verdicts == sorted([("disaggregated", "long_uncached", "0", "200", True),
                                    ("decode_only", "short_uncached", "192", "18", False),
                                    ("decode_only", "short_uncached", "0", "20", False),
-                                   ("disaggregated", "no_token_ids", None, None, True)]), verdicts
+                                   ("decode_only", "short_uncached", "0", roots_chat_tokens(roots), False)]), verdicts
+        assert roots_chat_tokens(roots) not in (None, "0")
     finally:
         for proc in procs:
             proc.stop()
+
+
+def test_without_token_ids_the_request_is_disaggregated():
+    from pdproxy.kvevents.selective import SelectiveDisaggregation
+    from pdproxy.policies.request import RequestView
+
+    rule = SelectiveDisaggregation(32)
+    chat = RequestView({"messages": [{"role": "user", "content": "hi"}]}, chat=True)
+    assert (rule.decide(chat, "d:1").decision, rule.decide(chat, "d:1").reason) == ("disaggregated", "no_token_ids")
+    chat.token_ids = [1, 2, 3]  # as an instance's /tokenize gives them
+    assert rule.decide(chat, "d:1").decode_only
+    assert not rule.decide(RequestView({"prompt": list(range(40))}), "d:1").decode_only  # 40 > 32, none held

@@ -3,7 +3,8 @@
 The engines' KV-cache events (pdproxy/kvevents) give each instance's cached blocks; every pdproxy process that
 subscribes builds the same index, so replicas and workers agree without sharing anything (llm-d's precise
 prefix-cache scorer and Dynamo's KV router work this way). A prompt's token ids (a token-id prompt as it is; a
-text prompt through `--tokenizer-file`, the served model's tokenizer.json) are cut into blocks of the engines'
+text prompt through `--tokenizer-file`, the served model's tokenizer.json; else text and chat through an
+instance's `/tokenize`, pdproxy/kvevents/tokenize.py) are cut into blocks of the engines'
 block size and hashed as the index is (`kvevents.chain_hashes`); then:
 
 * load is imbalanced (as cache_aware: `max - min > balance_abs_threshold` and `max > balance_rel_threshold ×
@@ -13,7 +14,7 @@ block size and hashed as the index is (`kvevents.chain_hashes`); then:
   none holds any, the least loaded (`cache_miss`).
 
 When a candidate's events are not flowing (not configured, not connected, resynchronising) or the prompt has no
-token ids here (chat without a local chat template, text without a tokenizer), the request is routed by
+token ids here (chat with a local tokenizer.json, which has no chat template; /tokenize failed), the request is routed by
 cache_aware's approximate index instead (`approximate`, counted and on the span), which also learns every
 precise choice so that it is ready when needed.
 """
@@ -31,7 +32,10 @@ from pdproxy.policies.request import MAX_KEY_TOKENS, RequestView
 
 
 def prompt_token_ids(request: RequestView, tokenizer: Any | None) -> list[int] | None:
-    """The prompt as token ids: given as such, or a text completion prompt through the local tokenizer."""
+    """The prompt as token ids: given as such, tokenized by an instance (kvevents.tokenize), or a text
+    completion prompt through the local tokenizer."""
+    if request.token_ids is not None:
+        return request.token_ids[:MAX_KEY_TOKENS]
     if request.chat:
         return None  # the chat template is the model's: not applied here
     prompt = request.body.get("prompt")
