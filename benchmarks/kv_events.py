@@ -207,7 +207,7 @@ def measure_decisions(n: int, rounds: int) -> dict:
         return out
 
 
-async def measure_remote_tokenize(n: int, text_words: int = 1300) -> tuple[float, float, int]:
+async def measure_remote_tokenize(n: int, text_words: int = 620) -> tuple[float, float, int]:
     """p50 / p99 (us) of a 4,000-token text prompt's ids from a simulated instance's /tokenize (a round trip on
     loopback; the simulator's tokenizer is pure Python, vLLM's a Rust one), and the ids' count."""
     import aiohttp
