@@ -109,3 +109,45 @@ def test_without_token_ids_the_request_is_disaggregated():
     chat.token_ids = [1, 2, 3]  # as an instance's /tokenize gives them
     assert rule.decide(chat, "d:1").decode_only
     assert not rule.decide(RequestView({"prompt": list(range(40))}), "d:1").decode_only  # 40 > 32, none held
+
+
+WORKLOAD = """
+requests: 12
+seed: 3
+classes:
+  - {name: short, prompt: 12, output: 4, concurrency: 1}
+  - {name: long, prompt: 300, output: 4, concurrency: 1}
+"""
+
+
+def test_the_report_has_a_row_for_it(tmp_path):
+    import subprocess
+    import sys
+
+    procs = []
+    try:
+        prefill, p_url = start_sim("prefill", "--time-scale", "0.1")
+        procs.append(prefill)
+        decode, d_url = start_sim("decode", "--time-scale", "0.1")
+        procs.append(decode)
+        proxy, url = start_proxy("--prefill", p_url, "--decode", d_url, "--pd-min-prefill-tokens", "32",
+                                 "--trace-file", str(tmp_path / "proxy.jsonl"))
+        procs.append(proxy)
+        (tmp_path / "w.yaml").write_text(WORKLOAD)
+        bench = subprocess.run([sys.executable, "-m", "pdproxy", "bench", "--url", url, "--workload",
+                                str(tmp_path / "w.yaml"), "--label", "selective", "--out", str(tmp_path / "rec.jsonl"),
+                                "--no-progress", "--quiet"], capture_output=True, text=True, timeout=scaled(120))
+        assert bench.returncode == 0, bench.stderr
+    finally:
+        for proc in procs:
+            proc.stop()
+    report = subprocess.run([sys.executable, "-m", "pdproxy", "report", str(tmp_path / "rec.jsonl"), "--traces",
+                             str(tmp_path / "proxy.jsonl"), "--json", str(tmp_path / "r.json")],
+                            capture_output=True, text=True, timeout=scaled(120))
+    assert report.returncode == 0, report.stderr
+    (run,) = json.loads((tmp_path / "r.json").read_text())["runs"]
+    verdicts = run["disaggregation"]
+    # no events here: nothing is known to be held, so the prompt's length decides (12 tokens: decode only; 300: disaggregated)
+    assert verdicts["requests"] == 12 and 0 < verdicts["decode_only"] < 12, verdicts
+    assert set(verdicts["reasons"]) == {"decode_only: short_uncached", "disaggregated: long_uncached"}
+    assert "decode only (selective disaggregation)" in report.stdout
