@@ -108,7 +108,7 @@ async def _lifecycle(app: web.Application, settings: Settings):
     if (selective or precise) and not settings.tokenizer_file:  # text and chat through the served model's own
         from pdproxy.kvevents.tokenize import RemoteTokenizer
 
-        proxy.tokens = RemoteTokenizer(session, [i.url for i in decode.instances], auth, settings.health_check_timeout)
+        proxy.tokens = RemoteTokenizer(session, [i.url for i in decode.instances], auth)
     # the model names that may label telemetry: what the instances serve (pdproxy/telemetry/models.py)
     learning = asyncio.create_task(recorder.models.watch(
         session, [i.url for p in pools for i in p.instances], auth, settings.health_check_interval,

@@ -24,6 +24,7 @@ from pdproxy.policies.request import MAX_KEY_CHARS, RequestView
 log = logging.getLogger("pdproxy.kvevents")
 
 MAX_PROMPT_CHARS = MAX_KEY_CHARS
+TIMEOUT = 0.5  # s: what routing may wait for token ids before it goes by the approximate index
 MAX_ANSWER_BYTES = 8 * 1024 * 1024
 
 
@@ -52,7 +53,7 @@ def tokenize_body(view: RequestView) -> dict[str, Any] | None:
 
 class RemoteTokenizer:
     def __init__(self, session: aiohttp.ClientSession, urls: Sequence[str], headers: dict[str, str],
-                 timeout: float = 1.0) -> None:
+                 timeout: float = TIMEOUT) -> None:
         self.session, self.headers = session, headers
         self._urls = itertools.cycle(list(urls))
         self.timeout = aiohttp.ClientTimeout(total=timeout)
