@@ -29,3 +29,35 @@ def test_the_rule_finds_the_recorded_arrivals_and_no_generation_store():
             rule = bool(kv_arrivals(EventBatch(batch.ts, [event])))
             found[("arrival" if rule else "missed") if truth else ("false" if rule else "generation")] += 1
     assert found == {"arrival": 44, "missed": 1, "generation": 46, "false": 0}
+
+
+def test_recorded_arrivals_come_just_before_the_first_token_pdproxy_saw():
+    """On the recording (one host, one clock): each request's first token (pdproxy's root span: start + TTFT, per
+    decode) has a KV arrival on its decode 8-14 ms before it (p90 / p10), so an arrival filed at its batch time
+    falls inside the stall it caused."""
+    import base64
+    import json
+    from pathlib import Path
+
+    from real_traces import otlp_spans
+
+    from pdproxy.kvevents import decode_batch
+
+    fixture = Path(__file__).parent / "fixtures" / "kv_events_vllm023"
+    first_tokens: dict[str, list[float]] = {}
+    for _, _, span in otlp_spans(fixture / "pdproxy-traces.jsonl"):
+        attrs = {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
+        if not span.get("parentSpanId") and "gen_ai.response.time_to_first_chunk" in attrs:
+            first_tokens.setdefault(attrs["pd.decode.instance"], []).append(
+                int(span["startTimeUnixNano"]) / 1e9 + float(attrs["gen_ai.response.time_to_first_chunk"]))
+    arrivals: dict[str, list[float]] = {}
+    for line in (fixture / "kv-events-raw.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        batch = decode_batch(base64.b64decode(record["frames"][2]))
+        arrivals.setdefault(record["src"], []).extend(batch.ts for _ in kv_arrivals(batch))
+    decodes = {"127.0.0.1:8200": "d0", "127.0.0.1:8201": "d1"}  # the recording's ports, in start order
+    offsets = sorted(min((a - t for a in arrivals[decodes[address]]), key=abs) * 1000
+                     for address, times in first_tokens.items() for t in times)
+    assert len(offsets) >= 30
+    p10, p50, p90 = (offsets[int(len(offsets) * q)] for q in (0.1, 0.5, 0.9))
+    assert -20 < p10 <= p50 <= p90 < 0, (p10, p50, p90)

@@ -1,7 +1,7 @@
 """A decode's KV arrivals, from its BlockStored events, for live stall attribution in every pdproxy process.
 
 A decode publishes BlockStored when a request's KV arrives from the prefill (the blocks are committed to its
-cache: the batch's `ts` is within -17 / +9 ms, p10 / p90, of the first token, on the recorded real stream) and
+cache: on the recorded real stream the first token pdproxy saw came 8-14 ms, p90-p10, after the batch's `ts`) and
 also while it generates, one block each time a request's output fills one. The rule telling them apart: a
 store of two or more blocks, or one starting a chain (no parent), is an arrival; a single block chained to a
 cached one is generation. On the recorded vLLM 0.23 stream (tests/fixtures/kv_events_vllm023, 91 decode
