@@ -61,3 +61,31 @@ def test_recorded_arrivals_come_just_before_the_first_token_pdproxy_saw():
     assert len(offsets) >= 30
     p10, p50, p90 = (offsets[int(len(offsets) * q)] for q in (0.1, 0.5, 0.9))
     assert -20 < p10 <= p50 <= p90 < 0, (p10, p50, p90)
+
+
+def test_an_arrival_this_process_routed_is_named_once_and_another_process_s_is_filed():
+    import time
+
+    from pdproxy.kvevents.arrivals import REQUEST_ID, arrival_listener
+    from pdproxy.telemetry.stalls import StallRecords
+
+    class Scan:
+        first_token_ns = None  # its first token has not come yet
+
+    records = StallRecords()
+    listener = arrival_listener(records, ["d:1"])
+    arrival = EventBatch(time.time(), [BlockStored([1, 2], None, list(range(32)), 16)])
+    records.begin("kv_arrival", "d:1", "own-request", time.monotonic_ns() - 50_000_000, None, None, Scan())
+    listener("d:1", arrival, True)
+    now = time.monotonic_ns()
+    found = records.instances["d:1"].around(now - 10**9, now, 0)
+    assert [a.request_id for a in found] == ["own-request"]  # not twice
+    listener("d:2", arrival, True)  # not a decode: nothing
+    listener("d:1", EventBatch(time.time(), [BlockStored([3], 1, list(range(16)), 16)]), True)  # generation
+    assert set(records.instances) == {"d:1"}
+    other = StallRecords()
+    arrival_listener(other, ["d:1"])("d:1", arrival, True)  # nothing of its own going on there: filed
+    now = time.monotonic_ns()
+    (filed,) = other.instances["d:1"].around(now - 10**9, now, 0)
+    assert (filed.kind, filed.request_id, filed.tokens) == ("kv_arrival", REQUEST_ID, 32)
+    assert abs(filed.start - now) < 50_000_000

@@ -10,7 +10,9 @@ beyond what the decode had cached was one block). Measured by tests/test_kvevent
 
 An arrival is filed as a `kv_arrival` activity on the decode at the batch's time; the engine's wall clock is
 turned into this process's monotonic clock at receipt, which holds when the proxy and the engine share a host
-or synchronised clocks (the lag is in pdproxy_kv_event_lag_seconds).
+or synchronised clocks (the lag is in pdproxy_kv_event_lag_seconds). An arrival while this process's own record
+has a KV arrival going on at that decode is left to that one (it names the request and links its trace); two
+arriving at once, one of them another process's, are then named once: the cause is the same.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from pdproxy.kvevents.decode import BlockStored, EventBatch
 
 REQUEST_ID = "kv-event"  # the culprit's name in an attribution: the events do not say which request it was
+OWN_LOOKUP = 8  # activities of this process's own record looked at per arrival
 
 
 def kv_arrivals(batch: EventBatch) -> list[BlockStored]:
@@ -38,9 +41,13 @@ def arrival_listener(stalls: Any, decodes: Iterable[str], kind: str = "kv_arriva
         if not live or address not in decodes:
             return
         arrivals = kv_arrivals(batch)
-        if arrivals:
-            age_ns = max(0, time.time_ns() - int(batch.ts * 1e9))
-            stalls.observed(kind, address, REQUEST_ID, time.monotonic_ns() - age_ns,
-                            sum(len(e.token_ids) for e in arrivals))
+        if not arrivals:
+            return
+        at = time.monotonic_ns() - max(0, time.time_ns() - int(batch.ts * 1e9))
+        record = stalls.instances.get(address)
+        if record is not None and any(a.kind == kind and a.request_id != REQUEST_ID
+                                      for a in record.around(at, at, OWN_LOOKUP)):
+            return  # this process routed a request arriving now: its own activity names it (and links its trace)
+        stalls.observed(kind, address, REQUEST_ID, at, sum(len(e.token_ids) for e in arrivals))
 
     return listener
