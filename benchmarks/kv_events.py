@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import resource
@@ -35,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pdproxy import policies  # noqa: E402
-from pdproxy.kvevents import BlockIndex, BlockStored, chain_hashes  # noqa: E402
+from pdproxy.kvevents import BlockIndex, BlockStored  # noqa: E402
 from pdproxy.kvevents.subscriber import KVEvents, Source  # noqa: E402
 from pdproxy.policies.request import RequestView  # noqa: E402
 

@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import httpx
 import pytest

@@ -6,19 +6,28 @@ that subscribes to every instance builds the same per-instance prefix index with
 replicas and workers agree on where a prompt's KV sits (llm-d's precise prefix-cache scorer and Dynamo's KV
 router work the same way).
 
-Public face: `decode_batch` (one message's payload), `BlockIndex` + `chain_hashes` (one instance's cached
-blocks, keyed by pdproxy's hash of their tokens).
+Public face: `start` (subscribe to every configured instance, for the server), `decode_batch` (one message's
+payload), `BlockIndex` + `chain_hashes` (one instance's cached blocks, keyed by pdproxy's hash of their tokens).
+Inside: decode, index, subscriber (+ sources, metrics), publisher (the simulator's), arrivals (live stall
+attribution), selective (selective disaggregation), tokenize (an instance's /tokenize).
 """
+
+from __future__ import annotations
 
 from pdproxy.kvevents.decode import (AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, Event, EventBatch,
                                      decode_batch, parse_seq)
 from pdproxy.kvevents.index import BlockIndex, chain_hashes
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdproxy.kvevents.subscriber import KVEvents
+
 __all__ = ["AllBlocksCleared", "BlockIndex", "BlockRemoved", "BlockStored", "DecodeError", "Event", "EventBatch",
            "chain_hashes", "decode_batch", "parse_seq"]
 
 
-def start(settings, registry, pools=(), stalls=None, decodes=()) -> "KVEvents | None":
+def start(settings, registry, pools=(), stalls=None, decodes=()) -> KVEvents | None:
     """Subscribe to every instance that has an endpoint (None when events are off), count it in `registry`,
     hand it to the pools' policies that route by it, and file the `decodes`' KV arrivals into `stalls`
     (telemetry.StallRecords, None: live attribution off). Call on the running loop."""
