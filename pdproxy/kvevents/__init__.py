@@ -14,11 +14,11 @@ attribution), selective (selective disaggregation), tokenize (an instance's /tok
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pdproxy.kvevents.decode import (AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, Event, EventBatch,
                                      decode_batch, parse_seq)
 from pdproxy.kvevents.index import BlockIndex, chain_hashes
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pdproxy.kvevents.subscriber import KVEvents
