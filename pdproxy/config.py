@@ -30,10 +30,12 @@ ENV_HELP = ("Every flag can also be set as an environment variable PDPROXY_<FLAG
             "environment, which wins over the file.")
 TOY_DEFAULTS = {"prefiller_hosts": ["localhost"], "prefiller_ports": [8100], "decoder_hosts": ["localhost"], "decoder_ports": [8200]}
 # routing policies, one module each in pdproxy/policies/ (a test keeps the two lists equal)
-POLICIES = ("round_robin", "least_inflight", "power_of_two", "consistent_hash", "cache_aware", "load_aware")
+POLICIES = ("round_robin", "least_inflight", "power_of_two", "consistent_hash", "cache_aware", "load_aware",
+            "precise_prefix")
 DEFAULT_HASH_KEY = "header:X-Session-Id,body:user"
 # flags named other than their setting: the flag's name works in the environment and the file too
-FLAG_NAMES = {"resource_attrs": "resource_attr", "shadow_prefill_urls": "shadow_prefill"}
+FLAG_NAMES = {"resource_attrs": "resource_attr", "shadow_prefill_urls": "shadow_prefill",
+              "kv_events_instances": "kv_events_instance", "kv_events_replay_instances": "kv_events_replay_instance"}
 NEGATED_FLAGS = {"tracing": "no_tracing", "stall_attribution": "no_stall_attribution"}  # PDPROXY_NO_TRACING=1 is tracing off
 
 
@@ -105,6 +107,15 @@ class Settings:
     shadow_timeout: float = 120.0
     workers: int = 1
     log_level: str = "info"
+    # vLLM's KV-cache events (pdproxy/kvevents): endpoint templates on each instance's host, per-instance overrides
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_instances: dict[str, str] = field(default_factory=dict)
+    kv_events_replay_instances: dict[str, str] = field(default_factory=dict)
+    kv_events_max_blocks: int = 1 << 18
+    tokenizer_file: str | None = None  # precise_prefix: the served model's tokenizer.json for text prompts
+    pd_min_prefill_tokens: int = 0  # selective disaggregation: at most this many to compute -> decode only; 0 off
 
     @property
     def mode(self) -> str:
@@ -243,6 +254,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="fixed condition recorded on every span, e.g. vllm.version=0.23.0 gpu.kind=H200 (repeatable)")
     tel.add_argument("--capture-content", action="store_true", help="record prompt and completion text in spans (off: never recorded)")
     tel.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="log level (default info)")
+
+    kv = parser.add_argument_group("KV-cache events (vLLM --kv-events-config; docs/kv-events.md)")
+    kv.add_argument("--kv-events-endpoint", metavar="TEMPLATE",
+                    help="each instance's KV-event PUB endpoint, {host} and {port} being the instance's, e.g. "
+                         "tcp://{host}:5557 (off when not given)")
+    kv.add_argument("--kv-events-replay-endpoint", metavar="TEMPLATE",
+                    help="each instance's replay (ROUTER) endpoint, e.g. tcp://{host}:5567: repairs gaps, catches up")
+    kv.add_argument("--kv-events-topic", help="topic prefix to subscribe to (default: every topic)")
+    kv.add_argument("--kv-events-instance", dest="kv_events_instances", action="append", metavar="HOST:PORT=ENDPOINT",
+                    help="this instance's PUB endpoint instead of the template's (repeatable)")
+    kv.add_argument("--kv-events-replay-instance", dest="kv_events_replay_instances", action="append",
+                    metavar="HOST:PORT=ENDPOINT", help="this instance's replay endpoint instead of the template's")
+    kv.add_argument("--tokenizer-file", metavar="PATH",
+                    help="precise_prefix: the served model's tokenizer.json (Hugging Face tokenizers), to turn text "
+                         "prompts into token ids; without it only token-id prompts route by events")
+    kv.add_argument("--pd-min-prefill-tokens", type=int, metavar="N",
+                    help="selective disaggregation: a prompt leaving at most N tokens to compute after what its "
+                         "decode already holds (from its KV events) goes straight to the decode, no prefill leg "
+                         "(default 0: off)")
+    kv.add_argument("--kv-events-max-blocks", type=int,
+                    help="blocks kept in each instance's event index, oldest forgotten first; ~230 bytes each (default 262144)")
 
     sh = parser.add_argument_group("shadow traffic")
     sh.add_argument("--shadow-url", help="baseline (single instance or decode of another pool) that receives a copy of sampled requests")
@@ -387,7 +419,7 @@ def _coerce(name: str, raw: Any) -> Any:
     default = Settings.__dataclass_fields__[name]
     kind = default.type
     try:
-        if name == "resource_attrs":
+        if name in ("resource_attrs", "kv_events_instances", "kv_events_replay_instances"):
             return _parse_attrs(raw)
         if name == "workers":
             return workers_count(raw)
@@ -494,12 +526,60 @@ def _validate(s: Settings) -> None:
         raise ConfigError("max-tree-size must be >= 1")
     if s.hash_load_factor != 0 and s.hash_load_factor < 1:
         raise ConfigError("hash-load-factor must be >= 1, or 0 for no bound")
+    if s.tokenizer_file and not Path(s.tokenizer_file).is_file():
+        raise ConfigError(f"tokenizer-file {s.tokenizer_file} is not a readable file")
+    if s.pd_min_prefill_tokens < 0:
+        raise ConfigError("pd-min-prefill-tokens must be >= 0")
+    if s.kv_events_max_blocks < 1:
+        raise ConfigError("kv-events-max-blocks must be >= 1")
+    try:
+        kv_event_endpoints(s)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if s.load_metrics_interval <= 0:
         raise ConfigError("load-metrics-interval must be > 0")
     try:
         parse_hash_key(s.hash_key)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def kv_event_endpoints(s: Settings) -> list[tuple[str, str, str | None]]:
+    """(instance address, PUB endpoint, replay endpoint or None) for every instance publishing KV events.
+
+    The toy-proxy flags name instances by host and port; vLLM's --kv-events-config names ports on the same
+    host. So a template with {host} (and {port}, the instance's HTTP port, for several instances per host)
+    covers a uniform fleet, and --kv-events-instance HOST:PORT=ENDPOINT the exceptions. ValueError if bad."""
+    addresses: list[tuple[str, str, int]] = []
+    for url in (*s.prefill_urls, *s.decode_urls):
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        if all(a[0] != f"{parts.hostname}:{port}" for a in addresses):
+            addresses.append((f"{parts.hostname}:{port}", parts.hostname or "", port))
+    known = {a[0] for a in addresses}
+    for given in (s.kv_events_instances, s.kv_events_replay_instances):
+        for address in given:
+            if address not in known:
+                raise ValueError(f"kv-events override for {address}, which is not an instance "
+                                 f"({', '.join(sorted(known))})")
+
+    def fill(template: str, host: str, port: int, what: str) -> str:
+        try:
+            endpoint = template.format(host=host, port=port)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"{what} {template!r}: only {{host}} and {{port}} may be used ({exc})") from None
+        if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"{what} {endpoint!r} is not a ZMQ endpoint (tcp://HOST:PORT)")
+        return endpoint
+
+    out = []
+    for address, host, port in addresses:
+        endpoint = s.kv_events_instances.get(address) or s.kv_events_endpoint
+        if endpoint:
+            replay = s.kv_events_replay_instances.get(address) or s.kv_events_replay_endpoint
+            out.append((address, fill(endpoint, host, port, "kv-events endpoint"),
+                        fill(replay, host, port, "kv-events replay endpoint") if replay else None))
+    return out
 
 
 def parse_hash_key(spec: str) -> tuple[tuple[str, str], ...]:

@@ -73,6 +73,8 @@ class Proxy:
         self.admission = admission
         self.recorder = recorder
         self.shadow = shadow
+        self.selective = None  # pdproxy.kvevents.selective.SelectiveDisaggregation when --pd-min-prefill-tokens
+        self.tokens = None  # pdproxy.kvevents.tokenize.RemoteTokenizer: text prompts' ids for routing by events
         self.slow_readers = SlowReaders(settings.write_timeout)  # started by the server for client traffic
         self.timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout,
                                              sock_connect=settings.connect_timeout, sock_read=settings.read_timeout)
@@ -133,11 +135,16 @@ class Proxy:
         view = view or RequestView(body, None, route.chat)
         async with self.admission.slot():
             prefill_instance = None
-            if self.prefill:
+            if self.tokens is not None:
+                await self.tokens.prepare(view)
+            decode_instance, decode_decision = self.decode.pick(view)
+            verdict = self.selective.decide(view, decode_instance.address) if self.prefill and self.selective else None
+            if verdict is not None:
+                trace.disaggregation(verdict)
+            if self.prefill and (verdict is None or not verdict.decode_only):
                 prefill_instance, decision = self.prefill.pick(view)
                 trace.routed(PREFILL, decision)
-            decode_instance, decision = self.decode.pick(view)
-            trace.routed(DECODE, decision)
+            trace.routed(DECODE, decode_decision)
             trace.admitted(prefill_instance and prefill_instance.address, decode_instance.address)
             kv_params = None
             if prefill_instance is not None:

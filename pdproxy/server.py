@@ -15,7 +15,7 @@ from aiohttp import web
 
 from pdproxy import __version__, workers
 from pdproxy.admission import Admission
-from pdproxy import policies
+from pdproxy import kvevents, policies
 from pdproxy.config import Settings
 from pdproxy.errors import DECODE, ProxyError, error_body
 from pdproxy.listener import handler_options, listen
@@ -34,6 +34,7 @@ log = logging.getLogger("pdproxy")
 PROXY_KEY = web.AppKey("proxy", Proxy)
 WORKER_KEY = web.AppKey("worker", workers.WorkerInfo)
 LOOP_LAG_KEY = web.AppKey("loop_lag", LoopLag)
+KV_EVENTS_KEY = web.AppKey("kv_events", object)  # pdproxy.kvevents.KVEvents, or None when events are off
 SHUTDOWN_GRACE = 10.0  # seconds in-flight requests get to finish on SIGTERM
 
 
@@ -96,6 +97,18 @@ async def _lifecycle(app: web.Application, settings: Settings):
         checker.start()
     for pool in pools:
         pool.start(session, auth)  # load_aware reads the engines' /metrics
+    kv_events = app[KV_EVENTS_KEY] = kvevents.start(settings, recorder.metrics.registry, pools, recorder.stalls,
+                                                    [i.address for i in decode.instances])
+    selective = settings.pd_min_prefill_tokens > 0 and prefill is not None
+    if selective:
+        from pdproxy.kvevents.selective import SelectiveDisaggregation
+
+        proxy.selective = SelectiveDisaggregation(settings.pd_min_prefill_tokens, kv_events, settings.tokenizer_file)
+    precise = "precise_prefix" in (settings.prefill_policy, settings.decode_policy) and kv_events is not None
+    if (selective or precise) and not settings.tokenizer_file:  # text and chat through the served model's own
+        from pdproxy.kvevents.tokenize import RemoteTokenizer
+
+        proxy.tokens = RemoteTokenizer(session, [i.url for i in decode.instances], auth)
     # the model names that may label telemetry: what the instances serve (pdproxy/telemetry/models.py)
     learning = asyncio.create_task(recorder.models.watch(
         session, [i.url for p in pools for i in p.instances], auth, settings.health_check_interval,
@@ -105,6 +118,8 @@ async def _lifecycle(app: web.Application, settings: Settings):
     with contextlib.suppress(asyncio.CancelledError):
         await learning
     await proxy.slow_readers.stop()
+    if kv_events is not None:
+        await kv_events.stop()
     await lag.stop()
     if checker:
         await checker.stop()
@@ -208,6 +223,7 @@ async def status(request: web.Request) -> web.Response:
         "mode": proxy.settings.mode, "version": __version__,
         "tracing": trace_destination(proxy.settings).as_dict(),
         "model_labels": proxy.recorder.models.describe(),
+        "kv_events": kv_events.status() if (kv_events := request.app.get(KV_EVENTS_KEY)) is not None else None,
     })
 
 

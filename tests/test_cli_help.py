@@ -48,7 +48,12 @@ def test_serve_help_says_every_flag_has_an_environment_variable() -> None:
 
 
 # one value per serve flag, different from its default; keyed by the flag's name
+TOKENIZER_FILE = Path(__file__).parent / "fixtures" / "kv_events_vllm023" / "README.md"  # any readable file
 SAMPLES = {
+    "kv_events_endpoint": "tcp://{host}:5557", "kv_events_replay_endpoint": "tcp://{host}:5567",
+    "kv_events_topic": "kv@", "kv_events_instance": "d:1=tcp://d:5557", "kv_events_replay_instance": "d:1=tcp://d:5567",
+    "kv_events_max_blocks": "1000", "tokenizer_file": str(TOKENIZER_FILE),
+    "pd_min_prefill_tokens": "64",
     "host": "0.0.0.0", "port": "8123", "prefiller_hosts": "10.0.0.1", "prefiller_ports": "9100",
     "decoder_hosts": "10.0.0.2", "decoder_ports": "9200", "prefill": "http://10.0.0.3:8100",
     "decode": "http://10.0.0.4:8200", "model": "m", "policy": "least_inflight", "prefill_policy": "least_inflight",

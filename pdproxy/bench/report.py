@@ -99,6 +99,21 @@ def _engine_split(infos: list[traces.TraceInfo]) -> dict[str, Any] | None:
             "id_mismatches": sum(engine_spans.id_mismatches(i) for i in infos)}
 
 
+def _disaggregation(infos: list[traces.TraceInfo]) -> dict[str, Any] | None:
+    """Selective disaggregation's verdicts on the roots (pd.disaggregation), when the proxy made any."""
+    verdicts = [(i.attrs["pd.disaggregation"], i.attrs.get("pd.disaggregation.reason")) for i in infos
+                if "pd.disaggregation" in i.attrs]
+    if not verdicts:
+        return None
+    decode_only = sum(1 for decision, _ in verdicts if decision == "decode_only")
+    reasons: dict[str, int] = {}
+    for decision, reason in verdicts:
+        key = f"{decision}: {reason}"
+        reasons[key] = reasons.get(key, 0) + 1
+    return {"requests": len(verdicts), "decode_only": decode_only, "share": decode_only / len(verdicts),
+            "reasons": dict(sorted(reasons.items()))}
+
+
 def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_threshold: float,
               slowest: int, timeline: attribution.Timeline | None = None) -> dict[str, Any]:
     st = stats.run_stats(run.requests, unit=unit, stall_threshold=stall_threshold)
@@ -202,6 +217,7 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
         "proxy_ttft": proxy_ttft,
         "stages": stages,
         "kv_transfer": kv,
+        "disaggregation": _disaggregation(ok_infos),
         "engine_split": _engine_split(ok_infos),
         "instances": per_instance,
         "instance_flags": instances.flags(per_instance),

@@ -121,6 +121,9 @@ def metric_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
         "kv_transfer") else "n/a")
     row("proxy hand-off gap", lambda e: trio((e.get("kv_transfer") or {}).get("handoff_gap")) if e.get(
         "kv_transfer") else "n/a")
+    if any(e.get("disaggregation") for e in runs):
+        row("decode only (selective disaggregation)", lambda e: "{share:.1%} ({decode_only} of {requests})".format(
+            **e["disaggregation"]) if e.get("disaggregation") else "n/a")
     row("stages p50: queue/prefill/kv/decode", _stage_split)
     if any(e.get("engine_split") for e in runs):
         for st, pt in PARTS:

@@ -49,7 +49,7 @@ class PrefixKey:
 class RequestView:
     """A request as policies see it; every property is computed on first use and kept."""
 
-    __slots__ = ("body", "headers", "chat", "_prefix", "_done")
+    __slots__ = ("body", "headers", "chat", "_prefix", "_done", "token_ids")
 
     def __init__(self, body: Mapping[str, Any] | None = None, headers: Mapping[str, str] | None = None,
                  chat: bool = False) -> None:
@@ -58,6 +58,7 @@ class RequestView:
         self.chat = chat
         self._prefix: PrefixKey | None = None
         self._done = False
+        self.token_ids: list[int] | None = None  # a text or chat prompt's, when an instance tokenized it
 
     @property
     def prefix(self) -> PrefixKey | None:

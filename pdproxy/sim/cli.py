@@ -12,6 +12,7 @@ import sys
 from aiohttp import web
 
 from pdproxy.sim.faults import FaultRates
+from pdproxy.sim.kv_events import parse_config
 from pdproxy.sim.presets import DEFAULT_PRESET, PRESETS
 from pdproxy.sim.settings import ROLES, SimSettings, preset_with
 
@@ -65,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "(vLLM's automatic prefix caching; the default, as in vLLM)")
     caching.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                          help="compute every prompt in full")
+    g.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="vLLM's KV-cache events: publish BlockStored/BlockRemoved on a ZMQ PUB socket with a replay "
+                        "socket, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+                        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5567\"}' (tcp endpoints always bind)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step (preset: 1024)")
     g.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="KV cache size in blocks; requests queue when it is full (preset: 50000; 0 = unbounded)")
@@ -166,6 +171,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         refuse_connections=args.refuse_connections,
         journal_size=args.journal_size, faults=faults, otlp_traces_endpoint=args.otlp_traces_endpoint,
         otlp_traces_file=args.otlp_traces_file,
+        kv_events=parse_config(args.kv_events_config) if args.kv_events_config else None,
     )
 
 

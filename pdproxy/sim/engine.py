@@ -441,6 +441,7 @@ class Engine:
         if outcome.ok:
             seq.kv_loaded = True
             seq.num_computed = seq.prompt_tokens - 1  # only the last prompt token is recomputed
+            self._cache_computed(seq)  # the pulled blocks are in the cache now (vLLM: a KV arrival's BlockStored)
             seq.state = WAITING
             if self.settings.instant:
                 self._run_instantly(seq)

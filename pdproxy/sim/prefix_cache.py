@@ -35,6 +35,7 @@ class PrefixCache:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.events: Any = None  # pdproxy/sim/kv_events.py: told what is stored and evicted (vLLM's KV events)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -55,12 +56,18 @@ class PrefixCache:
         if not self.enabled:
             return
         blocks = self._blocks
+        new = [h for h in hashes if h not in blocks] if self.events is not None else None
         for h in reversed(hashes):
             blocks[h] = None
             blocks.move_to_end(h)
+        if new:
+            self.events.stored(new)
 
     def trim(self, capacity: int) -> None:
         """Keep at most `capacity` blocks (the pool's free ones), dropping the least recently used."""
         blocks = self._blocks
+        gone = []
         while len(blocks) > capacity:
-            blocks.popitem(last=False)
+            gone.append(blocks.popitem(last=False)[0])
+        if gone and self.events is not None:
+            self.events.removed(gone)

@@ -79,6 +79,11 @@ class SimServer:
             self.puller = KVPuller(s.engine_id, self.metrics, self.clock, s.scaled(s.preset.kv_pull_overhead_ms),
                                    s.kv_lease_seconds)
         self.engine = Engine(s, self.metrics, self.clock, self.puller)
+        self.kv_events = None
+        if s.kv_events is not None and s.enable_prefix_caching:  # vLLM publishes only with prefix caching on
+            from pdproxy.sim.kv_events import SimKVEvents
+
+            self.kv_events = self.engine.prefix_cache.events = SimKVEvents(s.kv_events, s.preset.block_size)
         bandwidth = s.preset.kv_bandwidth_gbps * 1e9
         self.link = TransferLink(0.0 if s.instant or bandwidth <= 0 else bandwidth / s.time_scale,
                                  s.scaled(s.preset.kv_latency_ms), self.clock)
@@ -120,6 +125,8 @@ class SimServer:
 
     async def _on_startup(self, app: web.Application) -> None:
         self._engine_task = asyncio.create_task(self.engine.run(), name="sim-engine")
+        if self.kv_events is not None:
+            self.kv_events.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
         if self._engine_task:
@@ -129,6 +136,8 @@ class SimServer:
             except asyncio.CancelledError:
                 pass
         await self.engine.close()
+        if self.kv_events is not None:
+            await self.kv_events.close()
         if self.tracer is not None:
             self.tracer.close()
         if self.puller:
@@ -189,10 +198,16 @@ class SimServer:
                                       "temperature": body.get("temperature"), "n": body.get("n", 1)})
 
     def _block_hashes(self, req: GenerationRequest, remote: RemoteKV | None) -> list[int]:
-        """What prefix caching needs of the prompt; nothing for a decode whose KV comes from a prefill."""
-        if not self.settings.enable_prefix_caching or (remote is not None and self.puller is not None):
+        """What prefix caching needs of the prompt. A decode whose KV comes from a prefill caches the prompt's
+        blocks when it arrives (as vLLM's does: the BlockStored of a KV arrival) only when it publishes events,
+        so that the simulator without events behaves as it always did."""
+        if not self.settings.enable_prefix_caching or (remote is not None and self.puller is not None
+                                                       and self.kv_events is None):
             return []
-        return block_hashes(req.prompt_ids or [], self.settings.preset.block_size)
+        hashes = block_hashes(req.prompt_ids or [], self.settings.preset.block_size)
+        if self.kv_events is not None:
+            self.kv_events.register(hashes, req.prompt_ids or [])
+        return hashes
 
     def _kv_role(self, req: GenerationRequest, faults: RequestFaults) -> tuple[RemoteKV | None, bool]:
         """(where to pull the prompt's KV from, whether to hold this request's KV for a decode)."""

@@ -215,6 +215,9 @@ class Metrics:
         self.route_decisions = Counter("pdproxy_route_decisions", "Routing decisions by leg, policy and reason "
                                        "(reasons: docs/telemetry.md)", ("role", "policy", "reason"), registry=r)
         self._route_series: dict[tuple[str, str, str], Any] = {}
+        self.disaggregations = Counter("pdproxy_disaggregation_decisions", "Selective disaggregation: requests "
+                                       "sent through a prefill (disaggregated) or straight to their decode "
+                                       "(decode_only), and why", ("decision", "reason"), registry=r)
         self.shadow = Counter("pdproxy_shadow_requests", "Shadow mirroring outcomes", ("outcome",), registry=r)
         self.migrations = Counter("pdproxy_migrations", "Decode attempts that replaced a failed one, by when the "
                                   "failure came (before_first_token, mid_stream) and its error type",
@@ -242,6 +245,9 @@ class Metrics:
         if series is None:
             series = self._route_series[key] = self.route_decisions.labels(*key)
         series.inc()
+
+    def disaggregation(self, decision: str, reason: str) -> None:
+        self.disaggregations.labels(decision, reason).inc()  # both from fixed sets (kvevents.selective)
 
     def watch_engine_reads(self, failures: EngineReadFailures) -> None:
         """load_aware's failed reads of the instances' /metrics, counted at scrape time."""
@@ -337,8 +343,9 @@ def status_label(status: int) -> str:
 
 
 # merging the expositions of several worker processes (pdproxy/workers.py)
-_MIN_GAUGES = {"pdproxy_instance_healthy"}  # healthy only where every worker has the instance in rotation
-_MAX_GAUGES = {"pdproxy_build_info"}
+_MIN_GAUGES = {"pdproxy_instance_healthy",  # healthy only where every worker has the instance in rotation
+               "pdproxy_kv_events_flowing"}  # in sync only where every worker is (pdproxy/kvevents)
+_MAX_GAUGES = {"pdproxy_build_info", "pdproxy_kv_event_index_blocks"}  # every worker indexes the same blocks
 
 
 def merge_expositions(texts: list[str], accept: str) -> tuple[bytes, str]:

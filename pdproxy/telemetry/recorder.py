@@ -108,6 +108,7 @@ class RequestTrace:
         self.decode_status: int | None = None
         self.kv_params: str | None = None
         self.routes: dict[str, Any] = {}  # leg -> the policies.Decision that chose its instance
+        self.decode_only = False  # selective disaggregation sent it straight to its decode
         self.scan = ResponseScan(chat)
         self.status = 200
         self.error_type: str | None = None
@@ -161,10 +162,21 @@ class RequestTrace:
         self.routes[leg] = decision
         self.recorder.metrics.route_decision(leg, decision.policy, decision.reason)
 
+    def disaggregation(self, verdict: Any) -> None:
+        """Selective disaggregation's verdict (pdproxy.kvevents.selective.Verdict): on the root span and counted."""
+        self.decode_only = verdict.decode_only
+        attrs = self.request_attrs
+        attrs["pd.disaggregation"], attrs["pd.disaggregation.reason"] = verdict.decision, verdict.reason
+        if verdict.uncached_tokens is not None:
+            attrs["pd.disaggregation.uncached_tokens"] = verdict.uncached_tokens
+        if verdict.held_tokens is not None:
+            attrs["pd.disaggregation.held_tokens"] = verdict.held_tokens
+        self.recorder.metrics.disaggregation(verdict.decision, verdict.reason)
+
     def admitted(self, prefill_address: str | None, decode_address: str) -> None:
         self.t.admitted = now()
         self.prefill_instance, self.decode_instance = prefill_address, decode_address
-        if not self.pd_mode:
+        if not self.pd_mode or self.decode_only:  # the decode computes the prompt itself
             self._activity_started("prefill", decode_address, self.t.admitted)
 
     def counting_prefill(self, attempt: Callable[[Any, int], Awaitable[T]]) -> Callable[[Any, int], Awaitable[T]]:

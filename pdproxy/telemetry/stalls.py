@@ -213,6 +213,15 @@ class StallRecords:
         record.begin(activity)
         return record, activity
 
+    def observed(self, kind: str, address: str, request_id: str, at: int, tokens: int) -> None:
+        """An activity another process routed, seen at one moment (a decode's KV arrival from its events)."""
+        record = self.instances.get(address)
+        if record is None:
+            record = self.instances[address] = InstanceRecord(self.window_ns, self.limit)
+        activity = Activity(kind, request_id, at, None, None, None)
+        activity.tokens = tokens
+        record._keep(activity, at)
+
     def attribute(self, address: str | None, request_id: str, stalls: Sequence[tuple[int, float, int]],
                   marks: Sequence[tuple[int, str]] = ()) -> list[Attributed]:
         """Each stall (gap start ns, gap s, tokens after it) of one request with its cause; a stall the

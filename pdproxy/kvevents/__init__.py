@@ -1,0 +1,51 @@
+"""vLLM's KV-cache events: what every instance holds, and when a request's KV arrives on a decode, from the engine.
+
+Each vLLM instance started with `--kv-events-config` publishes batches of `BlockStored` / `BlockRemoved` /
+`AllBlocksCleared` on a ZMQ PUB socket (and keeps them for replay on a ROUTER socket). Every pdproxy process
+that subscribes to every instance builds the same per-instance prefix index without sharing anything, so
+replicas and workers agree on where a prompt's KV sits (llm-d's precise prefix-cache scorer and Dynamo's KV
+router work the same way).
+
+Public face: `start` (subscribe to every configured instance, for the server), `decode_batch` (one message's
+payload), `BlockIndex` + `chain_hashes` (one instance's cached blocks, keyed by pdproxy's hash of their tokens).
+Inside: decode, index, subscriber (+ sources, metrics), publisher (the simulator's), arrivals (live stall
+attribution), selective (selective disaggregation), tokenize (an instance's /tokenize).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pdproxy.kvevents.decode import (AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, Event, EventBatch,
+                                     decode_batch, parse_seq)
+from pdproxy.kvevents.index import BlockIndex, chain_hashes
+
+if TYPE_CHECKING:
+    from pdproxy.kvevents.subscriber import KVEvents
+
+__all__ = ["AllBlocksCleared", "BlockIndex", "BlockRemoved", "BlockStored", "DecodeError", "Event", "EventBatch",
+           "chain_hashes", "decode_batch", "parse_seq"]
+
+
+def start(settings, registry, pools=(), stalls=None, decodes=()) -> KVEvents | None:
+    """Subscribe to every instance that has an endpoint (None when events are off), count it in `registry`,
+    hand it to the pools' policies that route by it, and file the `decodes`' KV arrivals into `stalls`
+    (telemetry.StallRecords, None: live attribution off). Call on the running loop."""
+    from pdproxy.kvevents.metrics import KVEventsCollector
+    from pdproxy.kvevents.sources import sources_of
+    from pdproxy.kvevents.subscriber import KVEvents
+
+    sources = sources_of(settings)
+    if not sources:
+        return None
+    events = KVEvents(sources, settings.kv_events_max_blocks)
+    registry.register(KVEventsCollector(events))
+    for pool in pools:
+        if hasattr(pool.policy, "use_events"):
+            pool.policy.use_events(events)
+    if stalls is not None:
+        from pdproxy.kvevents.arrivals import arrival_listener
+
+        events.add_listener(arrival_listener(stalls, decodes, "kv_arrival" if settings.mode == "pd" else "prefill"))
+    events.start()
+    return events
