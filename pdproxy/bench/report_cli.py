@@ -139,14 +139,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if not args.no_table:
         table.render(rep, table.make_console(stderr=args.json == "-"))
-    if args.json:
+    write_outputs(rep, args.json, (args.html, html.render(rep)) if args.html else None, err)
+    return 0
+
+
+def write_outputs(rep: dict, json_path: str | None, html_page: tuple[str, str] | None, err: Console) -> None:
+    """The report as JSON (`-`: standard output) and its HTML page (path, page), where asked for."""
+    if json_path:
         text = json.dumps(rep, indent=1)
-        if args.json == "-":
+        if json_path == "-":
             sys.stdout.write(text + "\n")
         else:
-            Path(args.json).write_text(text)
-            err.print(f"JSON report: {args.json}")
-    if args.html:
-        Path(args.html).write_text(html.render(rep))
-        err.print(f"HTML report: {args.html}")
-    return 0
+            Path(json_path).write_text(text)
+            err.print(f"JSON report: {json_path}")
+    if html_page:
+        path, page = html_page
+        Path(path).write_text(page)
+        err.print(f"HTML report: {path}")

@@ -16,12 +16,9 @@ runs worth making next. Every figure is a prediction with the expected error sta
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -29,7 +26,7 @@ from rich.text import Text
 
 from pdproxy import policies
 from pdproxy.bench import html, records, table, traces
-from pdproxy.bench.report_cli import add_slo_arguments, slo_from
+from pdproxy.bench.report_cli import add_slo_arguments, slo_from, write_outputs
 from pdproxy.sim.presets import PRESETS
 from pdproxy.whatif import predict, setups
 from pdproxy.whatif.model import ModelParams
@@ -199,14 +196,5 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_table:
         table.render(rep, out, drilldown=False)
     print_prediction(rep, out)
-    if args.json:
-        text = json.dumps(rep, indent=1)
-        if args.json == "-":
-            sys.stdout.write(text + "\n")
-        else:
-            Path(args.json).write_text(text)
-            err.print(f"JSON report: {args.json}")
-    if args.html:
-        Path(args.html).write_text(html_page(rep))
-        err.print(f"HTML report: {args.html}")
+    write_outputs(rep, args.json, (args.html, html_page(rep)) if args.html else None, err)
     return 0

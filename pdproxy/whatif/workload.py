@@ -20,6 +20,7 @@ from typing import Any
 
 from pdproxy.bench import records, traces
 from pdproxy.bench.prefixes import PrefixShaper
+from pdproxy.bench.prompts import Prompts
 from pdproxy.bench.workload import Workload as BenchWorkload
 
 _TPW = 2.3  # tokens per word when a record does not say (the simulator's tokenizer mean)
@@ -92,6 +93,12 @@ class Workload:
                 "pass --max-model-len as the recorded instances had it")
 
 
+def _prompts(described: dict[str, Any], tokens_per_word: float) -> Prompts:
+    """The run's prompt facts as far as its header keeps them: enough to re-draw its shared prefixes."""
+    return Prompts(endpoint="", method="ratio", lead_tokens=int(described.get("lead_tokens") or 0),
+                   tokens_per_word=tokens_per_word, max_model_len=described.get("max_model_len"))
+
+
 def from_bench(path: str | Path) -> Workload:
     run = records.read_run(path)
     h = run.header
@@ -119,7 +126,7 @@ def from_bench(path: str | Path) -> Workload:
         ci, cdef = class_defs.get(name, (None, {}))
         shaper = None
         if bench_wl is not None and ci is not None and (cdef.get("shared_prefixes") or cdef.get("sessions")):
-            shaper = shapers[name] = PrefixShaper.of(bench_wl, ci)
+            shaper = shapers[name] = PrefixShaper.of(bench_wl, ci, _prompts(prompts, tpw))
         prefix_ids: dict[str, int] = {}
         plan = ClassPlan(name, int(cdef["concurrency"]) if cdef.get("concurrency") else None)
         drawn = 0
@@ -128,12 +135,12 @@ def from_bench(path: str | Path) -> Workload:
             prefix, prefix_tokens, stream = None, 0, streams.setdefault((name, idx), len(streams))
             if shaper is not None:
                 while drawn <= idx:  # the shaper draws in request order; replay the draws up to this one
-                    text, conversation = shaper.shape(drawn, "")
+                    text, shared_tokens, conversation = shaper.shape(drawn, "", 0)
                     drawn += 1
                 if cdef.get("shared_prefixes"):  # with an empty draw of its own, the shaped text is the prefix
                     key = text.strip()
                     prefix = prefix_ids.setdefault(key, len(prefix_ids) + 1000 * (ci or 0))
-                    prefix_tokens = round(len(key.split()) * tpw)
+                    prefix_tokens = shared_tokens or 0  # sized in the target's tokens when it was drawn
                 if conversation is not None:
                     stream = streams.setdefault((name, conversation), len(streams))
                     prefix, prefix_tokens = None, 0  # the conversation's own history is the shared part
