@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from pdproxy import __version__, workers
+from pdproxy import __version__, compiled, workers
 from pdproxy.admission import Admission
 from pdproxy import policies
 from pdproxy.config import Settings
@@ -208,6 +208,7 @@ async def status(request: web.Request) -> web.Response:
         "mode": proxy.settings.mode, "version": __version__,
         "tracing": trace_destination(proxy.settings).as_dict(),
         "model_labels": proxy.recorder.models.describe(),
+        "compiled": compiled.report(),
     })
 
 
@@ -326,6 +327,9 @@ def serve(settings: Settings) -> int:
     # said at warning level when nobody chose it: a proxy with no trace destination records no spans at all
     quiet = traces.enabled or not settings.tracing
     log.log(logging.INFO if quiet else logging.WARNING, "%s", traces.summary())
+    # a stale or partial build runs code other than the sources beside it: said louder
+    log.log(logging.INFO if compiled.report()["form"] in ("compiled", "python") else logging.WARNING, "%s",
+            compiled.summary())
     if settings.workers == 1:
         return _run_worker(settings, sock, None)
     return workers.run_workers(settings.workers, sock, settings.host,

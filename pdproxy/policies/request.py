@@ -100,8 +100,8 @@ def _chat_text(messages: Any) -> str | None:
         if not isinstance(message, Mapping):
             continue
         role, content = message.get("role"), message.get("content")
-        texts = [content] if isinstance(content, str) else [
-            p.get("text") for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str)
+        texts: list[str] = [content] if isinstance(content, str) else [
+            p["text"] for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str)
         ] if isinstance(content, list) else []
         parts.append(f"\x1e{role if isinstance(role, str) else ''}\x1f")
         parts.extend(texts)
