@@ -44,7 +44,10 @@ def modules() -> list[str]:
 
 
 def extensions(mode: str) -> list:
-    if mode == "0" or _ASKING_REQUIRES:
+    if _ASKING_REQUIRES:
+        return []
+    _remove_inplace_extensions()
+    if mode == "0":
         return []
     started = time.monotonic()
     try:
@@ -63,6 +66,14 @@ def extensions(mode: str) -> list:
     print(f"pdproxy: mypyc generated C for {len(modules())} modules in {time.monotonic() - started:.0f} s",
           file=sys.stderr)
     return exts
+
+
+def _remove_inplace_extensions() -> None:
+    """An editable install builds the extensions beside the sources, where Python prefers them to the
+    .py files: a rebuild (pure, or with other modules) first removes the previous build's."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    for path in [*(ROOT / "pdproxy").rglob(f"*{suffix}"), *ROOT.glob(f"pdproxy__mypyc*{suffix}")]:
+        path.unlink()
 
 
 def _missing_toolchain() -> str | None:

@@ -26,15 +26,7 @@ MODULES = (
     "pdproxy.telemetry.measure",
     "pdproxy.telemetry.otlp",
     "pdproxy.telemetry.tracing",
-    "pdproxy.policies.base",
     "pdproxy.policies.request",
-    "pdproxy.policies.prefix_index",
-    "pdproxy.policies.round_robin",
-    "pdproxy.policies.least_inflight",
-    "pdproxy.policies.power_of_two",
-    "pdproxy.policies.load_aware",
-    "pdproxy.policies.cache_aware",
-    "pdproxy.policies.consistent_hash",
 )
 
 
