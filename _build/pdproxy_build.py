@@ -44,10 +44,7 @@ def modules() -> list[str]:
 
 
 def extensions(mode: str) -> list:
-    if _ASKING_REQUIRES:
-        return []
-    _remove_inplace_extensions()
-    if mode == "0":
+    if mode == "0" or _ASKING_REQUIRES:
         return []
     started = time.monotonic()
     try:
@@ -68,7 +65,7 @@ def extensions(mode: str) -> list:
     return exts
 
 
-def _remove_inplace_extensions() -> None:
+def remove_inplace_extensions() -> None:
     """An editable install builds the extensions beside the sources, where Python prefers them to the
     .py files: a rebuild (pure, or with other modules) first removes the previous build's."""
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
@@ -78,8 +75,8 @@ def _remove_inplace_extensions() -> None:
 
 def _missing_toolchain() -> str | None:
     """What a C build needs and this machine lacks (a compiler, Python's headers), if anything."""
-    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    if not shutil.which(os.environ.get("CC", "").split()[0] if os.environ.get("CC") else compiler):
+    compiler = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()[0]
+    if not shutil.which(compiler):
         return f"no C compiler ({compiler})"
     if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
         return "no Python headers (Python.h; Debian: python3-dev)"

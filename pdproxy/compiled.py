@@ -31,9 +31,12 @@ MODULES = (
 
 
 def _form(name: str) -> str:
-    """"compiled", "stale" (compiled from an older source than the one beside it) or "python"."""
     module = sys.modules.get(name) or importlib.import_module(name)
-    path = getattr(module, "__file__", None) or ""
+    return form_of_file(getattr(module, "__file__", None) or "")
+
+
+def form_of_file(path: str) -> str:
+    """"compiled", "stale" (compiled from an older source than the one beside it) or "python"."""
     if not path.endswith(tuple(EXTENSION_SUFFIXES)):
         return "python"
     source = path[: path.index(".", path.rindex(os.sep))] + ".py"
