@@ -55,6 +55,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", nargs="+", default=["pdproxy", "pdproxy-off", "vllm-router", "floor"])
     p.add_argument("--baseline-path")
+    p.add_argument("--pdproxy-path", help="run pdproxy from this tree (e.g. a copy of a compiled build, so "
+                                          "that edits during the run do not reach it)")
     p.add_argument("--baseline-label", default="before", help="what the --baseline-path rows are called")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--duration", type=float, default=4.0, help="seconds measured per target and round")
@@ -66,6 +68,7 @@ def main() -> int:
     targets = list(args.targets) + (["pdproxy-before", "pdproxy-off-before"] if args.baseline_path else [])
     bench = overhead.Bench(overhead.parser().parse_args(
         ["--work-dir", args.work_dir, *(["--baseline-path", args.baseline_path] if args.baseline_path else []),
+         *(["--pdproxy-path", args.pdproxy_path] if args.pdproxy_path else []),
          *([] if args.pin else ["--no-pin"])]))
     bench.start_upstreams()
     cpu: dict[str, list[float]] = {t: [] for t in targets}
@@ -92,7 +95,7 @@ def main() -> int:
         bench.stop_all()
     for name in targets:
         if name.startswith("pdproxy"):
-            src = args.baseline_path if name.endswith("-before") else str(overhead.REPO)
+            src = args.baseline_path if name.endswith("-before") else args.pdproxy_path or str(overhead.REPO)
             print(f"{name}: {form(src)}")
     router = statistics.median(cpu["vllm-router"]) if cpu.get("vllm-router") else None
     print(f"\nCPU per request, {args.tokens}-token streams at concurrency {args.concurrency}, median of "

@@ -24,6 +24,7 @@ MODULES = (
     "pdproxy.telemetry.clock",
     "pdproxy.telemetry.names",
     "pdproxy.telemetry.measure",
+    "pdproxy.telemetry.metrics",
     "pdproxy.telemetry.otlp",
     "pdproxy.telemetry.tracing",
     "pdproxy.policies.request",

@@ -119,7 +119,7 @@ class LoopHistogram:
         for values, series in list(self.series.items()):
             if not any(series.counts):
                 continue  # a label set is exposed once it has been observed, as with prometheus_client
-            total, buckets = 0, []
+            total, buckets = 0, list[tuple]()
             for le, count, kept in zip(self.les, series.counts, series.exemplars):
                 total += count
                 if kept is None:
@@ -193,23 +193,25 @@ class _Series:
                                                                                   "decode")}
         self.itl = {unit: metrics.itl.labels(*labels, unit) for unit in ("token", "chunk")}
         self._metrics, self._labels = metrics, labels
-        self._stalled = self._input_tokens = self._output_tokens = None
+        self._stalled: CounterSeries | None = None
+        self._input_tokens: CounterSeries | None = None
+        self._output_tokens: CounterSeries | None = None
 
     # counters appear in the exposition when first touched, so these are created on first use
     @property
-    def stalled(self):
+    def stalled(self) -> CounterSeries:
         if self._stalled is None:
             self._stalled = self._metrics.stalled.labels(*self._labels)
         return self._stalled
 
     @property
-    def input_tokens(self):
+    def input_tokens(self) -> CounterSeries:
         if self._input_tokens is None:
             self._input_tokens = self._metrics.tokens.labels(*self._labels, "input")
         return self._input_tokens
 
     @property
-    def output_tokens(self):
+    def output_tokens(self) -> CounterSeries:
         if self._output_tokens is None:
             self._output_tokens = self._metrics.tokens.labels(*self._labels, "output")
         return self._output_tokens
@@ -319,7 +321,7 @@ class Metrics:
             s.ttft.observe(m.ttft, ex)
         if m.handoff_gap is not None:
             s.handoff.observe(m.handoff_gap, ex)
-        if m.gaps:
+        if m.gaps and m.itl_max is not None and m.itl_p99 is not None:  # measure() sets all three together
             # the worst gap carries the exemplar: that is the trace worth opening
             s.itl[m.itl_unit].observe_sorted(m.gaps, ex, m.itl_max)  # measure() keeps the gaps sorted
             s.itl_max.observe(m.itl_max, ex)
