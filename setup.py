@@ -18,7 +18,6 @@ import sys
 from setuptools import setup
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_build"))
-from pdproxy_build import compile_mode, extensions, remove_inplace_extensions  # noqa: E402  (in-tree helper)
+from pdproxy_build import compile_mode, extensions  # noqa: E402  (in-tree build helper)
 
-remove_inplace_extensions()  # a pure reinstall after a compiled one must not leave the old build in charge
 setup(ext_modules=extensions(compile_mode()))

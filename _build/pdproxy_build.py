@@ -67,7 +67,8 @@ def extensions(mode: str) -> list:
 
 def remove_inplace_extensions() -> None:
     """An editable install builds the extensions beside the sources, where Python prefers them to the
-    .py files: a rebuild (pure, or with other modules) first removes the previous build's."""
+    .py files: an editable rebuild (pure, or with other modules) first removes the previous build's.
+    Other builds (`pip wheel .`, `pip install .`) leave them alone."""
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     for path in [*(ROOT / "pdproxy").rglob(f"*{suffix}"), *ROOT.glob(f"pdproxy__mypyc*{suffix}")]:
         path.unlink()
@@ -107,6 +108,11 @@ def get_requires_for_build_wheel(config_settings=None):
 
 def get_requires_for_build_editable(config_settings=None):
     return _requires(lambda: _setuptools.get_requires_for_build_editable(config_settings))
+
+
+def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
+    remove_inplace_extensions()
+    return _setuptools.build_editable(wheel_directory, config_settings, metadata_directory)
 
 
 # the metadata step runs setup.py too, and needs no C: one mypyc run per install instead of two
