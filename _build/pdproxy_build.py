@@ -40,7 +40,8 @@ def modules() -> list[str]:
     source = (ROOT / "pdproxy" / "compiled.py").read_text()
     start = source.index("MODULES = (")
     exec(source[start:source.index(")\n", start) + 2], namespace)  # a literal tuple of names
-    return [str(Path(*name.split(".")).with_suffix(".py")) for name in namespace["MODULES"]]  # type: ignore[attr-defined]
+    names: tuple[str, ...] = namespace["MODULES"]  # type: ignore[assignment]
+    return [str(Path(*name.split(".")).with_suffix(".py")) for name in names]
 
 
 def extensions(mode: str) -> list:

@@ -27,7 +27,8 @@ from pdproxy.protocol import CHAT, validate, prefill_body, decode_payload, parse
 from pdproxy.policies.request import RequestView
 
 repeat = int(sys.argv[1])
-head = '{"id":"cmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"'
+head = ('{"id":"cmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
+        '"choices":[{"index":0,"delta":{"content":"')
 events = [("data: " + head + f'tok{i}' + '"},"logprobs":null,"finish_reason":null}]}\n\n').encode() for i in range(8)]
 events.append(("data: " + head + '"},"logprobs":null,"finish_reason":"length"}],"usage":{"prompt_tokens":5,'
                '"completion_tokens":8,"total_tokens":13}}\n\n').encode())
