@@ -9,8 +9,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md setup.py MANIFEST.in ./
+COPY _build ./_build
 COPY pdproxy ./pdproxy
+# pure Python: the slim image has no C compiler for PDPROXY_COMPILE=1 (README, "Compiled hot path")
 RUN pip install --no-cache-dir . \
  && useradd --system --uid 10001 --home-dir /app --shell /usr/sbin/nologin pdproxy
 

@@ -9,13 +9,20 @@ Targets (overhead.py's, same upstreams, pinning and OTLP receiver), plus
   floor   benchmarks/floor_proxy.py: aiohttp's server and pdproxy's upstream client, nothing else
 
 Run:  python benchmarks/cpu_per_request.py [--rounds 6] [--targets pdproxy pdproxy-off vllm-router floor]
-      [--baseline-path TREE (adds pdproxy-before, pdproxy-off-before)] [--tokens 8] [--concurrency 32]
+      [--baseline-path TREE (adds pdproxy-before, pdproxy-off-before)] [--baseline-label pure]
+      [--tokens 8] [--concurrency 32]
+Compiled against pure Python (issue 32): build this tree with `PDPROXY_COMPILE=1 pip install -e .`, pass
+a pure copy of the same commit (`git archive HEAD | tar -x -C DIR`) as --baseline-path, and
+--baseline-label pure to name its rows pdproxy-pure / pdproxy-off-pure. Each pdproxy logs its form
+at start-up (pdproxy/compiled.py); the table's first rows say which form ran.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -37,10 +44,20 @@ def start(bench: overhead.Bench, name: str) -> tuple[str, overhead.Proc, list[ov
     return url, proc, []
 
 
+def form(src: str) -> str:
+    """pdproxy/compiled.py's summary for the tree at `src`, as the proxy started from it sees itself."""
+    out = subprocess.run([sys.executable, "-c", "from pdproxy import compiled; print(compiled.summary())"],
+                         cwd=src, env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True)
+    return (out.stdout or out.stderr).strip().splitlines()[-1] if (out.stdout or out.stderr) else "?"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--targets", nargs="+", default=["pdproxy", "pdproxy-off", "vllm-router", "floor"])
     p.add_argument("--baseline-path")
+    p.add_argument("--pdproxy-path", help="run pdproxy from this tree (e.g. a copy of a compiled build, so "
+                                          "that edits during the run do not reach it)")
+    p.add_argument("--baseline-label", default="before", help="what the --baseline-path rows are called")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--duration", type=float, default=4.0, help="seconds measured per target and round")
     p.add_argument("--tokens", type=int, default=8)
@@ -51,6 +68,7 @@ def main() -> int:
     targets = list(args.targets) + (["pdproxy-before", "pdproxy-off-before"] if args.baseline_path else [])
     bench = overhead.Bench(overhead.parser().parse_args(
         ["--work-dir", args.work_dir, *(["--baseline-path", args.baseline_path] if args.baseline_path else []),
+         *(["--pdproxy-path", args.pdproxy_path] if args.pdproxy_path else []),
          *([] if args.pin else ["--no-pin"])]))
     bench.start_upstreams()
     cpu: dict[str, list[float]] = {t: [] for t in targets}
@@ -75,6 +93,10 @@ def main() -> int:
                 print(f"round {r + 1} {name:20s} {rps[name][-1]:7.0f} req/s {cpu[name][-1]:.3f} ms CPU/req", flush=True)
     finally:
         bench.stop_all()
+    for name in targets:
+        if name.startswith("pdproxy"):
+            src = args.baseline_path if name.endswith("-before") else args.pdproxy_path or str(overhead.REPO)
+            print(f"{name}: {form(src)}")
     router = statistics.median(cpu["vllm-router"]) if cpu.get("vllm-router") else None
     print(f"\nCPU per request, {args.tokens}-token streams at concurrency {args.concurrency}, median of "
           f"{args.rounds} interleaved rounds ({'proxy pinned to CPU 1' if args.pin else 'unpinned'}):")
@@ -82,7 +104,8 @@ def main() -> int:
     for name in targets:
         med = statistics.median(cpu[name])
         ratio = f"{med / router:.2f}" if router else "-"
-        print(f"| {name} | {statistics.median(rps[name]):.0f} | {med:.3f} ({min(cpu[name]):.3f}-{max(cpu[name]):.3f}) "
+        label = name.replace("-before", f"-{args.baseline_label}")
+        print(f"| {label} | {statistics.median(rps[name]):.0f} | {med:.3f} ({min(cpu[name]):.3f}-{max(cpu[name]):.3f}) "
               f"| {ratio} |")
     return 0
 

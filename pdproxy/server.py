@@ -13,11 +13,10 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from pdproxy import __version__, workers
+from pdproxy import __version__, compiled, kvevents, policies, workers
 from pdproxy.admission import Admission
-from pdproxy import kvevents, policies
 from pdproxy.config import Settings
-from pdproxy.errors import DECODE, ProxyError, error_body
+from pdproxy.errors import ProxyError, error_body
 from pdproxy.listener import handler_options, listen
 from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, HealthChecker, Pool
@@ -224,6 +223,7 @@ async def status(request: web.Request) -> web.Response:
         "tracing": trace_destination(proxy.settings).as_dict(),
         "model_labels": proxy.recorder.models.describe(),
         "kv_events": kv_events.status() if (kv_events := request.app.get(KV_EVENTS_KEY)) is not None else None,
+        "compiled": compiled.report(),
     })
 
 
@@ -349,6 +349,9 @@ def serve(settings: Settings) -> int:
     # said at warning level when nobody chose it: a proxy with no trace destination records no spans at all
     quiet = traces.enabled or not settings.tracing
     log.log(logging.INFO if quiet else logging.WARNING, "%s", traces.summary())
+    # a stale or partial build runs code other than the sources beside it: said louder
+    log.log(logging.INFO if compiled.report()["form"] in ("compiled", "python") else logging.WARNING, "%s",
+            compiled.summary())
     if settings.workers == 1:
         return _run_worker(settings, sock, None)
     return workers.run_workers(settings.workers, sock, settings.host,

@@ -426,7 +426,7 @@ class SlowReaders:
 
 def _events_before_malformed(data: bytes) -> bytes:
     """The whole SSE events in `data` that come before the first `data:` line that is not a JSON object."""
-    out = []
+    out: list[bytes] = []
     for event in data.split(b"\n\n")[:-1]:
         for line in event.split(b"\n"):
             payload = line[5:].strip() if line.startswith(b"data:") else None

@@ -119,7 +119,7 @@ class LoopHistogram:
         for values, series in list(self.series.items()):
             if not any(series.counts):
                 continue  # a label set is exposed once it has been observed, as with prometheus_client
-            total, buckets = 0, []
+            total, buckets = 0, list[tuple]()
             for le, count, kept in zip(self.les, series.counts, series.exemplars):
                 total += count
                 if kept is None:
@@ -131,12 +131,58 @@ class LoopHistogram:
         yield family
 
 
+class CounterSeries:
+    """One label set of a `LoopCounter`: a plain number, and the latest exemplar as (labels, amount, time)."""
+
+    __slots__ = ("value", "exemplar")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.exemplar: tuple[dict[str, str], float, float] | None = None
+
+    def inc(self, amount: float = 1.0, exemplar: dict[str, str] | None = None) -> None:
+        self.value += amount
+        if exemplar:
+            self.exemplar = (exemplar, amount, time.time())
+
+
+class LoopCounter:
+    """A counter family whose series are only touched from the event loop: `inc` is one addition, where
+    prometheus_client's Counter takes a lock (a request made five of those). Same exposition: a series
+    appears once its labels are asked for, `_total` suffixed, exemplars built at scrape time."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.series: dict[tuple[str, ...], CounterSeries] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> CounterSeries:
+        series = self.series.get(values)
+        if series is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
+            series = self.series[values] = CounterSeries()
+        return series
+
+    def describe(self) -> list:
+        return [CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)]
+
+    def collect(self):
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, series in list(self.series.items()):
+            kept = series.exemplar
+            family.add_metric(values, series.value, exemplar=Exemplar(*kept) if kept else None)
+        yield family
+
+
 class _Series:
     """The series of one base label set, looked up once."""
 
     def __init__(self, metrics: Metrics, labels: tuple[str, ...]) -> None:
-        self.requests: dict[tuple[str, str], object] = {}
-        self.errors: dict[tuple[str, str], object] = {}
+        self.requests: dict[tuple[str, str], CounterSeries] = {}
+        self.errors: dict[tuple[str, str], CounterSeries] = {}
         self.ttft = metrics.ttft.labels(*labels)
         self.itl_max = metrics.itl_max.labels(*labels)
         self.itl_p99 = metrics.itl_p99.labels(*labels)
@@ -147,23 +193,25 @@ class _Series:
                                                                                   "decode")}
         self.itl = {unit: metrics.itl.labels(*labels, unit) for unit in ("token", "chunk")}
         self._metrics, self._labels = metrics, labels
-        self._stalled = self._input_tokens = self._output_tokens = None
+        self._stalled: CounterSeries | None = None
+        self._input_tokens: CounterSeries | None = None
+        self._output_tokens: CounterSeries | None = None
 
     # counters appear in the exposition when first touched, so these are created on first use
     @property
-    def stalled(self):
+    def stalled(self) -> CounterSeries:
         if self._stalled is None:
             self._stalled = self._metrics.stalled.labels(*self._labels)
         return self._stalled
 
     @property
-    def input_tokens(self):
+    def input_tokens(self) -> CounterSeries:
         if self._input_tokens is None:
             self._input_tokens = self._metrics.tokens.labels(*self._labels, "input")
         return self._input_tokens
 
     @property
-    def output_tokens(self):
+    def output_tokens(self) -> CounterSeries:
         if self._output_tokens is None:
             self._output_tokens = self._metrics.tokens.labels(*self._labels, "output")
         return self._output_tokens
@@ -175,10 +223,11 @@ class Metrics:
         self.run = run_label
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("pdproxy_requests", "Requests, counted once when they end",
-                                BASE_LABELS + ("code", "failed_stage"), registry=r)
-        self.errors = Counter("pdproxy_request_errors", "Failed requests by the stage that failed",
-                              BASE_LABELS + ("stage", "error_type"), registry=r)
+        # the counters a request touches are the loop's own (LoopCounter); the others are prometheus_client's
+        self.requests = LoopCounter("pdproxy_requests", "Requests, counted once when they end",
+                                    BASE_LABELS + ("code", "failed_stage"), r)
+        self.errors = LoopCounter("pdproxy_request_errors", "Failed requests by the stage that failed",
+                                  BASE_LABELS + ("stage", "error_type"), r)
         self.ttft = LoopHistogram("pdproxy_ttft_seconds", "Time to first token: received to first token-bearing event",
                                   BASE_LABELS, LATENCY_BUCKETS, r)
         self.itl = LoopHistogram("pdproxy_itl_seconds", "Every token gap of every request (pooled ITL)",
@@ -196,8 +245,8 @@ class Metrics:
         self.handoff = LoopHistogram("pdproxy_handoff_gap_seconds",
                                      "Proxy's own time from prefill response to decode send", BASE_LABELS,
                                      LATENCY_BUCKETS, r)
-        self.stalled = Counter("pdproxy_requests_with_stall", "Requests with at least one gap above the stall threshold",
-                               BASE_LABELS, registry=r)
+        self.stalled = LoopCounter("pdproxy_requests_with_stall",
+                                   "Requests with at least one gap above the stall threshold", BASE_LABELS, r)
         self.stall_seconds = Counter("pdproxy_stall_seconds", "Stall time (gaps above the stall threshold) by cause, "
                                      "attributed live: see docs/telemetry.md", STALL_LABELS, registry=r)
         self.stalls = Counter("pdproxy_stalls", "Stalls (gaps above the stall threshold) by cause, attributed live",
@@ -208,13 +257,13 @@ class Metrics:
         self.instance_stalls = Counter("pdproxy_instance_stalls", "Stalls by cause per instance that streamed",
                                        ("instance", "cause"), registry=r)
         self._stall_series: dict[tuple[str, ...], tuple[Any, ...]] = {}
-        self.tokens = Counter("pdproxy_tokens", "Tokens reported by the instances' usage", BASE_LABELS + ("type",),
-                              registry=r)
+        self.tokens = LoopCounter("pdproxy_tokens", "Tokens reported by the instances' usage", BASE_LABELS + ("type",),
+                                  r)
         self.spans_dropped = Counter("pdproxy_spans_dropped", "Spans lost before reaching the collector", ("reason",),
                                      registry=r)
-        self.route_decisions = Counter("pdproxy_route_decisions", "Routing decisions by leg, policy and reason "
-                                       "(reasons: docs/telemetry.md)", ("role", "policy", "reason"), registry=r)
-        self._route_series: dict[tuple[str, str, str], Any] = {}
+        self.route_decisions = LoopCounter("pdproxy_route_decisions", "Routing decisions by leg, policy and reason "
+                                           "(reasons: docs/telemetry.md)", ("role", "policy", "reason"), r)
+        self._route_series: dict[tuple[str, str, str], CounterSeries] = {}
         self.disaggregations = Counter("pdproxy_disaggregation_decisions", "Selective disaggregation: requests "
                                        "sent through a prefill (disaggregated) or straight to their decode "
                                        "(decode_only), and why", ("decision", "reason"), registry=r)
@@ -283,7 +332,7 @@ class Metrics:
             s.ttft.observe(m.ttft, ex)
         if m.handoff_gap is not None:
             s.handoff.observe(m.handoff_gap, ex)
-        if m.gaps:
+        if m.gaps and m.itl_max is not None and m.itl_p99 is not None:  # measure() sets all three together
             # the worst gap carries the exemplar: that is the trace worth opening
             s.itl[m.itl_unit].observe_sorted(m.gaps, ex, m.itl_max)  # measure() keeps the gaps sorted
             s.itl_max.observe(m.itl_max, ex)

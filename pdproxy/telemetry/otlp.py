@@ -144,7 +144,7 @@ _BLOCKS: dict[tuple, bytes] = {}  # the fields of a span's `repeating` attribute
 
 def _attributes(items: Iterable[tuple[str, Any]]) -> bytes:
     """Attribute fields, in order."""
-    out = []
+    out: list[bytes] = []
     for k, v in items:
         if type(v) is float:  # the measurements: most of a root span's attributes
             prefix = _FLOAT_PREFIX.get(k)

@@ -55,7 +55,7 @@ class Recorder:
                 self.metrics.tracestate_cut.labels(ids.tracestate_cut).inc()
         return RequestTrace(self, route, operation, chat, request_id, pd_mode, deployment, ids, headers)
 
-    def forwarded(self, route: str, headers: Any, instance: str | None, status: int, start: float,
+    def forwarded(self, route: str, headers: Any, instance: str | None, status: int, start: int,
                   error_type: str | None = None, refused: bool = False) -> None:
         """One SERVER span for a request passed through to an instance as it is (`POST /tokenize`):
         no stages, no metrics; `start` on the telemetry clock, the end is now. `refused` (before
@@ -102,7 +102,8 @@ class RequestTrace:
         self.model: str | None = None  # as the client wrote it: never a label or span name as such
         self.model_label = OTHER  # what labels metrics and names spans (pdproxy/telemetry/models.py)
         self.request_attrs: dict[str, Any] = {}
-        self.prefill_instance = self.decode_instance = None
+        self.prefill_instance: str | None = None
+        self.decode_instance: str | None = None
         self.prefill_attempts = self.decode_attempts = 0
         self.prefill_status: int | None = None
         self.decode_status: int | None = None
@@ -303,7 +304,7 @@ class RequestTrace:
         if self.ids is not None and self.ids.sampled and self._trace_allowed(m):
             trace_id = f"{self.ids.trace_id:032x}"
             try:
-                self._emit_spans(m, stalls)
+                self._emit_spans(self.ids, m, stalls)
             except Exception:  # telemetry must never break serving
                 log.exception("could not record spans for request %s", self.request_id)
         mode = "pd" if self.pd_mode else "single"
@@ -336,7 +337,7 @@ class RequestTrace:
         self._end_activity(now(), None)  # an earlier decode attempt's
         ids = self.ids if self.ids is not None and self.ids.sampled else None
         span_id = (ids.decode if kind == "kv_arrival" else ids.prefill) if ids else None
-        self._activity = records.begin(kind, address, self.request_id, start, ids and ids.trace_id, span_id,
+        self._activity = records.begin(kind, address, self.request_id, start, ids.trace_id if ids else None, span_id,
                                        self.scan)
 
     def _end_activity(self, end: int, tokens: int | None) -> None:
@@ -351,7 +352,7 @@ class RequestTrace:
         records = self.recorder.stalls
         if records is None:
             return []
-        self._end_activity(self.t.first_token or self.t.end, m.input_tokens)
+        self._end_activity(self.t.first_token or self.t.end or now(), m.input_tokens)
         if not m.stalls:
             return []
         gaps = stall_gaps(self.scan.chunk_times, self.scan.chunk_tokens, self.recorder.stall_threshold,
@@ -368,25 +369,26 @@ class RequestTrace:
             return KV_TRANSFER
         return PREFILL
 
-    def _emit_spans(self, m: Measurement, stalls: list[Attributed]) -> None:
-        ids, t = self.ids, self.t
+    def _emit_spans(self, ids: TraceIds, m: Measurement, stalls: list[Attributed]) -> None:
+        t = self.t
+        end = t.end if t.end is not None else t.received  # finish() has set it
         error = self.error_message if not m.ok else None
         # semconv's `{operation} {model}` for a known model; the operation alone otherwise (bounded names)
         name = self.operation if self.model_label == OTHER else f"{self.operation} {self.model_label}"
         root_attributes, repeating = self._root_attributes(m)
         spans = [SpanData(name, KIND_SERVER, ids.trace_id, ids.root, ids.parent_span_id,
-                          to_unix_ns(t.received), to_unix_ns(t.end), root_attributes, error, ids.tracestate,
+                          to_unix_ns(t.received), to_unix_ns(end), root_attributes, error, ids.tracestate,
                           ids.parent_remote, repeating=repeating)]
         if error is not None:
             spans[0].attributes["error.type"] = m.error_type
         bounds = t.stage_bounds(self.pd_mode)
         if self.pd_mode and t.decode_sent is not None and DECODE not in bounds:
-            bounds[DECODE] = (t.end, t.end)  # the decode leg was sent: keep vLLM's span's parent in the trace
+            bounds[DECODE] = (end, end)  # the decode leg was sent: keep vLLM's span's parent in the trace
         for stage, (start, end) in bounds.items():
             name, kind = _STAGE_SPANS[stage]
             span_id = {PREFILL: ids.prefill, DECODE: ids.decode if self.pd_mode else None}.get(stage)
             leg = {PREFILL: PREFILL if self.pd_mode else DECODE, DECODE: DECODE}.get(stage)
-            decision = self.routes.get(leg)
+            decision = self.routes.get(leg) if leg is not None else None
             span = SpanData(name, kind, ids.trace_id, span_id or random.getrandbits(64), ids.root, to_unix_ns(start),
                             to_unix_ns(end), self._stage_measurements(stage, m, decision), trace_state=ids.tracestate,
                             encoded=self._stage_block(stage, decision))
@@ -402,7 +404,8 @@ class RequestTrace:
                 span.error = self.error_message
                 span.attributes["error.type"] = m.error_type
             spans.append(span)
-        self.recorder.tracing.emit(spans)
+        if self.recorder.tracing is not None:  # it is whenever there are ids
+            self.recorder.tracing.emit(spans)
 
     def _stall_events(self, stalls: list[Attributed]) -> list[tuple[int, str, dict[str, Any]]]:
         """Each stall's time and length on pd.decode (the longest ones), with its cause when attributed."""
@@ -467,6 +470,9 @@ class RequestTrace:
         """A stage span's attributes that repeat across requests, encoded once per distinct set: every
         stage span names its model and deployment (span-derived metrics split like the proxy's), its
         instance and status, and the policy that chose the instance and why."""
+        address: str | None
+        status: int | None
+        attempts: int | None
         if stage == PREFILL:
             address, status, attempts = self.prefill_instance, self.prefill_status, max(self.prefill_attempts, 1)
             if not self.pd_mode:

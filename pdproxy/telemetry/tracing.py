@@ -23,7 +23,7 @@ import random
 import socket
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -100,7 +100,7 @@ class Tracing:
 
     # -- ids ------------------------------------------------------------------------------
 
-    def new_ids(self, headers: dict[str, str] | object) -> TraceIds:
+    def new_ids(self, headers: Mapping[str, str] | None) -> TraceIds:
         """Continue the client's W3C trace context if it sent one, else start a trace."""
         if self._sample_new_traces and (headers is None or "traceparent" not in headers):
             return TraceIds(_NO_PARENT, random.getrandbits(128), random.getrandbits(64), random.getrandbits(64),
@@ -111,7 +111,7 @@ class Tracing:
         sampled = self._sample_all or self.sampler.should_sample(parent, trace_id, "request",
                                                                  SpanKind.SERVER).decision.is_sampled()
         state, cut = None, None
-        if parent_span.is_valid:
+        if parent_span.is_valid and headers is not None:
             state, cut = _tracestate(parent_span.trace_state, headers.get("tracestate"))
         return TraceIds(parent, trace_id, random.getrandbits(64), random.getrandbits(64), random.getrandbits(64),
                         sampled, state, parent_span.span_id if parent_span.is_valid else None, parent_span.is_remote,
@@ -153,7 +153,7 @@ class Tracing:
     def _drain(self) -> None:
         queue = self.queue
         while queue:
-            batch = []
+            batch: list[bytes] = []
             try:
                 while len(batch) < self.batch:
                     batch.append(queue.popleft())

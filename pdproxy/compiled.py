@@ -1,0 +1,71 @@
+"""Which of pdproxy's per-request modules run compiled (mypyc) and which as pure Python.
+
+`PDPROXY_COMPILE=1 pip install .` compiles `MODULES` to C extensions (setup.py); a plain install
+runs them as Python, which behaves the same and costs more CPU per request. Start-up logs which
+form runs and `/status` says it (`"compiled"`), so a benchmark or a bug report names the form
+measured. An in-place build (`pip install -e .`) leaves the extensions beside the sources, where
+Python prefers them: a source edited after the build is reported `stale` (its old compiled form is
+what runs) until the next build.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from importlib.machinery import EXTENSION_SUFFIXES
+
+# What the build compiles, read by _build/pdproxy_build.py as a literal: the per-request and
+# per-event code the profile names (the stream scan, span building and OTLP encoding, the
+# recorder and its metrics, the request checks), each a module that mypy checks clean. The policies
+# are not (yet): mypyc makes their class-level `name` an instance attribute unless declared ClassVar.
+MODULES = (
+    "pdproxy.protocol",
+    "pdproxy.stream",
+    "pdproxy.telemetry.clock",
+    "pdproxy.telemetry.names",
+    "pdproxy.telemetry.measure",
+    "pdproxy.telemetry.metrics",
+    "pdproxy.telemetry.otlp",
+    "pdproxy.telemetry.recorder",
+    "pdproxy.telemetry.tracing",
+    "pdproxy.policies.request",
+)
+
+
+def _form(name: str) -> str:
+    module = sys.modules.get(name) or importlib.import_module(name)
+    return form_of_file(getattr(module, "__file__", None) or "")
+
+
+def form_of_file(path: str) -> str:
+    """"compiled", "stale" (compiled from an older source than the one beside it) or "python"."""
+    if not path.endswith(tuple(EXTENSION_SUFFIXES)):
+        return "python"
+    source = path[: path.index(".", path.rindex(os.sep))] + ".py"
+    try:
+        if os.stat(source).st_mtime > os.stat(path).st_mtime:
+            return "stale"
+    except OSError:
+        pass  # an installed wheel carries no sources: nothing to be stale against
+    return "compiled"
+
+
+def report() -> dict[str, object]:
+    """For /status and the start-up log: the overall form and each module's."""
+    forms = {name: _form(name) for name in MODULES}
+    values = set(forms.values())
+    overall = values.pop() if len(values) == 1 else "mixed"
+    return {"form": overall, "modules": forms}
+
+
+def summary() -> str:
+    """One line for the start-up log."""
+    r = report()
+    forms: dict[str, str] = r["modules"]  # type: ignore[assignment]
+    if r["form"] == "compiled":
+        return f"hot path compiled (mypyc): {len(forms)} modules"
+    if r["form"] == "python":
+        return "hot path in pure Python (not compiled: PDPROXY_COMPILE=1 pip install . compiles it)"
+    odd = ", ".join(f"{name} {form}" for name, form in forms.items() if form != "compiled")
+    return f"hot path partly compiled: {odd}"
