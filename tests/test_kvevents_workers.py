@@ -85,4 +85,7 @@ def test_two_workers_attribute_as_much_stall_time_to_kv_arrivals_as_one(runs):
     assert one[1] > 0.5 and two[1] > 0.5, runs  # enough stall time to compare
     assert one[0] >= 0.8, runs
     assert abs(one[0] - two[0]) <= 0.05, runs
-    assert blind[0] < two[0], runs  # without events each worker misses the arrivals the other routed
+    # Without events a worker misses the arrivals the other routed, so the blind share is lower, unless the
+    # kernel happened to hand the long prompts and the streams they stalled to the same worker (seen once):
+    # the control can only say that events never attribute less.
+    assert blind[0] <= two[0], runs
