@@ -67,6 +67,21 @@ class Scripted:
         self._call("POST", "/_reset", {})
 
 
+@pytest.fixture
+def started():
+    """What a test starts (append each process), stopped at its end, also when a later start fails."""
+    procs = []
+    yield procs
+    for proc in reversed(procs):
+        proc.stop()
+
+
+@pytest.fixture(name="procs")
+def procs_started(started):
+    """The same list, by the name some test files use."""
+    return started
+
+
 @pytest.fixture(scope="module")
 def scripted_pd():
     """Scripted prefill + decode behind a proxy (retries off so each fault shows as itself)."""

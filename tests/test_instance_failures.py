@@ -36,15 +36,6 @@ def health(url):
     return httpx.get(url + "/health").status_code
 
 
-@pytest.fixture
-def started():
-    """What a test starts, stopped at its end, also when a later start fails."""
-    procs = []
-    yield procs
-    for proc in reversed(procs):
-        proc.stop()
-
-
 def up(started, thing):
     started.append(thing)
     return thing

@@ -64,14 +64,6 @@ def broken_after(chunks: list[str]) -> dict:
     return {"chunks": chunks + ["data: never sent\n\n"], "abort_after": len(chunks), "chunk_delay": 0.01}
 
 
-@pytest.fixture
-def started():
-    procs = []
-    yield procs
-    for proc in reversed(procs):
-        proc.stop()
-
-
 def rig(started, tmp_path, *proxy_args: str, prefill: bool = False, decodes: int = 2):
     """Scripted decode instances (one script, one journal) behind a proxy that writes spans to a file."""
     d = ScriptedGroup("decode", decodes)

@@ -52,14 +52,6 @@ def loop_lag(url: str) -> float:
     return httpx.get(url + "/debug/runtime", timeout=10).json()["loop_lag_max_seconds"]
 
 
-@pytest.fixture
-def procs():
-    started = []
-    yield started
-    for proc in started:
-        proc.stop()
-
-
 def scripted(procs, n: int, role: str = "decode") -> list[str]:
     urls = []
     for _ in range(n):

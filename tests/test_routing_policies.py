@@ -38,14 +38,6 @@ def leg(trace_file, rid: str, name: str) -> dict:
     return attrs(trace_of(trace_file, rid)[name])
 
 
-@pytest.fixture
-def procs():
-    started = []
-    yield started
-    for proc in started:
-        proc.stop()
-
-
 def sims(procs, role: str, n: int, *extra: str) -> list[str]:
     urls = []
     for _ in range(n):
