@@ -66,10 +66,7 @@ def main() -> int:
     p.add_argument("--work-dir", default="/tmp/pdproxy-cpu-per-request")
     args = p.parse_args()
     targets = list(args.targets) + (["pdproxy-before", "pdproxy-off-before"] if args.baseline_path else [])
-    bench = overhead.Bench(overhead.parser().parse_args(
-        ["--work-dir", args.work_dir, *(["--baseline-path", args.baseline_path] if args.baseline_path else []),
-         *(["--pdproxy-path", args.pdproxy_path] if args.pdproxy_path else []),
-         *([] if args.pin else ["--no-pin"])]))
+    bench = overhead.bench_from(args.work_dir, args.baseline_path, args.pdproxy_path, args.pin)
     bench.start_upstreams()
     cpu: dict[str, list[float]] = {t: [] for t in targets}
     rps: dict[str, list[float]] = {t: [] for t in targets}

@@ -744,6 +744,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def bench_from(work_dir: str, baseline_path: str | None = None, pdproxy_path: str | None = None,
+               pin: bool = True) -> Bench:
+    """A Bench with this benchmark's defaults, for the interleaved benchmarks that drive its targets."""
+    return Bench(parser().parse_args(
+        ["--work-dir", work_dir, *(["--baseline-path", baseline_path] if baseline_path else []),
+         *(["--pdproxy-path", pdproxy_path] if pdproxy_path else []), *([] if pin else ["--no-pin"])]))
+
+
 def main() -> int:
     p = parser()
     args = p.parse_args()

@@ -70,9 +70,7 @@ def main() -> int:
     p.add_argument("--work-dir", default="/tmp/pdproxy-targets-interleaved")
     args = p.parse_args()
     targets = list(args.targets) + (["pdproxy-before", "pdproxy-off-before"] if args.baseline_path else [])
-    bench = overhead.Bench(overhead.parser().parse_args(
-        ["--work-dir", args.work_dir, *(["--baseline-path", args.baseline_path] if args.baseline_path else []),
-         *(["--pdproxy-path", args.pdproxy_path] if args.pdproxy_path else [])]))
+    bench = overhead.bench_from(args.work_dir, args.baseline_path, args.pdproxy_path)
     bench.start_upstreams()
     rounds: list[dict[str, dict[str, float]]] = []
     try:
