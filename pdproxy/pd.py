@@ -184,32 +184,40 @@ class Proxy:
         headers = {**headers, **trace.leg_headers(PREFILL)}
 
         async def attempt(inst: Instance, tries: int) -> tuple[dict[str, Any] | None, int] | _Failure:
-            trace.prefill_instance, trace.prefill_attempts = inst.address, tries  # also right when all fail
-            inst.inflight += 1
-            resp = None
-            try:
-                resp = await self.upstream.post(inst.url, route.path, payload, headers)
-                raw = await resp.read()
-            except UpstreamError as exc:
-                return _transport_failure(PREFILL, inst, exc)
-            finally:
-                inst.inflight -= 1
-                if resp is not None:
-                    resp.release()  # pooled when read to its end, else closed (a cancel aborts the prefill)
-            if resp.status >= 300:
-                return _status_failure(PREFILL, inst, resp.status, resp.headers, raw)
-            try:
-                return _kv_params(raw, inst), resp.status
-            except ProxyError as err:
-                return _Failure(err)  # a broken answer: another instance may do better
+            trace.prefill_sent(inst.address, tries)
+            outcome = await self._prefill_once(inst, route, payload, headers)
+            if isinstance(outcome, _Failure):
+                trace.prefill_failed(inst.address, tries, outcome.error.error_type)
+            return outcome
 
         (kv_params, status), instance, tries = await self._retrying(
-            self.prefill, instance, Budget.start(self.settings.prefill_retries, 0), trace.counting_prefill(attempt))
+            self.prefill, instance, Budget.start(self.settings.prefill_retries, 0), attempt)
         if rerun:
             trace.prefill_rerun(instance.address)
         else:
             trace.prefill_done(instance.address, status, tries, "received" if kv_params else "missing")
         return kv_params
+
+    async def _prefill_once(self, inst: Instance, route: Route, payload: bytes,
+                            headers: dict[str, str]) -> tuple[dict[str, Any] | None, int] | _Failure:
+        """One prefill attempt: its KV coordinates and status, or why it failed."""
+        inst.inflight += 1
+        resp = None
+        try:
+            resp = await self.upstream.post(inst.url, route.path, payload, headers)
+            raw = await resp.read()
+        except UpstreamError as exc:
+            return _transport_failure(PREFILL, inst, exc)
+        finally:
+            inst.inflight -= 1
+            if resp is not None:
+                resp.release()  # pooled when read to its end, else closed (a cancel aborts the prefill)
+        if resp.status >= 300:
+            return _status_failure(PREFILL, inst, resp.status, resp.headers, raw)
+        try:
+            return _kv_params(raw, inst), resp.status
+        except ProxyError as err:
+            return _Failure(err)  # a broken answer: another instance may do better
 
     # -- the decode leg --------------------------------------------------------------------
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from pdproxy.errors import DECODE, KV_TRANSFER, PREFILL, QUEUE
 from pdproxy.stream import ResponseScan
@@ -81,9 +80,6 @@ class Recorder:
                                         ids.parent_remote)])
         except Exception:  # telemetry must never break serving
             log.exception("could not record the span of %s", route)
-
-
-T = TypeVar("T")
 
 
 class RequestTrace:
@@ -180,29 +176,25 @@ class RequestTrace:
         if not self.pd_mode or self.decode_only:  # the decode computes the prompt itself
             self._activity_started("prefill", decode_address, self.t.admitted)
 
-    def counting_prefill(self, attempt: Callable[[Any, int], Awaitable[T]]) -> Callable[[Any, int], Awaitable[T]]:
-        """A prefill leg's `attempt(instance, try)` with each attempt counted on its instance, and each failed
-        one (an outcome with an `error`: the flow's failure) on the trace: the one place the flow reports them."""
-        async def counted(instance: Any, tries: int) -> T:
-            counts = self.recorder.metrics.attempts if self._counts_attempts else None
-            if counts is not None:
-                if self._prefill_failed_at is not None:
-                    counts.moved_away(PREFILL, self._prefill_failed_at, "before_first_token")
-                counts.attempt(PREFILL, instance.address)
-            self._prefill_failed_at = None
-            outcome = await attempt(instance, tries)
-            error = getattr(outcome, "error", None)
-            if error is not None:
-                reason = str(getattr(error, "error_type", None) or "unknown")
-                self._prefill_failed_at = instance.address
-                if counts is not None:
-                    counts.attempt_failed(PREFILL, instance.address, reason, False)
-                events = self.prefill_events if self.t.prefill_done is None else self.attempt_events
-                events.append((now(), n.PREFILL_ATTEMPT_EVENT, {
-                    n.PREFILL_ATTEMPT_NUMBER: tries, **_leg_attributes(instance.address, "prefill", None),
-                    "error.type": reason}))
-            return outcome
-        return counted
+    def prefill_sent(self, address: str, tries: int) -> None:
+        """A prefill attempt is sent (the request's `tries`-th): counted on its instance, and the failed
+        one before it, if any, counted as moved away."""
+        self.prefill_instance, self.prefill_attempts = address, tries  # also right when all fail
+        if self._counts_attempts:
+            counts = self.recorder.metrics.attempts
+            if self._prefill_failed_at is not None:
+                counts.moved_away(PREFILL, self._prefill_failed_at, "before_first_token")
+            counts.attempt(PREFILL, address)
+        self._prefill_failed_at = None
+
+    def prefill_failed(self, address: str, tries: int, reason: str) -> None:
+        """A prefill attempt failed (`reason`: its error type)."""
+        self._prefill_failed_at = address
+        if self._counts_attempts:
+            self.recorder.metrics.attempts.attempt_failed(PREFILL, address, reason, False)
+        events = self.prefill_events if self.t.prefill_done is None else self.attempt_events
+        events.append((now(), n.PREFILL_ATTEMPT_EVENT, {
+            n.PREFILL_ATTEMPT_NUMBER: tries, **_leg_attributes(address, "prefill", None), "error.type": reason}))
 
     def prefill_done(self, address: str, status: int, attempts: int, kv_params: str) -> None:
         self.t.prefill_done = now()
