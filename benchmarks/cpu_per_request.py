@@ -6,9 +6,10 @@ about the machine as about the proxies. Here every round runs each target once, 
 in turn, and the report gives each target's median over the rounds and its ratio to vllm-router.
 
 Targets (overhead.py's, same upstreams, pinning and OTLP receiver), plus
-  floor   benchmarks/floor_proxy.py: aiohttp's server and pdproxy's upstream client, nothing else
+  floor        benchmarks/floor_proxy.py: aiohttp's server and pdproxy's upstream client, nothing else
+  floor-lean   the same legs behind a bare httptools protocol instead of aiohttp: the server's share
 
-Run:  python benchmarks/cpu_per_request.py [--rounds 6] [--targets pdproxy pdproxy-off vllm-router floor]
+Run:  python benchmarks/cpu_per_request.py [--rounds 6] [--targets pdproxy pdproxy-off vllm-router floor floor-lean]
       [--baseline-path TREE (adds pdproxy-before, pdproxy-off-before)] [--baseline-label pure]
       [--tokens 8] [--concurrency 32]
 Compiled against pure Python (issue 32): build this tree with `PDPROXY_COMPILE=1 pip install -e .`, pass
@@ -31,15 +32,18 @@ sys.path.insert(0, str(HERE))
 import overhead  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
 
+FLOORS = {"floor": "aiohttp", "floor-lean": "httptools"}  # target -> floor_proxy.py's server
+
+
 def start(bench: overhead.Bench, name: str) -> tuple[str, overhead.Proc, list[overhead.Proc]]:
-    if name != "floor":
+    if name not in FLOORS:
         return bench.start_target(name)
     port = overhead.free_port()
     url = f"http://{overhead.HOST}:{port}"
-    proc = overhead.Proc("floor", [sys.executable, str(HERE / "floor_proxy.py"),
-                                   f"http://{overhead.HOST}:{bench.prefill_port}",
-                                   f"http://{overhead.HOST}:{bench.decode_port}", str(port)],
-                         bench.proxy_cpus, bench.logs / "floor.log")
+    proc = overhead.Proc(name, [sys.executable, str(HERE / "floor_proxy.py"),
+                                f"http://{overhead.HOST}:{bench.prefill_port}",
+                                f"http://{overhead.HOST}:{bench.decode_port}", str(port), FLOORS[name]],
+                         bench.proxy_cpus, bench.logs / f"{name}.log")
     proc.wait_http(url + "/health")
     return url, proc, []
 
@@ -53,7 +57,7 @@ def form(src: str) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--targets", nargs="+", default=["pdproxy", "pdproxy-off", "vllm-router", "floor"])
+    p.add_argument("--targets", nargs="+", default=["pdproxy", "pdproxy-off", "vllm-router", "floor", "floor-lean"])
     p.add_argument("--baseline-path")
     p.add_argument("--pdproxy-path", help="run pdproxy from this tree (e.g. a copy of a compiled build, so "
                                           "that edits during the run do not reach it)")
