@@ -34,6 +34,15 @@ MODULES = (
     "pdproxy.upstream",
     "pdproxy.admission",
     "pdproxy.errors",
+    "pdproxy.policies.base",
+    "pdproxy.policies.prefix_index",
+    "pdproxy.policies.round_robin",
+    "pdproxy.policies.least_inflight",
+    "pdproxy.policies.power_of_two",
+    "pdproxy.policies.consistent_hash",
+    "pdproxy.policies.cache_aware",
+    "pdproxy.policies.load_aware",
+    "pdproxy.policies.precise_prefix",
 )
 
 
