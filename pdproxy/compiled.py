@@ -32,6 +32,7 @@ MODULES = (
     "pdproxy.policies.request",
     # the legs' HTTP client, the choice of instance and the policies, admission, the errors, mid-stream taps
     "pdproxy.upstream",
+    "pdproxy.pool",
     "pdproxy.admission",
     "pdproxy.errors",
     "pdproxy.policies.base",
