@@ -44,6 +44,7 @@ MODULES = (
     "pdproxy.policies.cache_aware",
     "pdproxy.policies.load_aware",
     "pdproxy.policies.precise_prefix",
+    "pdproxy.migration.continuation",
 )
 
 
