@@ -164,18 +164,18 @@ class Response:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to an instance; one answer at a time."""
 
+    transport: asyncio.Transport  # from connection_made, which the loop calls before the connection is ours
+
     def __init__(self, pool: _InstancePool) -> None:
         self.pool = pool
         self.loop = pool.loop
-        # Any: uvloop's transports and timer handles are not asyncio's classes, which compiled code checks
-        self.transport: Any = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
         self.head: asyncio.Future | None = None  # resolved when the answer's headers are in
         self.closed = False
         self.paused = False
         self.last_read = 0.0  # loop time of the last bytes (or of sending the request)
-        self.timer: Any = None  # the read timeout's TimerHandle, while one is armed
+        self.timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0  # loop time the connection went idle (its answer's last byte)
         self.reused = False  # handed out from the idle list (the instance may have closed it meanwhile)
         self.received = False  # some byte of the current answer arrived
@@ -249,7 +249,7 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol -------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         if self.response is None:
