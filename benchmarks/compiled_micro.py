@@ -18,13 +18,19 @@ import sys
 
 # Runs inside each tree: prints {case: microseconds per call}, best of `repeat`.
 CHILD = r'''
-import json, sys, timeit
+import asyncio, json, sys, timeit
 from pdproxy import compiled
 from pdproxy.stream import ResponseScan
 from pdproxy.telemetry.otlp import KIND_SERVER, SpanData, encode_span
 from pdproxy.telemetry.measure import Timeline, measure
 from pdproxy.protocol import CHAT, validate, prefill_body, decode_payload, parse_body
 from pdproxy.policies.request import RequestView
+from pdproxy.admission import Admission
+from pdproxy.errors import ProxyError
+from pdproxy.migration.continuation import Continuation
+from pdproxy.policies.load_aware import Reading
+from pdproxy.pool import Pool
+from pdproxy.upstream import _Connection, _InstancePool, _request_bytes
 
 repeat = int(sys.argv[1])
 head = ('{"id":"cmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
@@ -71,9 +77,114 @@ def checks():
     RequestView(v, {}, True).prefix
 
 
+urls = [f"http://127.0.0.1:{8100 + k}" for k in range(4)]
+pools = {name: Pool("decode", urls, name) for name in ("round_robin", "load_aware", "consistent_hash")}
+for k, inst in enumerate(pools["load_aware"].instances):
+    pools["load_aware"].policy.readings[inst.url] = Reading(k, 2.0 * k, 0.25, 1e18)  # never stale
+view = RequestView(body, {"X-Session-Id": "session-42"}, True)  # consistent_hash: by the session
+
+
+def picker(pool):
+    def pick():
+        instance, decision = pool.pick(view)
+        with instance.reserved():
+            pass
+    return pick
+
+
+class Transport:  # stands in for the socket: the client's own work is what is timed
+    def write(self, data): pass
+    def close(self): pass
+    def abort(self): pass
+    def pause_reading(self): pass
+    def resume_reading(self): pass
+
+
+loop = asyncio.new_event_loop()
+# read_timeout 0: no timer per silence (it would pile up in a loop that never runs)
+instance_pool = _InstancePool(loop, "http://127.0.0.1:8200", 5.0, 0.0, 256, 4.0)
+legs_headers = {"Content-Type": "application/json", "X-Request-Id": "req-123", "traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
+answer = [b"%x\r\n%s\r\n" % (len(e), e) for e in events]  # the head comes with the first event, the end with [DONE]
+answer[0] = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+             b"date: Tue, 01 Dec 2026 00:00:00 GMT\r\nserver: uvicorn\r\n\r\n") + answer[0]
+answer[-1] += b"0\r\n\r\n"
+
+
+def resolved(coro):
+    """The value of a coroutine that completes without waiting (the loop is not needed)."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("it waited")
+
+
+def request_bytes():
+    _request_bytes(instance_pool, "/v1/chat/completions", raw, legs_headers)
+
+
+def exchange():
+    request = _request_bytes(instance_pool, "/v1/chat/completions", raw, legs_headers)
+    if instance_pool.idle:
+        conn = instance_pool.idle.pop()
+    else:
+        conn = _Connection(instance_pool)
+        conn.connection_made(Transport())
+    response = conn.send(request)
+    for part in answer:
+        conn.data_received(part)
+        resolved(response.readany())
+    assert response.at_eof and response.status == 200
+    response.release()  # back to the idle list
+
+
+def proxy_error_event():
+    ProxyError(502, "decode instance broke the stream", error_type="decode_disconnected", stage="decode").sse_event()
+
+
+def proxy_error_response():
+    ProxyError(503, "no capacity", error_type="overloaded", stage="queue", retry_after=1).response()
+
+
+admission = Admission(64, 64, 5.0)
+
+
+async def admitted():
+    admission.check()
+    async with admission.slot():
+        pass
+
+
+def admit():
+    resolved(admitted())
+
+
+cont = Continuation({**body, "temperature": 0}, True)
+tap_events = [b"data: " + json.dumps({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                      **({"prompt_token_ids": [1, 2, 3, 4, 5]} if i == 0 else {}),
+                                      "choices": [{"index": 0, "delta": {"content": f"tok{i}"}, "token_ids": [100 + i],
+                                                   "finish_reason": None}]}).encode() + b"\n\n" for i in range(8)]
+
+
+def tapped():
+    tap = cont.tap()
+    for e in tap_events:
+        tap.feed(e)
+    cont.obstacle(tap)
+
+
 cases = {"scan, 10 events one per read": scan_events, "scan, 10 events in one read": scan_whole,
          "OTLP encode root span (10 attributes)": span, "measure() 8-token request": measured,
-         "request checks (parse, validate, legs' bodies, prefix key)": checks}
+         "request checks (parse, validate, legs' bodies, prefix key)": checks,
+         "Pool.pick + reserved, round_robin (4 instances)": picker(pools["round_robin"]),
+         "Pool.pick + reserved, load_aware": picker(pools["load_aware"]),
+         "Pool.pick + reserved, consistent_hash": picker(pools["consistent_hash"]),
+         "upstream: a leg's request bytes": request_bytes,
+         "upstream: request + 10-event chunked answer, one read per event": exchange,
+         "ProxyError + its SSE error event": proxy_error_event,
+         "ProxyError + its JSON response (aiohttp)": proxy_error_response,
+         "admission: check + slot (async with)": admit,
+         "mid-stream tap: 8 events with token ids": tapped}
 out = {"form": compiled.report()["form"]}
 for name, fn in cases.items():
     n = 2000

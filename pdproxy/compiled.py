@@ -17,8 +17,8 @@ from importlib.machinery import EXTENSION_SUFFIXES
 
 # What the build compiles, read by _build/pdproxy_build.py as a literal: the per-request and
 # per-event code the profile names (the stream scan, span building and OTLP encoding, the
-# recorder and its metrics, the request checks), each a module that mypy checks clean. The policies
-# are not (yet): mypyc makes their class-level `name` an instance attribute unless declared ClassVar.
+# recorder and its metrics, the request checks), each a module that mypy checks clean. A policy's
+# `name` is a ClassVar: mypyc would otherwise make a class-level attribute an instance one.
 MODULES = (
     "pdproxy.protocol",
     "pdproxy.stream",
@@ -30,6 +30,21 @@ MODULES = (
     "pdproxy.telemetry.recorder",
     "pdproxy.telemetry.tracing",
     "pdproxy.policies.request",
+    # the legs' HTTP client, the choice of instance and the policies, admission, the errors, mid-stream taps
+    "pdproxy.upstream",
+    "pdproxy.pool",
+    "pdproxy.admission",
+    "pdproxy.errors",
+    "pdproxy.policies.base",
+    "pdproxy.policies.prefix_index",
+    "pdproxy.policies.round_robin",
+    "pdproxy.policies.least_inflight",
+    "pdproxy.policies.power_of_two",
+    "pdproxy.policies.consistent_hash",
+    "pdproxy.policies.cache_aware",
+    "pdproxy.policies.load_aware",
+    "pdproxy.policies.precise_prefix",
+    "pdproxy.migration.continuation",
 )
 
 

@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -123,7 +124,7 @@ class Pool:
         instance, decision = self.policy.choose(candidates, request)
         if exclude is not None:
             decision.reason = REASON_RETRY
-        return instance, decision
+        return cast(Instance, instance), decision  # one of `candidates`
 
     def start(self, session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
         """Start what the policy runs in the background (load_aware's engine readings)."""

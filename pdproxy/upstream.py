@@ -33,32 +33,41 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
+from mypy_extensions import mypyc_attr
 
 KEEPALIVE = 4.0  # seconds an idle connection is kept: below vLLM's (uvicorn's) 5, so the proxy closes first
 MAX_IDLE = 256  # idle connections kept per instance
 HIGH_WATER = 1 << 17  # buffered answer bytes at which reading from the instance pauses (aiohttp's 2 x 64 KiB)
 
 
+# The errors are plain Python classes when compiled: mypyc compiles no class with two built-in bases
+# (ConnectTimeout and ReadTimeout are TimeoutErrors too), nor one derived from a compiled class.
+@mypyc_attr(native_class=False)
 class UpstreamError(Exception):
     """A transport failure on an upstream leg."""
 
 
+@mypyc_attr(native_class=False)
 class ConnectFailed(UpstreamError):
     """No connection: refused, unreachable, name not resolved or TLS handshake failed."""
 
 
+@mypyc_attr(native_class=False)
 class ConnectTimeout(UpstreamError, TimeoutError):
     """The instance did not accept a connection within the connect timeout."""
 
 
+@mypyc_attr(native_class=False)
 class ReadTimeout(UpstreamError, TimeoutError):
     """The instance stayed silent longer than the read timeout."""
 
 
+@mypyc_attr(native_class=False)
 class Disconnected(UpstreamError):
     """The instance closed the connection before its answer was complete."""
 
 
+@mypyc_attr(native_class=False)
 class MalformedResponse(UpstreamError):
     """The instance's bytes are not an HTTP/1.1 response."""
 
@@ -155,10 +164,11 @@ class Response:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to an instance; one answer at a time."""
 
+    transport: asyncio.Transport  # from connection_made, which the loop calls before the connection is ours
+
     def __init__(self, pool: _InstancePool) -> None:
         self.pool = pool
         self.loop = pool.loop
-        self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
         self.head: asyncio.Future | None = None  # resolved when the answer's headers are in
@@ -256,38 +266,43 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         self._disarm()
         self.pool.forget(self)
-        response = self.response
+        response, head = self.response, self.head
         if response is not None and not response._done:
-            if self.head.done() and not self._length_known and exc is None:
+            if head is not None and head.done() and not self._length_known and exc is None:
                 response._finish()  # a body delimited by the end of the connection
                 return
             self._fail(Disconnected(f"connection closed{f' ({exc})' if exc else ''}"))
 
     # -- httptools callbacks ----------------------------------------------------------------
 
+    # they run only while an answer is awaited: data_received takes no bytes otherwise
     def on_message_begin(self) -> None:
+        assert self.response is not None
         if self.response._done:  # a second answer to one request: the connection cannot be trusted
             raise MalformedResponse("bytes after the end of the answer")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        key = name.decode("latin-1").lower()
-        self.response.headers[key] = value.decode("latin-1")
+        assert self.response is not None
+        self.response.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        response = self.response
+        response, head = self.response, self.head
+        assert response is not None and head is not None
         response.status = self.parser.get_status_code()
         response.keep_alive = self.parser.should_keep_alive()
         headers = response.headers
         # Transfer-Encoding is case-insensitive (RFC 9112 §7): "Chunked" is chunked too
         self._length_known = "content-length" in headers or "chunked" in headers.get("transfer-encoding", "").lower()
-        if not self.head.done():
-            self.head.set_result(None)
+        if not head.done():
+            head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        assert self.response is not None
         self.response._feed(body)
 
     def on_message_complete(self) -> None:
         self._disarm()
+        assert self.response is not None
         self.response._finish()
 
 
@@ -421,8 +436,10 @@ class UpstreamClient:
 async def _exchange(conn: _Connection, request: bytes) -> Response:
     """Send `request` on `conn` and wait for the answer's head; the connection closes if that fails."""
     response = conn.send(request)
+    head = conn.head
+    assert head is not None  # send() made it
     try:
-        await conn.head
+        await head
     except BaseException:
         conn.close(abort=True)
         raise

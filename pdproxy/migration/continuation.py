@@ -85,9 +85,10 @@ class Continuation:
     def body_after(self, tap: TokenTap) -> dict[str, Any]:
         """The continuation request, in the completions form (exact for chat too: the prompt ids are the
         rendered chat template): the prompt's ids plus the ids delivered, max_tokens reduced by as many."""
-        body, kept, limit = self.body, tap.kept, self.limit
+        body, kept, limit, prompt_ids = self.body, tap.kept, self.limit, tap.prompt_ids
+        assert prompt_ids is not None  # `obstacle` said so before
         cont = {k: body[k] for k in _CONTINUED_FIELDS if k in body}
-        cont.update(prompt=tap.prompt_ids + tap.output_ids[:kept], stream=True, return_token_ids=True)
+        cont.update(prompt=prompt_ids + tap.output_ids[:kept], stream=True, return_token_ids=True)
         cont["max_tokens"] = None if limit is None else limit - kept  # null: the rest of the context, as chat's default
         if isinstance(body.get("min_tokens"), int):
             cont["min_tokens"] = max(0, body["min_tokens"] - kept)
@@ -195,7 +196,9 @@ class TokenTap:
             obj.pop("prompt_text", None)
         if self.template is None:
             self.template = {k: obj.get(k) for k in ("id", "object", "created", "model")}
-        choices = obj.get("choices") if isinstance(obj.get("choices"), list) else []
+        choices = obj.get("choices")
+        if not isinstance(choices, list):
+            choices = []
         for i, choice in enumerate(choices):
             if not isinstance(choice, dict):
                 continue
@@ -228,7 +231,9 @@ class TokenTap:
         """Mark the stream untrusted when this choice's ids cannot be continued from exactly."""
         if self.untrusted:
             return
-        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            delta = {}
         if choice.get("index", 0) != 0:
             self.untrusted = "batched"
         elif delta.get("reasoning_content") or delta.get("reasoning"):

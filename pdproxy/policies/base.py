@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from pdproxy.policies.request import RequestView
 
@@ -13,8 +13,10 @@ class Instance(Protocol):
     """What a policy reads of an instance (pdproxy.pool.Instance; policies never change it)."""
 
     url: str
-    address: str
     inflight: int  # requests this proxy process has in flight on it
+
+    @property
+    def address(self) -> str: ...
 
 REASON_RETRY = "retry"  # a retry after a failed attempt: no request view, chosen by load
 
@@ -43,8 +45,9 @@ class Policy(Protocol):
 
     `choose` runs on the event loop for every request: it must not block, wait or raise."""
 
-    name: str
-    reasons: tuple[str, ...]
+    # class attributes: `policies.POLICIES` reads `name` of the class (ClassVar: mypyc keeps them there)
+    name: ClassVar[str]
+    reasons: ClassVar[tuple[str, ...]]
 
     def choose(self, instances: Sequence[Instance], request: RequestView | None) -> tuple[Instance, Decision]: ...
 

@@ -17,17 +17,17 @@ own index (they share nothing), so with --workers N a prefix can be learnt up to
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
-from pdproxy.policies.base import Decision, Rotation, loads
+from pdproxy.policies.base import Decision, Instance, Rotation, loads
 from pdproxy.policies.prefix_index import PrefixIndex
 from pdproxy.policies.request import RequestView
 
 LOAD_SCALE = 1 << 32  # above any in-flight count
 
 class CacheAware:
-    name = "cache_aware"
-    reasons = ("prefix_match", "cache_miss", "imbalanced", "no_prompt")
+    name: ClassVar[str] = "cache_aware"
+    reasons: ClassVar[tuple[str, ...]] = ("prefix_match", "cache_miss", "imbalanced", "no_prompt")
 
     def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
                  balance_rel_threshold: float = 1.5, max_tree_size: int = 1 << 18) -> None:
@@ -39,13 +39,13 @@ class CacheAware:
         self._bits: dict[Any, int] = {}  # instance -> its bit in the index
         self._masks: dict[tuple[int, ...], int] = {}
 
-    def _bit(self, instance) -> int:
+    def _bit(self, instance: Instance) -> int:
         bit = self._bits.get(instance)
         if bit is None:
             bit = self._bits[instance] = len(self._bits)
         return bit
 
-    def _bits_of(self, instances: Sequence) -> tuple[list[int], int]:
+    def _bits_of(self, instances: Sequence[Instance]) -> tuple[list[int], int]:
         """The instances' bits in the index and their mask (the mask cached per set of instances)."""
         try:
             bits = list(map(self._bits.__getitem__, instances))
@@ -59,7 +59,7 @@ class CacheAware:
                 self._masks.clear()
         return bits, mask
 
-    def choose(self, instances: Sequence, request: RequestView | None):
+    def choose(self, instances: Sequence[Instance], request: RequestView | None) -> tuple[Instance, Decision]:
         key = request.prefix if request is not None else None
         load = loads(instances)
         low, high = min(load), max(load)
@@ -87,7 +87,7 @@ class CacheAware:
             self.index.insert(key, owners if owners is not None else self.index.owners(key), self._bit(chosen))
         return chosen, decision
 
-    def status(self, instances: Sequence) -> dict[str, dict[str, Any]]:
+    def status(self, instances: Sequence[Instance]) -> dict[str, dict[str, Any]]:
         sizes = self.index.sizes
         return {i.address: {"inflight": i.inflight, "indexed_prefixes": sizes.get(self._bits.get(i, -1), 0)}
                 for i in instances}

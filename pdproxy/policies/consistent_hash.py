@@ -18,10 +18,10 @@ import bisect
 import hashlib
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from pdproxy.config import DEFAULT_HASH_KEY, parse_hash_key
-from pdproxy.policies.base import Decision, Rotation, loads
+from pdproxy.policies.base import Decision, Instance, Rotation, loads
 from pdproxy.policies.request import RequestView
 
 VNODES = 64  # points per instance on the ring: smooths the share of keys each instance gets
@@ -32,8 +32,8 @@ def _h(text: str) -> int:
 
 
 class ConsistentHash:
-    name = "consistent_hash"
-    reasons = ("hash_key", "load_bound", "no_key")
+    name: ClassVar[str] = "consistent_hash"
+    reasons: ClassVar[tuple[str, ...]] = ("hash_key", "load_bound", "no_key")
 
     def __init__(self, hash_key: str = DEFAULT_HASH_KEY, hash_load_factor: float = 1.25) -> None:
         self.sources = parse_hash_key(hash_key)
@@ -52,7 +52,7 @@ class ConsistentHash:
                 return value
         return None
 
-    def choose(self, instances: Sequence, request: RequestView | None):
+    def choose(self, instances: Sequence[Instance], request: RequestView | None) -> tuple[Instance, Decision]:
         key = self.key(request)
         if key is None:
             values = loads(instances)
@@ -75,7 +75,7 @@ class ConsistentHash:
                 return candidate, Decision(self.name, "load_bound", compared=instances, values=values)
         return owner, Decision(self.name, "hash_key", compared=instances, values=values)  # not reached
 
-    def _ring(self, instances: Sequence) -> None:
+    def _ring(self, instances: Sequence[Instance]) -> None:
         ids = tuple(id(i) for i in instances)
         if ids == self._ring_for:
             return
@@ -84,5 +84,5 @@ class ConsistentHash:
         self._owners = [instances[n] for _, n in ring]
         self._ring_for = ids
 
-    def status(self, instances: Sequence) -> dict[str, dict[str, Any]]:
+    def status(self, instances: Sequence[Instance]) -> dict[str, dict[str, Any]]:
         return {i.address: {"inflight": i.inflight} for i in instances}

@@ -32,11 +32,12 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 
-from pdproxy.policies.base import Decision, Rotation, loads
+from pdproxy.policies.base import Decision, Instance, Rotation, loads
+from pdproxy.policies.request import RequestView
 
 log = logging.getLogger("pdproxy.policies.load_aware")
 
@@ -83,8 +84,8 @@ def parse_load(raw: bytes | bytearray) -> tuple[float, float, float]:
 
 
 class LoadAware:
-    name = "load_aware"
-    reasons = ("engine_load", "inflight_fallback")
+    name: ClassVar[str] = "load_aware"
+    reasons: ClassVar[tuple[str, ...]] = ("engine_load", "inflight_fallback")
 
     def __init__(self, load_metrics_interval: float = 2.0) -> None:
         self.interval = load_metrics_interval
@@ -102,21 +103,21 @@ class LoadAware:
             return None
         return reading
 
-    def choose(self, instances: Sequence, request):
+    def choose(self, instances: Sequence[Instance], request: RequestView | None) -> tuple[Instance, Decision]:
         oldest = time.monotonic() - STALE_INTERVALS * self.interval
         readings = self.readings
-        values = []
+        values: list[float] = []
         for inst in instances:
             r = readings.get(inst.url)
             if r is None or r.at < oldest:
-                values = loads(instances)
-                return self.rotation.least(instances, values), Decision(self.name, "inflight_fallback",
-                                                                        compared=instances, values=values)
+                counts = loads(instances)
+                return self.rotation.least(instances, counts), Decision(self.name, "inflight_fallback",
+                                                                        compared=instances, values=counts)
             values.append(inst.inflight + r.score)
         return self.rotation.least(instances, values), Decision(self.name, "engine_load", compared=instances,
                                                                 values=values)
 
-    def status(self, instances: Sequence) -> dict[str, dict[str, Any]]:
+    def status(self, instances: Sequence[Instance]) -> dict[str, dict[str, Any]]:
         now = time.monotonic()
         out = {}
         for i in instances:
@@ -131,7 +132,7 @@ class LoadAware:
 
     # -- reading the engines ----------------------------------------------------------------
 
-    def start(self, instances: Sequence, session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
+    def start(self, instances: Sequence[Instance], session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
         self._task = asyncio.create_task(self._loop(list(instances), session, headers), name="engine-metrics")
 
     async def stop(self) -> None:

@@ -22,10 +22,12 @@ precise choice so that it is ready when needed.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
+
+import aiohttp
 
 from pdproxy.kvevents import chain_hashes
-from pdproxy.policies.base import Decision, Rotation
+from pdproxy.policies.base import Decision, Instance, Rotation
 from pdproxy.policies.cache_aware import CacheAware
 from pdproxy.policies.load_aware import LoadAware
 from pdproxy.policies.request import MAX_KEY_TOKENS, RequestView
@@ -57,8 +59,8 @@ def load_tokenizer(path: str | None) -> Any | None:
 
 
 class PrecisePrefix:
-    name = "precise_prefix"
-    reasons = ("prefix_match", "cache_miss", "imbalanced", "approximate")
+    name: ClassVar[str] = "precise_prefix"
+    reasons: ClassVar[tuple[str, ...]] = ("prefix_match", "cache_miss", "imbalanced", "approximate")
 
     def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
                  balance_rel_threshold: float = 1.5, max_tree_size: int = 1 << 18,
@@ -75,27 +77,27 @@ class PrecisePrefix:
     def use_events(self, events: Any) -> None:
         self.events = events
 
-    def start(self, instances: Sequence, session, headers) -> None:
+    def start(self, instances: Sequence[Instance], session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
         self.engine_load.start(instances, session, headers)
 
     async def stop(self) -> None:
         await self.engine_load.stop()
 
-    def _loads(self, instances: Sequence) -> list[float]:
+    def _loads(self, instances: Sequence[Instance]) -> list[float]:
         readings = self.engine_load.readings
-        out = []
+        out: list[float] = []
         for i in instances:
             reading = readings.get(i.url)
             out.append(i.inflight + (reading.score if reading is not None else 0.0))
         return out
 
-    def choose(self, instances: Sequence, request: RequestView | None):
-        subs = None
+    def choose(self, instances: Sequence[Instance], request: RequestView | None) -> tuple[Instance, Decision]:
+        subs: list[Any] = []  # each candidate's event subscription, when all of them are flowing
         if self.events is not None and request is not None:
             subs = [self.events.get(i.address) for i in instances]
             if not all(s is not None and s.flowing for s in subs):
-                subs = None
-        tokens = prompt_token_ids(request, self.tokenizer) if subs is not None else None
+                subs = []
+        tokens = prompt_token_ids(request, self.tokenizer) if subs and request is not None else None
         # the engines' block size, from their events (none stored anything yet: nothing to match either)
         block_size = next((s.index.block_size for s in subs if s.index.block_size), None) if subs else None
         if tokens is None or block_size is None or any(s.index.block_size not in (None, block_size) for s in subs):
@@ -120,12 +122,12 @@ class PrecisePrefix:
         self.approximate.choose([chosen], request)  # the approximate index learns it too
         return chosen, decision
 
-    def _approximate(self, instances: Sequence, request: RequestView | None):
+    def _approximate(self, instances: Sequence[Instance], request: RequestView | None) -> tuple[Instance, Decision]:
         self.fallbacks += 1
         chosen, inner = self.approximate.choose(instances, request)
         return chosen, Decision(self.name, "approximate", inner.matched, inner.unit, inner.compared, inner.values)
 
-    def status(self, instances: Sequence) -> dict[str, dict[str, Any]]:
+    def status(self, instances: Sequence[Instance]) -> dict[str, dict[str, Any]]:
         out = {}
         for i in instances:
             sub = self.events.get(i.address) if self.events is not None else None

@@ -3,24 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
-from pdproxy.policies.base import Decision, Rotation
+from pdproxy.policies.base import Decision, Instance, Rotation
 from pdproxy.policies.request import RequestView
 
 
 class RoundRobin:
-    name = "round_robin"
-    reasons = ("rotation",)
+    name: ClassVar[str] = "round_robin"
+    reasons: ClassVar[tuple[str, ...]] = ("rotation",)
 
     def __init__(self) -> None:
         self.rotation = Rotation()
 
-    def choose(self, instances: Sequence, request: RequestView | None):
+    def choose(self, instances: Sequence[Instance], request: RequestView | None) -> tuple[Instance, Decision]:
         r = self.rotation
         chosen = instances[r.next % len(instances)]
         r.next += 1
         return chosen, Decision(self.name, "rotation")
 
-    def status(self, instances: Sequence) -> dict[str, dict[str, Any]]:
+    def status(self, instances: Sequence[Instance]) -> dict[str, dict[str, Any]]:
         return {i.address: {"inflight": i.inflight} for i in instances}
