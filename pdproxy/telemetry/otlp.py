@@ -97,12 +97,17 @@ _PAIRS: dict[tuple[str, type, Any], bytes] = {}  # whole attribute fields of rep
 _PAIRS_MAX = 4096
 
 
-def key_value(key: str, value: Any) -> bytes:
-    """A KeyValue message body; keys are a small fixed set, so their encoding is cached."""
+def _key(key: str) -> bytes:
+    """KeyValue.key; keys are a small fixed set, so their encoding is cached."""
     k = _KEYS.get(key)
     if k is None:
         k = _KEYS[key] = _field(b"\x0a", key.encode())
-    return k + _field(b"\x12", _any(value))
+    return k
+
+
+def key_value(key: str, value: Any) -> bytes:
+    """A KeyValue message body."""
+    return _key(key) + _field(b"\x12", _any(value))
 
 
 def attribute(tag: bytes, key: str, value: Any, repeats: bool) -> bytes:
@@ -135,22 +140,49 @@ _pack_double = struct.Struct("<d").pack
 
 def _float_prefix(key: str) -> bytes:
     """Everything of a double attribute's field but the 8 bytes of the value."""
-    k = _field(b"\x0a", key.encode())
+    k = _key(key)
     return b"\x4a" + _varint(len(k) + 11) + k + b"\x12\x09\x21"
+
+
+_INT_PREFIXES: dict[str, list[bytes]] = {}
+_INT_LIMIT = 1 << 63  # from 0 up to this, an int's varint is the AnyValue's as it is (no two's complement)
+
+
+def _int_prefixes(key: str) -> list[bytes]:
+    """Everything of an int attribute's field but its varint, by the varint's length."""
+    k = _key(key)
+    return [b"\x4a" + _varint(len(k) + 3 + size) + k + b"\x12" + _SMALL[1 + size] + b"\x18" for size in range(11)]
+
+
+def _str_field(key: str, value: str) -> bytes:
+    """A string attribute's field: `_field(tag, key_value(key, value))` without the calls."""
+    raw = value.encode()
+    body = b"\x0a" + _varint(len(raw)) + raw
+    kv = _key(key) + b"\x12" + _varint(len(body)) + body
+    return b"\x4a" + _varint(len(kv)) + kv
 
 
 _BLOCKS: dict[tuple, bytes] = {}  # the fields of a span's `repeating` attributes, by those (key, value) pairs
 
 
-def _attributes(items: Iterable[tuple[str, Any]]) -> bytes:
-    """Attribute fields, in order."""
+def attribute_fields(items: Iterable[tuple[str, Any]]) -> bytes:
+    """Attribute fields, in order (values that repeat across requests cached: see `attribute`)."""
     out: list[bytes] = []
     for k, v in items:
-        if type(v) is float:  # the measurements: most of a root span's attributes
+        kind = type(v)
+        if kind is float:  # the measurements: most of a root span's attributes
             prefix = _FLOAT_PREFIX.get(k)
             if prefix is None:
                 prefix = _FLOAT_PREFIX[k] = _float_prefix(k)
             out += (prefix, _pack_double(v))
+        elif kind is int and 0 <= v < _INT_LIMIT:  # counts, tokens, ports, statuses
+            prefixes = _INT_PREFIXES.get(k)
+            if prefixes is None:
+                prefixes = _INT_PREFIXES[k] = _int_prefixes(k)
+            number = _varint(v)
+            out += (prefixes[len(number)], number)
+        elif kind is str and k not in REPEATING:  # ids
+            out.append(_str_field(k, v))
         else:
             out.append(attribute(b"\x4a", k, v, k in REPEATING))
     return b"".join(out)
@@ -161,7 +193,7 @@ def attribute_block(key: tuple, items: Callable[[], Iterable[tuple[str, Any]]]) 
     (the values that determine them): built and encoded once per distinct key, bounded."""
     block = _BLOCKS.get(key)
     if block is None:
-        block = _attributes(items())
+        block = attribute_fields(items())
         if len(_BLOCKS) < _PAIRS_MAX:
             _BLOCKS[key] = block
     return block
@@ -169,38 +201,85 @@ def attribute_block(key: tuple, items: Callable[[], Iterable[tuple[str, Any]]]) 
 
 def encode_span(s: SpanData) -> bytes:
     """The bytes of one `Span` message."""
-    out = [b"\x0a\x10", s.trace_id.to_bytes(16, "big"), b"\x12\x08", s.span_id.to_bytes(8, "big")]
-    if s.trace_state:
-        out.append(_field(b"\x1a", s.trace_state.encode()))
-    if s.parent_id:
-        out += (b"\x22\x08", s.parent_id.to_bytes(8, "big"))
-    out.append(_field(b"\x2a", s.name.encode()))
-    out += (b"\x30", _SMALL[s.kind], b"\x39", struct.pack("<Q", s.start_ns), b"\x41", struct.pack("<Q", s.end_ns))
     items = s.attributes.items()
-    if s.encoded:
-        out.append(s.encoded)
     if s.repeating:
         key = tuple(islice(items, s.repeating))
-        out.append(attribute_block(key, lambda: key))
+        attributes = s.encoded + attribute_block(key, lambda: key)
         if len(key) < len(s.attributes):
-            out.append(_attributes(islice(items, s.repeating, None)))
+            attributes += attribute_fields(islice(items, s.repeating, None))
     else:
-        out.append(_attributes(items))
-    for time_ns, name, attrs in s.events or ():
+        attributes = s.encoded + attribute_fields(items)
+    return span_bytes(trace_field(s.trace_id), s.span_id, context_fields(s.trace_state, s.parent_id),
+                      span_head(s.name, s.kind), s.start_ns, s.end_ns, attributes,
+                      events_field(s.events) + links_field(s.links) + status_tail(s.error, s.parent_remote))
+
+
+# A span's bytes in parts, so that the recorder builds a request's spans straight from its fields and
+# encodes what its spans share (trace id, context, the stage spans' names and kinds) once.
+
+_TIMES = struct.Struct("<BQBQ").pack  # start_time_unix_nano (field 7) and end_time_unix_nano (8), fixed64
+_HEADS: dict[tuple[str, int], bytes] = {}
+_OK_TAILS = {remote: b"\x7a\x00\x85\x01" + struct.pack("<I", _FLAG_HAS_IS_REMOTE | (_FLAG_IS_REMOTE if remote else 0))
+             for remote in (False, True)}  # an explicit (unset) status and the flags, as the SDK sends them
+
+
+def trace_field(trace_id: int) -> bytes:
+    """Span.trace_id, and the tag of the span_id that follows it."""
+    return b"\x0a\x10" + trace_id.to_bytes(16, "big") + b"\x12\x08"
+
+
+def context_fields(trace_state: str | None, parent_id: int | None) -> bytes:
+    """Span.trace_state and Span.parent_span_id, each when present."""
+    out = _field(b"\x1a", trace_state.encode()) if trace_state else b""
+    if parent_id:
+        out += b"\x22\x08" + parent_id.to_bytes(8, "big")
+    return out
+
+
+def span_head(name: str, kind: int) -> bytes:
+    """Span.name and Span.kind; span names are bounded (stages, operation and model label): cached."""
+    head = _HEADS.get((name, kind))
+    if head is None:
+        head = _field(b"\x2a", name.encode()) + b"\x30" + _SMALL[kind]
+        if len(_HEADS) < _PAIRS_MAX:
+            _HEADS[(name, kind)] = head
+    return head
+
+
+def events_field(events: list[tuple[int, str, dict[str, Any]]] | None) -> bytes:
+    """Span.events (field 11), one field per (unix ns, name, attributes)."""
+    out = b""
+    for time_ns, name, attrs in events or ():
         body = b"\x09" + struct.pack("<Q", time_ns) + _field(b"\x12", name.encode())
         body += b"".join(_field(b"\x1a", key_value(k, v)) for k, v in attrs.items())
-        out.append(_field(b"\x5a", body))  # Span.events (field 11)
-    for trace_id, span_id, attrs in s.links or ():
+        out += _field(b"\x5a", body)
+    return out
+
+
+def links_field(links: list[tuple[int, int, dict[str, Any]]] | None) -> bytes:
+    """Span.links (field 13), one field per (trace id, span id, attributes)."""
+    out = b""
+    for trace_id, span_id, attrs in links or ():
         body = b"\x0a\x10" + trace_id.to_bytes(16, "big") + b"\x12\x08" + span_id.to_bytes(8, "big")
         body += b"".join(_field(b"\x22", key_value(k, v)) for k, v in attrs.items())
-        out.append(_field(b"\x6a", body))  # Span.links (field 13)
-    if s.error is not None:
-        out.append(_field(b"\x7a", _field(b"\x12", s.error.encode()) + b"\x18" + _SMALL[STATUS_ERROR]))
-    else:
-        out.append(b"\x7a\x00")  # an explicit (unset) status, as the SDK sends
-    flags = _FLAG_HAS_IS_REMOTE | (_FLAG_IS_REMOTE if s.parent_remote else 0)  # as the SDK encodes it
-    out += (b"\x85\x01", struct.pack("<I", flags))
-    return b"".join(out)
+        out += _field(b"\x6a", body)
+    return out
+
+
+def status_tail(error: str | None, parent_remote: bool) -> bytes:
+    """Span.status (ERROR with `error` as its message, else unset) and Span.flags."""
+    if error is None:
+        return _OK_TAILS[parent_remote]
+    status = _field(b"\x7a", _field(b"\x12", error.encode()) + b"\x18" + _SMALL[STATUS_ERROR])
+    return status + _OK_TAILS[parent_remote][2:]
+
+
+def span_bytes(trace: bytes, span_id: int, context: bytes, head: bytes, start_ns: int, end_ns: int,
+               attributes: bytes, tail: bytes) -> bytes:
+    """One `Span` message from its parts: `trace` from `trace_field`, `context` from `context_fields`,
+    `head` from `span_head`, `attributes` encoded attribute fields, `tail` its events, links and `status_tail`."""
+    return b"".join((trace, span_id.to_bytes(8, "big"), context, head, _TIMES(0x39, start_ns, 0x41, end_ns),
+                     attributes, tail))
 
 
 def frame_prefix(resource: dict[str, Any], scope_name: str, scope_version: str) -> tuple[bytes, bytes]:

@@ -132,8 +132,16 @@ class Tracing:
         if len(self.queue) + len(spans) > self.queue_size:
             self.on_drop("queue_full", len(spans))
             return
-        self.queue.extend([encode_span(s) for s in spans])
-        if len(self.queue) >= self.batch:
+        self.emit_encoded([encode_span(s) for s in spans])
+
+    def emit_encoded(self, spans: list[bytes]) -> None:
+        """Queue one request's spans already encoded (`otlp.span_bytes`), all or none; on the event loop."""
+        queue = self.queue
+        if len(queue) + len(spans) > self.queue_size:
+            self.on_drop("queue_full", len(spans))
+            return
+        queue.extend(spans)
+        if len(queue) >= self.batch:
             self.wake.set()
 
     def _run(self) -> None:
