@@ -211,7 +211,8 @@ def main() -> int:
         print(f"| {name} | " + " | ".join(f"{off:.1f} | {on:.1f}" for off, on in values) + " |")
 
     names = {"begin": "Recorder.begin", "flow": "flow calls (set_request ... delivered)", "finish": "finish",
-             "measure": "  of which measure()", "metrics": "  of which Metrics.record", "export_thread": "export thread",
+             "measure": "  of which measure()", "metrics": "  of which Metrics.record",
+             "export_thread": "export thread",
              "scan": "(stream scan, not telemetry)"}
     for part, name in names.items():
         if part == "export_thread":

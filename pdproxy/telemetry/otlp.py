@@ -291,9 +291,18 @@ def frame_prefix(resource: dict[str, Any], scope_name: str, scope_version: str) 
 
 def export_request(resource_field: bytes, scope_field: bytes, spans: list[bytes]) -> bytes:
     """An `ExportTraceServiceRequest` holding `spans` (already encoded) under one resource and scope."""
-    scope_spans = scope_field + b"".join(_field(b"\x12", s) for s in spans)
-    resource_spans = resource_field + _field(b"\x12", scope_spans)
-    return _field(b"\x0a", resource_spans)
+    return export_framed(resource_field, scope_field, b"".join([scope_span(s) for s in spans]))
+
+
+def scope_span(span: bytes) -> bytes:
+    """An encoded span as a field of ScopeSpans: how the export queue holds spans, so that the export
+    thread frames a batch with one join."""
+    return b"\x12" + _varint(len(span)) + span
+
+
+def export_framed(resource_field: bytes, scope_field: bytes, spans: bytes) -> bytes:
+    """`export_request` of spans already framed (`scope_span`) and concatenated."""
+    return _field(b"\x0a", resource_field + _field(b"\x12", scope_field + spans))
 
 
 # -- transports --------------------------------------------------------------------------------

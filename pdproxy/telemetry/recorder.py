@@ -19,9 +19,9 @@ from pdproxy.telemetry.clock import now, to_unix_ns
 from pdproxy.telemetry.measure import Measurement, Timeline, measure, stall_gaps
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import MAX_NAME_LENGTH, OTHER, ModelNames
-from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData, attribute_block, attribute_fields,
-                                    context_fields, events_field, links_field, span_bytes, span_head, status_tail,
-                                    trace_field)
+from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData, attribute_block,
+                                    attribute_fields, context_fields, events_field, links_field, scope_span,
+                                    span_bytes, span_head, status_tail, trace_field)
 from pdproxy.telemetry.stalls import Activity, Attributed, InstanceRecord, StallRecords, marked_cause, span_links
 from pdproxy.telemetry.tracing import TraceIds, Tracing
 
@@ -374,9 +374,9 @@ class RequestTrace:
         # semconv's `{operation} {model}` for a known model; the operation alone otherwise (bounded names)
         name = self.operation if self.model_label == OTHER else f"{self.operation} {self.model_label}"
         trace = trace_field(ids.trace_id)
-        spans = [span_bytes(trace, ids.root, context_fields(ids.tracestate, ids.parent_span_id),
-                            span_head(name, KIND_SERVER), to_unix_ns(t.received), to_unix_ns(end),
-                            self._root_fields(m, error is not None), status_tail(error, ids.parent_remote))]
+        spans = [scope_span(span_bytes(trace, ids.root, context_fields(ids.tracestate, ids.parent_span_id),
+                                       span_head(name, KIND_SERVER), to_unix_ns(t.received), to_unix_ns(end),
+                                       self._root_fields(m, error is not None), status_tail(error, ids.parent_remote)))]
         context = context_fields(ids.tracestate, ids.root)  # every stage span's: a child of the root
         bounds = m.bounds
         if self.pd_mode and t.decode_sent is not None and DECODE not in bounds:
@@ -409,8 +409,8 @@ class RequestTrace:
             fields = self._stage_block(stage, decision)
             if measured:
                 fields += attribute_fields(measured)
-            spans.append(span_bytes(trace, span_id or random.getrandbits(64), context, _STAGE_HEADS[stage],
-                                    to_unix_ns(start), to_unix_ns(stop), fields, tail))
+            spans.append(scope_span(span_bytes(trace, span_id or random.getrandbits(64), context, _STAGE_HEADS[stage],
+                                               to_unix_ns(start), to_unix_ns(stop), fields, tail)))
         if self.recorder.tracing is not None:  # it is whenever there are ids
             self.recorder.tracing.emit_encoded(spans)
 
@@ -447,7 +447,8 @@ class RequestTrace:
         if self.migration_refusal:
             a.append((n.MIGRATION_INELIGIBLE, self.migration_refusal))
         if self.model is not None and self.model != self.model_label:
-            a.append((n.REQUESTED_MODEL, self.model[:MAX_NAME_LENGTH]))  # for reading the trace; no collector keys on it
+            # for reading the trace; no collector keys on it
+            a.append((n.REQUESTED_MODEL, self.model[:MAX_NAME_LENGTH]))
         if m.ttft is not None:
             a.append(("gen_ai.response.time_to_first_chunk", m.ttft))
         scan = self.scan
@@ -462,8 +463,8 @@ class RequestTrace:
         if scan.finish_reasons:
             a.append(("gen_ai.response.finish_reasons", scan.finish_reasons))
         if m.gaps:
-            a += ((n.ITL_UNIT, m.itl_unit), (n.ITL_COUNT, len(m.gaps)), (n.ITL_MEAN, m.itl_mean), (n.ITL_P50, m.itl_p50),
-                  (n.ITL_P99, m.itl_p99), (n.ITL_MAX, m.itl_max), (n.STALLS, m.stalls))
+            a += ((n.ITL_UNIT, m.itl_unit), (n.ITL_COUNT, len(m.gaps)), (n.ITL_MEAN, m.itl_mean),
+                  (n.ITL_P50, m.itl_p50), (n.ITL_P99, m.itl_p99), (n.ITL_MAX, m.itl_max), (n.STALLS, m.stalls))
         if failed:
             a.append(("error.type", m.error_type))
         return fields + attribute_fields(a)
