@@ -191,11 +191,20 @@ def attribute_fields(items: Iterable[tuple[str, Any]]) -> bytes:
 def attribute_block(key: tuple, items: Callable[[], Iterable[tuple[str, Any]]]) -> bytes:
     """The encoded fields of `items()`, attributes that repeat across requests, looked up by `key`
     (the values that determine them): built and encoded once per distinct key, bounded."""
-    block = _BLOCKS.get(key)
-    if block is None:
-        block = attribute_fields(items())
-        if len(_BLOCKS) < _PAIRS_MAX:
-            _BLOCKS[key] = block
+    block = known_block(key)
+    return new_block(key, items()) if block is None else block
+
+
+def known_block(key: tuple) -> bytes | None:
+    """`attribute_block` in two steps, without a closure per call: the block of `key` if encoded before..."""
+    return _BLOCKS.get(key)
+
+
+def new_block(key: tuple, items: Iterable[tuple[str, Any]]) -> bytes:
+    """... else encode `items` and keep them as the block of `key` (bounded)."""
+    block = attribute_fields(items)
+    if len(_BLOCKS) < _PAIRS_MAX:
+        _BLOCKS[key] = block
     return block
 
 

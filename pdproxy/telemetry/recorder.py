@@ -19,8 +19,8 @@ from pdproxy.telemetry.clock import now, to_unix_ns
 from pdproxy.telemetry.measure import Measurement, Timeline, measure, stall_gaps
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import MAX_NAME_LENGTH, OTHER, ModelNames
-from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData, attribute_block,
-                                    attribute_fields, context_fields, events_field, links_field, scope_span,
+from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData, attribute_fields,
+                                    context_fields, events_field, known_block, links_field, new_block, scope_span,
                                     span_bytes, span_head, status_tail, trace_field)
 from pdproxy.telemetry.stalls import Activity, Attributed, InstanceRecord, StallRecords, marked_cause, span_links
 from pdproxy.telemetry.tracing import TraceIds, Tracing
@@ -435,7 +435,9 @@ class RequestTrace:
         run = self.recorder.run_label
         key = ("root", self.operation, self.model_label, self.pd_mode, self.deployment, m.status, run,
                self.prefill_instance, self.decode_instance, m.failed_stage, self.kv_params)
-        fields = attribute_block(key, lambda: self._repeating_root_attributes(m).items())
+        fields = known_block(key)
+        if fields is None:
+            fields = new_block(key, self._repeating_root_attributes(m).items())
         a: list[tuple[str, Any]] = [(n.REQUEST_ID, self.request_id), (n.E2E, m.e2e), (n.CHUNKS, m.chunks)]
         a += self.request_attrs.items()
         if self.decode_attempts:
@@ -506,7 +508,10 @@ class RequestTrace:
             address = status = attempts = None
         policy = (decision.policy, decision.reason) if decision is not None else None
         key = (stage, self.model_label, self.deployment, address, status, attempts, policy)
-        return attribute_block(key, lambda: self._stage_attributes(stage, address, status, attempts, policy).items())
+        block = known_block(key)
+        if block is None:
+            block = new_block(key, self._stage_attributes(stage, address, status, attempts, policy).items())
+        return block
 
     def _stage_attributes(self, stage: str, address: str | None, status: int | None, attempts: int | None,
                           policy: tuple[str, str] | None) -> dict[str, Any]:
