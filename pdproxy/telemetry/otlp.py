@@ -24,13 +24,16 @@ import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 from urllib.parse import unquote, urlsplit
 
 # OTLP enums
-KIND_INTERNAL, KIND_SERVER, KIND_CLIENT = 1, 2, 3
-STATUS_ERROR = 2
-_FLAG_HAS_IS_REMOTE, _FLAG_IS_REMOTE = 0x100, 0x200
+KIND_INTERNAL: Final = 1
+KIND_SERVER: Final = 2
+KIND_CLIENT: Final = 3
+STATUS_ERROR: Final = 2
+_FLAG_HAS_IS_REMOTE: Final = 0x100
+_FLAG_IS_REMOTE: Final = 0x200
 
 
 @dataclass(slots=True)
@@ -58,7 +61,7 @@ class SpanData:
 
 # -- protobuf wire format --------------------------------------------------------------------
 
-_SMALL = [bytes([n]) for n in range(128)]
+_SMALL: Final = [bytes([n]) for n in range(128)]
 
 
 def _varint(n: int) -> bytes:
@@ -92,9 +95,9 @@ def _any(value: Any) -> bytes:
     return _field(b"\x0a", str(value).encode())
 
 
-_KEYS: dict[str, bytes] = {}
-_PAIRS: dict[tuple[str, type, Any], bytes] = {}  # whole attribute fields of repeating (key, value) pairs
-_PAIRS_MAX = 4096
+_KEYS: Final[dict[str, bytes]] = {}
+_PAIRS: Final[dict[tuple[str, type, Any], bytes]] = {}  # whole attribute fields of repeating (key, value) pairs
+_PAIRS_MAX: Final = 4096
 
 
 def _key(key: str) -> bytes:
@@ -125,7 +128,7 @@ def attribute(tag: bytes, key: str, value: Any, repeats: bool) -> bytes:
 
 
 # attributes whose values come from a small set, worth caching (see `attribute`)
-REPEATING = frozenset({
+REPEATING: Final = frozenset({
     "gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model", "gen_ai.request.stream",
     "gen_ai.request.max_tokens", "gen_ai.request.temperature", "gen_ai.request.top_p", "pd.mode", "pd.deployment",
     "pd.run", "pd.prefill.instance", "pd.decode.instance", "pd.kv_transfer_params", "pd.itl.unit",
@@ -134,8 +137,8 @@ REPEATING = frozenset({
 })
 
 
-_FLOAT_PREFIX: dict[str, bytes] = {}
-_pack_double = struct.Struct("<d").pack
+_FLOAT_PREFIX: Final[dict[str, bytes]] = {}
+_pack_double: Final = struct.Struct("<d").pack
 
 
 def _float_prefix(key: str) -> bytes:
@@ -144,8 +147,8 @@ def _float_prefix(key: str) -> bytes:
     return b"\x4a" + _varint(len(k) + 11) + k + b"\x12\x09\x21"
 
 
-_INT_PREFIXES: dict[str, list[bytes]] = {}
-_INT_LIMIT = 1 << 63  # from 0 up to this, an int's varint is the AnyValue's as it is (no two's complement)
+_INT_PREFIXES: Final[dict[str, list[bytes]]] = {}
+_INT_LIMIT: Final = 1 << 63  # from 0 up to this, an int's varint is the AnyValue's as it is (no two's complement)
 
 
 def _int_prefixes(key: str) -> list[bytes]:
@@ -154,15 +157,34 @@ def _int_prefixes(key: str) -> list[bytes]:
     return [b"\x4a" + _varint(len(k) + 3 + size) + k + b"\x12" + _SMALL[1 + size] + b"\x18" for size in range(11)]
 
 
-def _str_field(key: str, value: str) -> bytes:
-    """A string attribute's field: `_field(tag, key_value(key, value))` without the calls."""
+def str_attribute(key: str, value: str) -> bytes:
+    """A string attribute's field, uncached (ids): `_field(tag, key_value(key, value))` without the calls."""
     raw = value.encode()
     body = b"\x0a" + _varint(len(raw)) + raw
     kv = _key(key) + b"\x12" + _varint(len(body)) + body
     return b"\x4a" + _varint(len(kv)) + kv
 
 
-_BLOCKS: dict[tuple, bytes] = {}  # the fields of a span's `repeating` attributes, by those (key, value) pairs
+def float_attribute(key: str, value: float) -> bytes:
+    """A double attribute's field (the measurements: most of a root span's attributes)."""
+    prefix = _FLOAT_PREFIX.get(key)
+    if prefix is None:
+        prefix = _FLOAT_PREFIX[key] = _float_prefix(key)
+    return prefix + _pack_double(value)
+
+
+def int_attribute(key: str, value: int) -> bytes:
+    """An int attribute's field (counts, tokens, ports, statuses)."""
+    if not 0 <= value < _INT_LIMIT:
+        return attribute(b"\x4a", key, value, False)
+    prefixes = _INT_PREFIXES.get(key)
+    if prefixes is None:
+        prefixes = _INT_PREFIXES[key] = _int_prefixes(key)
+    number = _varint(value)
+    return prefixes[len(number)] + number
+
+
+_BLOCKS: Final[dict[tuple, bytes]] = {}  # the fields of a span's `repeating` attributes, by those (key, value) pairs
 
 
 def attribute_fields(items: Iterable[tuple[str, Any]]) -> bytes:
@@ -170,19 +192,12 @@ def attribute_fields(items: Iterable[tuple[str, Any]]) -> bytes:
     out: list[bytes] = []
     for k, v in items:
         kind = type(v)
-        if kind is float:  # the measurements: most of a root span's attributes
-            prefix = _FLOAT_PREFIX.get(k)
-            if prefix is None:
-                prefix = _FLOAT_PREFIX[k] = _float_prefix(k)
-            out += (prefix, _pack_double(v))
-        elif kind is int and 0 <= v < _INT_LIMIT:  # counts, tokens, ports, statuses
-            prefixes = _INT_PREFIXES.get(k)
-            if prefixes is None:
-                prefixes = _INT_PREFIXES[k] = _int_prefixes(k)
-            number = _varint(v)
-            out += (prefixes[len(number)], number)
-        elif kind is str and k not in REPEATING:  # ids
-            out.append(_str_field(k, v))
+        if kind is float:
+            out.append(float_attribute(k, v))
+        elif kind is int:
+            out.append(int_attribute(k, v))
+        elif kind is str and k not in REPEATING:
+            out.append(str_attribute(k, v))
         else:
             out.append(attribute(b"\x4a", k, v, k in REPEATING))
     return b"".join(out)
@@ -226,10 +241,11 @@ def encode_span(s: SpanData) -> bytes:
 # A span's bytes in parts, so that the recorder builds a request's spans straight from its fields and
 # encodes what its spans share (trace id, context, the stage spans' names and kinds) once.
 
-_TIMES = struct.Struct("<BQBQ").pack  # start_time_unix_nano (field 7) and end_time_unix_nano (8), fixed64
-_HEADS: dict[tuple[str, int], bytes] = {}
-_OK_TAILS = {remote: b"\x7a\x00\x85\x01" + struct.pack("<I", _FLAG_HAS_IS_REMOTE | (_FLAG_IS_REMOTE if remote else 0))
-             for remote in (False, True)}  # an explicit (unset) status and the flags, as the SDK sends them
+_TIMES: Final = struct.Struct("<BQBQ").pack  # start_time_unix_nano (field 7) and end_time_unix_nano (8), fixed64
+_HEADS: Final[dict[tuple[str, int], bytes]] = {}
+# an explicit (unset) status and the flags, as the SDK sends them; by whether the parent is remote
+_OK_TAILS: Final = {remote: b"\x7a\x00\x85\x01" + struct.pack("<I", _FLAG_HAS_IS_REMOTE | (remote and _FLAG_IS_REMOTE))
+                    for remote in (False, True)}
 
 
 def trace_field(trace_id: int) -> bytes:

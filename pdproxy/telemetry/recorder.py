@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from typing import Any
+from typing import Any, Final
 
 from pdproxy.errors import DECODE, KV_TRANSFER, PREFILL, QUEUE
 from pdproxy.stream import ResponseScan
@@ -20,18 +20,19 @@ from pdproxy.telemetry.measure import Measurement, Timeline, measure, stall_gaps
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import MAX_NAME_LENGTH, OTHER, ModelNames
 from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData, attribute_fields,
-                                    context_fields, events_field, known_block, links_field, new_block, scope_span,
-                                    span_bytes, span_head, status_tail, trace_field)
+                                    context_fields, events_field, float_attribute, int_attribute, known_block,
+                                    links_field, new_block, scope_span, span_bytes, span_head, status_tail,
+                                    str_attribute, trace_field)
 from pdproxy.telemetry.stalls import Activity, Attributed, InstanceRecord, StallRecords, marked_cause, span_links
 from pdproxy.telemetry.tracing import TraceIds, Tracing
 
 log = logging.getLogger("pdproxy.recorder")
 
-CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"
-_STAGE_SPANS = {QUEUE: (n.QUEUE_SPAN, KIND_INTERNAL), PREFILL: (n.PREFILL_SPAN, KIND_CLIENT),
-                KV_TRANSFER: (n.KV_TRANSFER_SPAN, KIND_INTERNAL), DECODE: (n.DECODE_SPAN, KIND_CLIENT)}
-_STAGE_HEADS = {stage: span_head(name, kind) for stage, (name, kind) in _STAGE_SPANS.items()}
-_OK_TAIL = status_tail(None, False)
+CLIENT_CLOSED: Final = 499  # nginx's convention for "client closed the request"
+_STAGE_SPANS: Final = {QUEUE: (n.QUEUE_SPAN, KIND_INTERNAL), PREFILL: (n.PREFILL_SPAN, KIND_CLIENT),
+                       KV_TRANSFER: (n.KV_TRANSFER_SPAN, KIND_INTERNAL), DECODE: (n.DECODE_SPAN, KIND_CLIENT)}
+_STAGE_HEADS: Final = {stage: span_head(name, kind) for stage, (name, kind) in _STAGE_SPANS.items()}
+_OK_TAIL: Final = status_tail(None, False)
 
 
 class Recorder:
@@ -438,38 +439,43 @@ class RequestTrace:
         fields = known_block(key)
         if fields is None:
             fields = new_block(key, self._repeating_root_attributes(m).items())
-        a: list[tuple[str, Any]] = [(n.REQUEST_ID, self.request_id), (n.E2E, m.e2e), (n.CHUNKS, m.chunks)]
-        a += self.request_attrs.items()
+        a = [fields, str_attribute(n.REQUEST_ID, self.request_id), float_attribute(n.E2E, m.e2e),
+             int_attribute(n.CHUNKS, m.chunks)]
+        if self.request_attrs:
+            a.append(attribute_fields(self.request_attrs.items()))
         if self.decode_attempts:
-            a.append((n.MIGRATIONS, len(self.migrations)))
+            a.append(int_attribute(n.MIGRATIONS, len(self.migrations)))
         if self.prefill_reruns:
-            a.append((n.PREFILL_RERUNS, self.prefill_reruns))
+            a.append(int_attribute(n.PREFILL_RERUNS, self.prefill_reruns))
         if self.abandoned_handoffs:
-            a.append((n.HANDOFFS_ABANDONED, len(self.abandoned_handoffs)))
+            a.append(int_attribute(n.HANDOFFS_ABANDONED, len(self.abandoned_handoffs)))
         if self.migration_refusal:
-            a.append((n.MIGRATION_INELIGIBLE, self.migration_refusal))
+            a.append(str_attribute(n.MIGRATION_INELIGIBLE, self.migration_refusal))
         if self.model is not None and self.model != self.model_label:
             # for reading the trace; no collector keys on it
-            a.append((n.REQUESTED_MODEL, self.model[:MAX_NAME_LENGTH]))
+            a.append(str_attribute(n.REQUESTED_MODEL, self.model[:MAX_NAME_LENGTH]))
         if m.ttft is not None:
-            a.append(("gen_ai.response.time_to_first_chunk", m.ttft))
+            a.append(float_attribute("gen_ai.response.time_to_first_chunk", m.ttft))
         scan = self.scan
         if scan.response_id is not None:
-            a.append(("gen_ai.response.id", scan.response_id))
+            a.append(str_attribute("gen_ai.response.id", scan.response_id))
         if m.input_tokens is not None:
-            a.append(("gen_ai.usage.input_tokens", m.input_tokens))
+            a.append(int_attribute("gen_ai.usage.input_tokens", m.input_tokens))
         if m.output_tokens is not None:
-            a.append(("gen_ai.usage.output_tokens", m.output_tokens))
+            a.append(int_attribute("gen_ai.usage.output_tokens", m.output_tokens))
         if m.tpot is not None:
-            a.append((n.TPOT, m.tpot))
+            a.append(float_attribute(n.TPOT, m.tpot))
         if scan.finish_reasons:
-            a.append(("gen_ai.response.finish_reasons", scan.finish_reasons))
-        if m.gaps:
-            a += ((n.ITL_UNIT, m.itl_unit), (n.ITL_COUNT, len(m.gaps)), (n.ITL_MEAN, m.itl_mean),
-                  (n.ITL_P50, m.itl_p50), (n.ITL_P99, m.itl_p99), (n.ITL_MAX, m.itl_max), (n.STALLS, m.stalls))
+            a.append(attribute_fields((("gen_ai.response.finish_reasons", scan.finish_reasons),)))
+        if m.gaps and m.itl_mean is not None and m.itl_p50 is not None and m.itl_p99 is not None \
+                and m.itl_max is not None:  # measure() sets them all together
+            a += (attribute_fields(((n.ITL_UNIT, m.itl_unit),)), int_attribute(n.ITL_COUNT, len(m.gaps)),
+                  float_attribute(n.ITL_MEAN, m.itl_mean), float_attribute(n.ITL_P50, m.itl_p50),
+                  float_attribute(n.ITL_P99, m.itl_p99), float_attribute(n.ITL_MAX, m.itl_max),
+                  int_attribute(n.STALLS, m.stalls))
         if failed:
-            a.append(("error.type", m.error_type))
-        return fields + attribute_fields(a)
+            a.append(attribute_fields((("error.type", m.error_type),)))
+        return b"".join(a)
 
     def _repeating_root_attributes(self, m: Measurement) -> dict[str, Any]:
         a: dict[str, Any] = {
