@@ -21,9 +21,8 @@ import os
 import select
 import ssl
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any, Final, Protocol
 from urllib.parse import unquote, urlsplit
 
@@ -53,10 +52,6 @@ class SpanData:
     parent_remote: bool = False
     events: list[tuple[int, str, dict[str, Any]]] | None = None  # (unix ns, name, attributes)
     links: list[tuple[int, int, dict[str, Any]]] | None = None  # (trace id, span id, attributes)
-    # the first `repeating` attributes have values that repeat across requests (model, instance, status...;
-    # no measurements or ids; a key's value always of one type): their encoding is cached per distinct set
-    repeating: int = 0
-    encoded: bytes = b""  # attribute fields already encoded (`attribute_block`), sent before `attributes`
 
 
 # -- protobuf wire format --------------------------------------------------------------------
@@ -184,7 +179,7 @@ def int_attribute(key: str, value: int) -> bytes:
     return prefixes[len(number)] + number
 
 
-_BLOCKS: Final[dict[tuple, bytes]] = {}  # the fields of a span's `repeating` attributes, by those (key, value) pairs
+_BLOCKS: Final[dict[tuple, bytes]] = {}  # see `known_block`
 
 
 def attribute_fields(items: Iterable[tuple[str, Any]]) -> bytes:
@@ -203,20 +198,14 @@ def attribute_fields(items: Iterable[tuple[str, Any]]) -> bytes:
     return b"".join(out)
 
 
-def attribute_block(key: tuple, items: Callable[[], Iterable[tuple[str, Any]]]) -> bytes:
-    """The encoded fields of `items()`, attributes that repeat across requests, looked up by `key`
-    (the values that determine them): built and encoded once per distinct key, bounded."""
-    block = known_block(key)
-    return new_block(key, items()) if block is None else block
-
-
 def known_block(key: tuple) -> bytes | None:
-    """`attribute_block` in two steps, without a closure per call: the block of `key` if encoded before..."""
+    """The encoded fields of attributes that repeat across requests, by `key` (the values that determine
+    them), when encoded before (`new_block`)..."""
     return _BLOCKS.get(key)
 
 
 def new_block(key: tuple, items: Iterable[tuple[str, Any]]) -> bytes:
-    """... else encode `items` and keep them as the block of `key` (bounded)."""
+    """... else: `items` encoded, and kept as the block of `key` (bounded)."""
     block = attribute_fields(items)
     if len(_BLOCKS) < _PAIRS_MAX:
         _BLOCKS[key] = block
@@ -225,16 +214,8 @@ def new_block(key: tuple, items: Iterable[tuple[str, Any]]) -> bytes:
 
 def encode_span(s: SpanData) -> bytes:
     """The bytes of one `Span` message."""
-    items = s.attributes.items()
-    if s.repeating:
-        key = tuple(islice(items, s.repeating))
-        attributes = s.encoded + attribute_block(key, lambda: key)
-        if len(key) < len(s.attributes):
-            attributes += attribute_fields(islice(items, s.repeating, None))
-    else:
-        attributes = s.encoded + attribute_fields(items)
     return span_bytes(trace_field(s.trace_id), s.span_id, context_fields(s.trace_state, s.parent_id),
-                      span_head(s.name, s.kind), s.start_ns, s.end_ns, attributes,
+                      span_head(s.name, s.kind), s.start_ns, s.end_ns, attribute_fields(s.attributes.items()),
                       events_field(s.events) + links_field(s.links) + status_tail(s.error, s.parent_remote))
 
 
