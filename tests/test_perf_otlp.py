@@ -13,7 +13,7 @@ from pdproxy.telemetry.otlp import KIND_CLIENT, KIND_SERVER, SpanData, encode_sp
 TRACE, ROOT, CHILD, CLIENT_SPAN = 0x0AF7651916CD43DD8448EB211C80319C, 0x1111, 0x2222, 0xB7AD6B7169203331
 ATTRS = {"gen_ai.operation.name": "chat", "gen_ai.request.stream": True, "gen_ai.usage.output_tokens": 300,
          "pd.itl.p99": 0.0123, "gen_ai.response.finish_reasons": ["length", "stop"], "server.port": 8100,
-         "negative": -7, "unicode": "é中"}
+         "negative": -7, "unicode": "é中", "pd.request_id": "r" * 200, "pd.chunks": 0, "big": 2**40}
 RESOURCE = {"service.name": "pdproxy", "pd.run": "r1", "pd.prefill.count": 2}
 
 

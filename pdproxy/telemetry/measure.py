@@ -71,6 +71,7 @@ class Measurement:
     decode_headers_wait: float | None = None
     decode_queue_time: float | None = None
     kv_estimated: float | None = None
+    bounds: dict[str, tuple[int, int]] = field(default_factory=dict)  # each stage's (start, end) monotonic ns
 
 
 def percentile(ordered: list[float], q: float) -> float:
@@ -130,9 +131,10 @@ def measure(
     stall_threshold: float,
 ) -> Measurement:
     end = t.end if t.end is not None else t.received
-    stages = {name: seconds(a, b) for name, (a, b) in t.stage_bounds(pd_mode).items()}
+    bounds = t.stage_bounds(pd_mode)
+    stages = {name: seconds(a, b) for name, (a, b) in bounds.items()}
     m = Measurement(ok=error_type is None, status=status, failed_stage=failed_stage, error_type=error_type,
-                    stages=stages, e2e=seconds(t.received, end))
+                    stages=stages, e2e=seconds(t.received, end), bounds=bounds)
     if t.first_token is not None:
         m.ttft = seconds(t.received, t.first_token)
     m.chunks = len(chunk_times)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from typing import Any
+from typing import Any, Final
 
 from pdproxy.errors import DECODE, KV_TRANSFER, PREFILL, QUEUE
 from pdproxy.stream import ResponseScan
@@ -19,15 +19,20 @@ from pdproxy.telemetry.clock import now, to_unix_ns
 from pdproxy.telemetry.measure import Measurement, Timeline, measure, stall_gaps
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import MAX_NAME_LENGTH, OTHER, ModelNames
-from pdproxy.telemetry.otlp import KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData, attribute_block
+from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData, attribute_fields,
+                                    context_fields, events_field, float_attribute, int_attribute, known_block,
+                                    links_field, new_block, scope_span, span_bytes, span_head, status_tail,
+                                    str_attribute, trace_field)
 from pdproxy.telemetry.stalls import Activity, Attributed, InstanceRecord, StallRecords, marked_cause, span_links
 from pdproxy.telemetry.tracing import TraceIds, Tracing
 
 log = logging.getLogger("pdproxy.recorder")
 
-CLIENT_CLOSED = 499  # nginx's convention for "client closed the request"
-_STAGE_SPANS = {QUEUE: (n.QUEUE_SPAN, KIND_INTERNAL), PREFILL: (n.PREFILL_SPAN, KIND_CLIENT),
-                KV_TRANSFER: (n.KV_TRANSFER_SPAN, KIND_INTERNAL), DECODE: (n.DECODE_SPAN, KIND_CLIENT)}
+CLIENT_CLOSED: Final = 499  # nginx's convention for "client closed the request"
+_STAGE_SPANS: Final = {QUEUE: (n.QUEUE_SPAN, KIND_INTERNAL), PREFILL: (n.PREFILL_SPAN, KIND_CLIENT),
+                       KV_TRANSFER: (n.KV_TRANSFER_SPAN, KIND_INTERNAL), DECODE: (n.DECODE_SPAN, KIND_CLIENT)}
+_STAGE_HEADS: Final = {stage: span_head(name, kind) for stage, (name, kind) in _STAGE_SPANS.items()}
+_OK_TAIL: Final = status_tail(None, False)
 
 
 class Recorder:
@@ -362,42 +367,53 @@ class RequestTrace:
         return PREFILL
 
     def _emit_spans(self, ids: TraceIds, m: Measurement, stalls: list[Attributed]) -> None:
+        """The request's spans, encoded straight from its fields: what its spans share (trace id,
+        context) encoded once, the attributes that repeat across requests looked up ready encoded."""
         t = self.t
         end = t.end if t.end is not None else t.received  # finish() has set it
         error = self.error_message if not m.ok else None
         # semconv's `{operation} {model}` for a known model; the operation alone otherwise (bounded names)
         name = self.operation if self.model_label == OTHER else f"{self.operation} {self.model_label}"
-        root_attributes, repeating = self._root_attributes(m)
-        spans = [SpanData(name, KIND_SERVER, ids.trace_id, ids.root, ids.parent_span_id,
-                          to_unix_ns(t.received), to_unix_ns(end), root_attributes, error, ids.tracestate,
-                          ids.parent_remote, repeating=repeating)]
-        if error is not None:
-            spans[0].attributes["error.type"] = m.error_type
-        bounds = t.stage_bounds(self.pd_mode)
+        trace = trace_field(ids.trace_id)
+        spans = [scope_span(span_bytes(trace, ids.root, context_fields(ids.tracestate, ids.parent_span_id),
+                                       span_head(name, KIND_SERVER), to_unix_ns(t.received), to_unix_ns(end),
+                                       self._root_fields(m, error is not None), status_tail(error, ids.parent_remote)))]
+        context = context_fields(ids.tracestate, ids.root)  # every stage span's: a child of the root
+        bounds = m.bounds
         if self.pd_mode and t.decode_sent is not None and DECODE not in bounds:
-            bounds[DECODE] = (end, end)  # the decode leg was sent: keep vLLM's span's parent in the trace
-        for stage, (start, end) in bounds.items():
-            name, kind = _STAGE_SPANS[stage]
-            span_id = {PREFILL: ids.prefill, DECODE: ids.decode if self.pd_mode else None}.get(stage)
-            leg = {PREFILL: PREFILL if self.pd_mode else DECODE, DECODE: DECODE}.get(stage)
+            bounds = {**bounds, DECODE: (end, end)}  # the decode leg was sent: keep vLLM's span's parent in the trace
+        for stage, (start, stop) in bounds.items():
+            span_id, leg = None, None
+            if stage == PREFILL:
+                span_id, leg = ids.prefill, PREFILL if self.pd_mode else DECODE
+            elif stage == DECODE:
+                span_id, leg = ids.decode if self.pd_mode else None, DECODE
             decision = self.routes.get(leg) if leg is not None else None
-            span = SpanData(name, kind, ids.trace_id, span_id or random.getrandbits(64), ids.root, to_unix_ns(start),
-                            to_unix_ns(end), self._stage_measurements(stage, m, decision), trace_state=ids.tracestate,
-                            encoded=self._stage_block(stage, decision))
+            measured = self._stage_measurements(stage, m, decision)
+            events: list[tuple[int, str, dict[str, Any]]] | None = None
+            links = None
             if stage == PREFILL and self.prefill_events:
-                span.events = [(to_unix_ns(at), name, attributes) for at, name, attributes in self.prefill_events]
+                events = [(to_unix_ns(at), label, attrs) for at, label, attrs in self.prefill_events]
             if stage == DECODE:
-                attempts = [(to_unix_ns(at), name, attributes) for at, name, attributes in self.attempt_events]
-                span.events = attempts + (self._stall_events(stalls) if m.stalls else [])
+                events = [(to_unix_ns(at), label, attrs) for at, label, attrs in self.attempt_events]
+                if m.stalls:
+                    events += self._stall_events(stalls)
                 if stalls:
-                    span.links = span_links(stalls, n.MAX_STALL_LINKS)
-                    span.attributes.update(_stall_times(stalls))
+                    links = span_links(stalls, n.MAX_STALL_LINKS)
+                    measured += _stall_times(stalls).items()
+            tail = _OK_TAIL
             if stage == m.failed_stage:
-                span.error = self.error_message
-                span.attributes["error.type"] = m.error_type
-            spans.append(span)
+                measured.append(("error.type", m.error_type))
+                tail = status_tail(self.error_message, False)
+            if events or links:
+                tail = events_field(events) + links_field(links) + tail
+            fields = self._stage_block(stage, decision)
+            if measured:
+                fields += attribute_fields(measured)
+            spans.append(scope_span(span_bytes(trace, span_id or random.getrandbits(64), context, _STAGE_HEADS[stage],
+                                               to_unix_ns(start), to_unix_ns(stop), fields, tail)))
         if self.recorder.tracing is not None:  # it is whenever there are ids
-            self.recorder.tracing.emit(spans)
+            self.recorder.tracing.emit_encoded(spans)
 
     def _stall_events(self, stalls: list[Attributed]) -> list[tuple[int, str, dict[str, Any]]]:
         """Each stall's time and length on pd.decode (the longest ones), with its cause when attributed."""
@@ -414,9 +430,54 @@ class RequestTrace:
             n.STALL_DURATION: s.duration, n.STALL_TOKENS: s.tokens, n.STALL_CAUSE: s.cause,
             n.STALL_CULPRITS: len(s.culprits), **_culprit_ids(s)}) for s in stalls]
 
-    def _root_attributes(self, m: Measurement) -> tuple[dict[str, Any], int]:
-        """The root span's attributes, and how many of the first ones repeat across requests (their
-        encoding is cached: see `SpanData.repeating`)."""
+    def _root_fields(self, m: Measurement, failed: bool) -> bytes:
+        """The root span's attributes, encoded: those that repeat across requests (operation, model,
+        mode, instances, status ...) as one block cached by their values, then the request's own."""
+        run = self.recorder.run_label
+        key = ("root", self.operation, self.model_label, self.pd_mode, self.deployment, m.status, run,
+               self.prefill_instance, self.decode_instance, m.failed_stage, self.kv_params)
+        fields = known_block(key)
+        if fields is None:
+            fields = new_block(key, self._repeating_root_attributes(m).items())
+        a = [fields, str_attribute(n.REQUEST_ID, self.request_id), float_attribute(n.E2E, m.e2e),
+             int_attribute(n.CHUNKS, m.chunks)]
+        if self.request_attrs:
+            a.append(attribute_fields(self.request_attrs.items()))
+        if self.decode_attempts:
+            a.append(int_attribute(n.MIGRATIONS, len(self.migrations)))
+        if self.prefill_reruns:
+            a.append(int_attribute(n.PREFILL_RERUNS, self.prefill_reruns))
+        if self.abandoned_handoffs:
+            a.append(int_attribute(n.HANDOFFS_ABANDONED, len(self.abandoned_handoffs)))
+        if self.migration_refusal:
+            a.append(str_attribute(n.MIGRATION_INELIGIBLE, self.migration_refusal))
+        if self.model is not None and self.model != self.model_label:
+            # for reading the trace; no collector keys on it
+            a.append(str_attribute(n.REQUESTED_MODEL, self.model[:MAX_NAME_LENGTH]))
+        if m.ttft is not None:
+            a.append(float_attribute("gen_ai.response.time_to_first_chunk", m.ttft))
+        scan = self.scan
+        if scan.response_id is not None:
+            a.append(str_attribute("gen_ai.response.id", scan.response_id))
+        if m.input_tokens is not None:
+            a.append(int_attribute("gen_ai.usage.input_tokens", m.input_tokens))
+        if m.output_tokens is not None:
+            a.append(int_attribute("gen_ai.usage.output_tokens", m.output_tokens))
+        if m.tpot is not None:
+            a.append(float_attribute(n.TPOT, m.tpot))
+        if scan.finish_reasons:
+            a.append(attribute_fields((("gen_ai.response.finish_reasons", scan.finish_reasons),)))
+        if m.gaps and m.itl_mean is not None and m.itl_p50 is not None and m.itl_p99 is not None \
+                and m.itl_max is not None:  # measure() sets them all together
+            a += (attribute_fields(((n.ITL_UNIT, m.itl_unit),)), int_attribute(n.ITL_COUNT, len(m.gaps)),
+                  float_attribute(n.ITL_MEAN, m.itl_mean), float_attribute(n.ITL_P50, m.itl_p50),
+                  float_attribute(n.ITL_P99, m.itl_p99), float_attribute(n.ITL_MAX, m.itl_max),
+                  int_attribute(n.STALLS, m.stalls))
+        if failed:
+            a.append(attribute_fields((("error.type", m.error_type),)))
+        return b"".join(a)
+
+    def _repeating_root_attributes(self, m: Measurement) -> dict[str, Any]:
         a: dict[str, Any] = {
             "gen_ai.operation.name": self.operation,
             "gen_ai.provider.name": "vllm",
@@ -434,29 +495,7 @@ class RequestTrace:
             n.KV_PARAMS: self.kv_params,
         }
         a.update({k: v for k, v in repeating.items() if v is not None})
-        count = len(a)
-        a.update({n.REQUEST_ID: self.request_id, n.E2E: m.e2e, n.CHUNKS: m.chunks, **self.request_attrs})
-        if self.decode_attempts:
-            a[n.MIGRATIONS] = len(self.migrations)
-        migration = {n.PREFILL_RERUNS: self.prefill_reruns, n.HANDOFFS_ABANDONED: len(self.abandoned_handoffs),
-                     n.MIGRATION_INELIGIBLE: self.migration_refusal}
-        a.update({k: v for k, v in migration.items() if v})
-        if self.model is not None and self.model != self.model_label:
-            a[n.REQUESTED_MODEL] = self.model[:MAX_NAME_LENGTH]  # for reading the trace; no collector keys on it
-        optional = {
-            "gen_ai.response.time_to_first_chunk": m.ttft,
-            "gen_ai.response.id": self.scan.response_id,
-            "gen_ai.usage.input_tokens": m.input_tokens,
-            "gen_ai.usage.output_tokens": m.output_tokens,
-            n.TPOT: m.tpot,
-        }
-        a.update({k: v for k, v in optional.items() if v is not None})
-        if self.scan.finish_reasons:
-            a["gen_ai.response.finish_reasons"] = self.scan.finish_reasons
-        if m.gaps:
-            a.update({n.ITL_UNIT: m.itl_unit, n.ITL_COUNT: len(m.gaps), n.ITL_MEAN: m.itl_mean, n.ITL_P50: m.itl_p50,
-                      n.ITL_P99: m.itl_p99, n.ITL_MAX: m.itl_max, n.STALLS: m.stalls})
-        return a, count
+        return a
 
     def _stage_block(self, stage: str, decision: Any) -> bytes:
         """A stage span's attributes that repeat across requests, encoded once per distinct set: every
@@ -475,7 +514,10 @@ class RequestTrace:
             address = status = attempts = None
         policy = (decision.policy, decision.reason) if decision is not None else None
         key = (stage, self.model_label, self.deployment, address, status, attempts, policy)
-        return attribute_block(key, lambda: self._stage_attributes(stage, address, status, attempts, policy).items())
+        block = known_block(key)
+        if block is None:
+            block = new_block(key, self._stage_attributes(stage, address, status, attempts, policy).items())
+        return block
 
     def _stage_attributes(self, stage: str, address: str | None, status: int | None, attempts: int | None,
                           policy: tuple[str, str] | None) -> dict[str, Any]:
@@ -491,20 +533,22 @@ class RequestTrace:
         return attrs
 
     @staticmethod
-    def _stage_measurements(stage: str, m: Measurement, decision: Any) -> dict[str, Any]:
+    def _stage_measurements(stage: str, m: Measurement, decision: Any) -> list[tuple[str, Any]]:
         """A stage span's attributes of this request alone: the KV hand-off's times, the routing
         decision's scores and matched prefix."""
-        attrs: dict[str, Any] = {}
+        attrs: list[tuple[str, Any]] = []
         if stage == KV_TRANSFER:
-            optional = {n.HANDOFF_GAP: m.handoff_gap, n.DECODE_HEADERS_WAIT: m.decode_headers_wait,
-                        n.DECODE_QUEUE_TIME: m.decode_queue_time, n.KV_ESTIMATED: m.kv_estimated}
-            attrs.update({k: v for k, v in optional.items() if v is not None})
+            for key, value in ((n.HANDOFF_GAP, m.handoff_gap), (n.DECODE_HEADERS_WAIT, m.decode_headers_wait),
+                               (n.DECODE_QUEUE_TIME, m.decode_queue_time), (n.KV_ESTIMATED, m.kv_estimated)):
+                if value is not None:
+                    attrs.append((key, value))
         if decision is not None:
             if decision.matched is not None:
-                attrs[n.ROUTE_MATCHED], attrs[n.ROUTE_MATCHED_UNIT] = decision.matched, decision.unit
-            scores = decision.scores()
-            if scores:
-                attrs[n.ROUTE_SCORES] = [f"{address}={score:g}" for address, score in scores.items()]
+                attrs += ((n.ROUTE_MATCHED, decision.matched), (n.ROUTE_MATCHED_UNIT, decision.unit))
+            if decision.compared:  # no instances compared, no scores
+                scores = decision.scores()
+                if scores:
+                    attrs.append((n.ROUTE_SCORES, [f"{address}={score:g}" for address, score in scores.items()]))
         return attrs
 
 

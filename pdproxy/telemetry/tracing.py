@@ -35,7 +35,7 @@ from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from pdproxy import __version__
-from pdproxy.telemetry.otlp import SpanData, encode_span, export_request, frame_prefix, otlp_transport
+from pdproxy.telemetry.otlp import SpanData, encode_span, export_framed, frame_prefix, otlp_transport, scope_span
 
 log = logging.getLogger("pdproxy.tracing")
 _propagator = TraceContextTextMapPropagator()
@@ -92,7 +92,7 @@ class Tracing:
         self.on_drop = on_drop
         self.delay = float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", 1000)) / 1000.0
         self.batch = min(MAX_BATCH, queue_size)
-        self.queue: deque[bytes] = deque()  # one encoded span per item; appended on the loop, popped by the worker
+        self.queue: deque[bytes] = deque()  # one framed span per item; appended on the loop, popped by the worker
         self.wake = threading.Event()
         self.stopping = False
         self.worker = threading.Thread(target=self._run, name="pdproxy-span-export", daemon=True)
@@ -132,8 +132,17 @@ class Tracing:
         if len(self.queue) + len(spans) > self.queue_size:
             self.on_drop("queue_full", len(spans))
             return
-        self.queue.extend([encode_span(s) for s in spans])
-        if len(self.queue) >= self.batch:
+        self.emit_encoded([scope_span(encode_span(s)) for s in spans])
+
+    def emit_encoded(self, spans: list[bytes]) -> None:
+        """Queue one request's spans already encoded and framed (`otlp.scope_span`), all or none;
+        called on the event loop."""
+        queue = self.queue
+        if len(queue) + len(spans) > self.queue_size:
+            self.on_drop("queue_full", len(spans))
+            return
+        queue.extend(spans)
+        if len(queue) >= self.batch and not self.wake.is_set():
             self.wake.set()
 
     def _run(self) -> None:
@@ -153,13 +162,9 @@ class Tracing:
     def _drain(self) -> None:
         queue = self.queue
         while queue:
-            batch: list[bytes] = []
-            try:
-                while len(batch) < self.batch:
-                    batch.append(queue.popleft())
-            except IndexError:
-                pass
-            payload = export_request(self.resource_field, self.scope_field, batch)
+            count = min(len(queue), self.batch)  # only this thread takes from the queue: it holds as many
+            payload = export_framed(self.resource_field, self.scope_field,
+                                    b"".join([queue.popleft() for _ in range(count)]))
             for sink in self.sinks:
                 try:
                     ok = sink.send(payload)
@@ -167,7 +172,7 @@ class Tracing:
                     log.warning("span export raised %s", exc)
                     ok = False
                 if not ok:
-                    self.on_drop("export_failed", len(batch))
+                    self.on_drop("export_failed", count)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Flush what can be flushed within `timeout`; a dead collector must not hold up exit. A worker
