@@ -128,6 +128,7 @@ async def _lifecycle(app: web.Application, settings: Settings):
         await shadow.close()
     await upstream.close()
     await session.close()
+    recorder.flush()  # records waiting for their stalls' attribution window, before their spans can go
     if tracing is not None:
         tracing.shutdown()
 

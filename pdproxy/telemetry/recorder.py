@@ -7,9 +7,11 @@ Prometheus observations — so the two outputs cannot disagree.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
+from collections.abc import Callable
 from typing import Any, Final
 
 from pdproxy.errors import DECODE, KV_TRANSFER, PREFILL, QUEUE
@@ -23,7 +25,8 @@ from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, Spa
                                     context_fields, events_field, float_attribute, int_attribute, known_block,
                                     links_field, new_block, scope_span, span_bytes, span_head, status_tail,
                                     str_attribute, trace_field)
-from pdproxy.telemetry.stalls import Activity, Attributed, InstanceRecord, StallRecords, marked_cause, span_links
+from pdproxy.telemetry.stalls import (TOLERANCE_NS, Activity, Attributed, InstanceRecord, StallRecords, marked_cause,
+                                      span_links)
 from pdproxy.telemetry.tracing import TraceIds, Tracing
 
 log = logging.getLogger("pdproxy.recorder")
@@ -48,6 +51,31 @@ class Recorder:
         self.capture_content = capture_content
         # refusals cost a client nothing to send: their traces are rate-limited, their counts are not
         self.refusal_traces = RateLimit(rejected_trace_rate)
+        self._deferred: dict[int, tuple[asyncio.TimerHandle, Callable[[], None]]] = {}
+        self._next_deferred = 0
+
+    def defer(self, seconds: float, complete: Callable[[], None]) -> None:
+        """Run `complete` (the end of a request's record) in `seconds`, or at `flush()` if sooner;
+        at once when no event loop runs."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            complete()
+            return
+        key = self._next_deferred
+        self._next_deferred += 1
+        self._deferred[key] = (loop.call_later(seconds, self._run_deferred, key), complete)
+
+    def _run_deferred(self, key: int) -> None:
+        _, complete = self._deferred.pop(key)
+        complete()
+
+    def flush(self) -> None:
+        """Complete every deferred record now (before the span exporter shuts down)."""
+        for handle, complete in self._deferred.values():
+            handle.cancel()
+            complete()
+        self._deferred.clear()
 
     def begin(self, *, route: str, operation: str, chat: bool, headers: Any, request_id: str, pd_mode: bool,
               deployment: str = "primary", parent_ids: TraceIds | None = None) -> RequestTrace:
@@ -296,21 +324,39 @@ class RequestTrace:
         models = self.recorder.models
         answered = self.scan.response_model if m.ok else None  # picks among known names, never adds one
         self.model_label = models.label(self.model, answered)
+        self._end_activity(self.t.first_token or self.t.end or now(), m.input_tokens)
+        traced = self.ids is not None and self.ids.sampled and self._trace_allowed(m)
+        trace_id = f"{self.ids.trace_id:032x}" if traced and self.ids is not None else None
+        mode = "pd" if self.pd_mode else "single"
+        self.recorder.metrics.record(m, self.route, self.model_label, mode, self.deployment, trace_id)
+        if self.migrations or self.abandoned_handoffs:
+            self.recorder.metrics.migrated(self.migrations, self.abandoned_handoffs)
+        wait = self._attribution_wait(m)
+        if wait > 0:
+            self.recorder.defer(wait, lambda: self._complete(m, traced, trace_id, mode))
+        else:
+            self._complete(m, traced, trace_id, mode)
+        return m
+
+    def _complete(self, m: Measurement, traced: bool, trace_id: str | None, mode: str) -> None:
+        """Its stalls' causes, then its spans (the pd.stall events carry the causes) and stall metrics."""
         stalls = self._attribute_stalls(m)
-        trace_id = None
-        if self.ids is not None and self.ids.sampled and self._trace_allowed(m):
-            trace_id = f"{self.ids.trace_id:032x}"
+        if traced and self.ids is not None:
             try:
                 self._emit_spans(self.ids, m, stalls)
             except Exception:  # telemetry must never break serving
                 log.exception("could not record spans for request %s", self.request_id)
-        mode = "pd" if self.pd_mode else "single"
-        self.recorder.metrics.record(m, self.route, self.model_label, mode, self.deployment, trace_id)
         if stalls:
             self.recorder.metrics.record_stalls(stalls, mode, self.deployment, self.decode_instance, trace_id)
-        if self.migrations or self.abandoned_handoffs:
-            self.recorder.metrics.migrated(self.migrations, self.abandoned_handoffs)
-        return m
+
+    def _attribution_wait(self, m: Measurement) -> float:
+        """Seconds until the rule's window around its last stall has closed (stalls.TOLERANCE past the
+        gap's end, at the latest its last event): an activity that starts within the tolerance after
+        the stall counts for it, offline as live, and a stream that ends right after a stall would
+        otherwise be attributed before such an activity could be seen. 0: attribute now."""
+        if not m.stalls or self.recorder.stalls is None or not self.scan.chunk_times:
+            return 0.0
+        return (self.scan.chunk_times[-1] + TOLERANCE_NS - now()) / 1e9
 
     # -- internals ----------------------------------------------------------------------
 
@@ -345,12 +391,9 @@ class RequestTrace:
             record.end(activity, end, tokens)
 
     def _attribute_stalls(self, m: Measurement) -> list[Attributed]:
-        """End its own activity, then put each of its stalls down to what its instance was doing."""
+        """Each of its stalls put down to what its instance was doing."""
         records = self.recorder.stalls
-        if records is None:
-            return []
-        self._end_activity(self.t.first_token or self.t.end or now(), m.input_tokens)
-        if not m.stalls:
+        if records is None or not m.stalls:
             return []
         gaps = stall_gaps(self.scan.chunk_times, self.scan.chunk_tokens, self.recorder.stall_threshold,
                           n.MAX_ATTRIBUTED_STALLS)
