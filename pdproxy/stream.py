@@ -377,7 +377,10 @@ class WholeEventWriter:
             self.write_started = time.monotonic()
             if not self.response.prepared:
                 await self.response.prepare(self.request)
-            await self.response.write(data)  # waits while the client's socket is full
+            if self.scan.done and not self.held and not malformed:  # the last bytes and the end in one write
+                await self.response.write_eof(data)
+            else:
+                await self.response.write(data)  # waits while the client's socket is full
             self.write_started = 0.0
             if self.scan.done and not self.held:
                 self.on_delivered()
