@@ -30,6 +30,9 @@ MODULES = (
     "pdproxy.telemetry.recorder",
     "pdproxy.telemetry.tracing",
     "pdproxy.policies.request",
+    "pdproxy.pd",
+    "pdproxy.legs",
+    "pdproxy.migration.attempts",
 )
 
 

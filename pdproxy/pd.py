@@ -14,7 +14,9 @@ stream that breaks after its first token may go on elsewhere (--migrate-mid-stre
 `pdproxy/migration/`. A client that goes away cancels this handler (aiohttp's
 `handler_cancellation`), and with it whichever upstream request is open: closing that connection
 is how vLLM learns to abort the request and free its KV blocks. Both legs go through
-`pdproxy/upstream.py`'s pooled keep-alive client.
+`pdproxy/upstream.py`'s pooled keep-alive client; how a failed attempt is told apart and retried,
+and how the prefill's answer is read, is `pdproxy/legs.py`. Each leg is a loop whose first attempt
+pays for none of that: every coroutine on this path is resumed at each wake-up of the request.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import hmac
 import logging
 import re
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -47,6 +49,11 @@ from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.telemetry.clock import now
 from pdproxy.upstream import Response, UpstreamClient, UpstreamError
 
+if TYPE_CHECKING:
+    from pdproxy.kvevents.selective import SelectiveDisaggregation
+    from pdproxy.kvevents.tokenize import RemoteTokenizer
+    from pdproxy.shadow import Shadow
+
 log = logging.getLogger("pdproxy.pd")
 CLIENT_CLOSED = 499  # as the recorder's client_gone(): nginx's "client closed the request"
 _DP_RANK = re.compile(r"\d{1,6}")
@@ -58,7 +65,8 @@ class Proxy:
     `session` (aiohttp) serves the rest: /v1/models and health checks."""
 
     def __init__(self, settings: Settings, session: aiohttp.ClientSession, upstream: UpstreamClient,
-                 prefill: Pool | None, decode: Pool, admission: Admission, recorder: Recorder, shadow=None) -> None:
+                 prefill: Pool | None, decode: Pool, admission: Admission, recorder: Recorder,
+                 shadow: Shadow | None = None) -> None:
         self.settings = settings
         self.session = session
         self.upstream = upstream
@@ -67,8 +75,8 @@ class Proxy:
         self.admission = admission
         self.recorder = recorder
         self.shadow = shadow
-        self.selective = None  # pdproxy.kvevents.selective.SelectiveDisaggregation when --pd-min-prefill-tokens
-        self.tokens = None  # pdproxy.kvevents.tokenize.RemoteTokenizer: text prompts' ids for routing by events
+        self.selective: SelectiveDisaggregation | None = None  # when --pd-min-prefill-tokens
+        self.tokens: RemoteTokenizer | None = None  # text prompts' ids for routing by events
         self.slow_readers = SlowReaders(settings.write_timeout)  # started by the server for client traffic
         self._too_slow = f"client left streamed data unread for {settings.write_timeout:g}s"
         self.timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout,
