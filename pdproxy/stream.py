@@ -38,6 +38,7 @@ _CLOSING = (b'"finish_reason":"', _USAGE, b"[DONE]", b'"error":', b'"metrics":')
 _COMPLETION_TOKENS = b'"completion_tokens":'
 _DATA = b"data: {"
 _ONE_CHOICE = b'"choices":[{'
+_LAST_DONE = b"\n\ndata: [DONE]\n\n"
 MAX_EVENT_BYTES = 16 * 1024 * 1024  # as migration.MAX_HEAD_BYTES: room for a 2M-token prompt's ids
 DONE_GRACE = 1.0  # seconds the end of a body may take after its [DONE] (vLLM: at once)
 # From this many events in one read, counting them in bulk costs less than reading each (orjson)
@@ -315,8 +316,8 @@ def _after_last_event(data: bytes) -> int | None:
 def through_done(data: bytes) -> bytes:
     """`data` up to the end of its `[DONE]` event: nothing after it is the client's. (CRLF framing,
     rare, and a `[DONE]` split across reads are passed as they came.)"""
-    if b"\r" in data:
-        return data
+    if b"\r" in data or data.endswith(_LAST_DONE) and data.count(b"[DONE]") == 1:
+        return data  # the usual read: [DONE] is its last event, and its only one
     events = data.split(b"\n\n")
     for i, event in enumerate(events[:-1]):
         if any(line[5:].strip() == b"[DONE]" for line in event.split(b"\n") if line.startswith(b"data:")):
