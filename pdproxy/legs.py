@@ -136,7 +136,7 @@ def kv_params(raw: bytes, instance: Instance) -> dict[str, Any] | None:
     recursion limit, orjson 3.8 reads it) and (b) the parameters it read hold no float: orjson reads
     integers past 64 bits as floats, and refuses what else it reads differently (NaN, Infinity,
     `1e999`, lone surrogates). Every other answer, those included, is read exactly."""
-    answer = read_fast(raw)
+    answer: Any = read_fast(raw)
     if answer is None:
         try:
             answer = jsonio.loads_exact(raw)

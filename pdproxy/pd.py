@@ -373,7 +373,8 @@ class Proxy:
             try:
                 try:
                     while True:
-                        await client.write(attempt.head)  # the status line goes out with the first token
+                        # the status line goes out with the first token; the end too, when that was all
+                        await client.write(attempt.head, end=trace.scan.done and attempt.response.at_eof)
                         try:
                             await relay(attempt.response, client, trace.scan, attempt.tap)
                             break

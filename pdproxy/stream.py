@@ -281,8 +281,8 @@ async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: R
         if scan.done:
             data = through_done(data)
         if downstream is not None and data:
-            try:
-                await downstream.write(data)
+            try:  # the end of the client's response once the instance's has come: its connection is reusable now
+                await downstream.write(data, end=scan.done and upstream.at_eof)
             except ConnectionError:
                 raise ClientGone() from None
     if scan.done:
@@ -361,8 +361,9 @@ class WholeEventWriter:
         self.write_started = 0.0  # monotonic time of the write in progress, 0 when none (see SlowReaders)
 
     async def write(self, data: bytes, end: bool = False) -> None:
-        """Send the whole events of what came so far (`end`: the stream is over, send what is held too)."""
-        malformed = not end and self.scan.malformed > self.malformed
+        """Send the whole events of what came so far. `end`: nothing follows `data`, so nothing is held
+        back and the response ends with it (one write instead of two)."""
+        malformed = self.scan.malformed > self.malformed
         if malformed:
             data = _events_before_malformed(self.held + data)  # rare: worth a parse to keep what was fine
             self.held = b""
@@ -378,7 +379,7 @@ class WholeEventWriter:
             self.write_started = time.monotonic()
             if not self.response.prepared:
                 await self.response.prepare(self.request)
-            if self.scan.done and not self.held and not malformed:  # the last bytes and the end in one write
+            if end and not malformed:
                 await self.response.write_eof(data)
             else:
                 await self.response.write(data)  # waits while the client's socket is full
