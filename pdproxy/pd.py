@@ -427,8 +427,10 @@ class Proxy:
         bytes when the decode leg may get them as they are."""
         limit = self.settings.max_body_bytes
         try:
-            if request.content.is_eof():  # the whole body came with the headers: no deadline to arm
-                raw = await request.read()
+            if request.content.is_eof():  # the whole body came with the headers: nothing to wait for
+                raw = request.content.read_nowait()
+                if len(raw) > limit:  # as request.read() checks the app's client_max_size (the same limit)
+                    raise _too_large(limit)
             else:
                 async with asyncio.timeout(self.settings.body_timeout):
                     raw = await request.read()
