@@ -52,7 +52,6 @@ from pdproxy.upstream import Response, UpstreamClient, UpstreamError
 if TYPE_CHECKING:
     from pdproxy.kvevents.selective import SelectiveDisaggregation
     from pdproxy.kvevents.tokenize import RemoteTokenizer
-    from pdproxy.shadow import Shadow
 
 log = logging.getLogger("pdproxy.pd")
 CLIENT_CLOSED = 499  # as the recorder's client_gone(): nginx's "client closed the request"
@@ -66,7 +65,7 @@ class Proxy:
 
     def __init__(self, settings: Settings, session: aiohttp.ClientSession, upstream: UpstreamClient,
                  prefill: Pool | None, decode: Pool, admission: Admission, recorder: Recorder,
-                 shadow: Shadow | None = None) -> None:
+                 shadow: Any = None) -> None:
         self.settings = settings
         self.session = session
         self.upstream = upstream
@@ -74,7 +73,7 @@ class Proxy:
         self.decode = decode
         self.admission = admission
         self.recorder = recorder
-        self.shadow = shadow
+        self.shadow = shadow  # pdproxy.shadow.Shadow (which imports this module) when --shadow-url
         self.selective: SelectiveDisaggregation | None = None  # when --pd-min-prefill-tokens
         self.tokens: RemoteTokenizer | None = None  # text prompts' ids for routing by events
         self.slow_readers = SlowReaders(settings.write_timeout)  # started by the server for client traffic
