@@ -43,5 +43,4 @@ def test_a_cancellation_from_elsewhere_stays_one():
         with pytest.raises(asyncio.CancelledError):
             await task
 
-
     asyncio.run(main())
