@@ -45,6 +45,10 @@ MODULES = (
     "pdproxy.policies.load_aware",
     "pdproxy.policies.precise_prefix",
     "pdproxy.migration.continuation",
+    # the request flow, its legs' retries and the decode's first token
+    "pdproxy.pd",
+    "pdproxy.legs",
+    "pdproxy.migration.attempts",
 )
 
 

@@ -142,6 +142,30 @@ def _inference(route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
 
 
 _TRACED_HANDLERS: set[Callable] = set()  # they check the request head themselves (Proxy.check_head), traced
+_INFERENCE = {COMPLETIONS.path: COMPLETIONS, CHAT.path: CHAT}
+
+
+class InferenceFirst:
+    """The server's request handler: a POST to an inference route goes straight to `Proxy.handle`,
+    every other request through the application (router, `json_errors`, handlers) as before.
+
+    The inference routes need neither the router (the path is one of two) nor the middleware
+    (`Proxy.handle` answers its own errors in OpenAI's shape, traced); skipping them saves the
+    router's lookup and four coroutines per request (the app's, aiohttp's middleware, `json_errors`,
+    the route's wrapper), each resumed at every wake-up of the request's innermost await. Only an
+    exact path is taken here: a query string, an encoded path or `Expect: 100-continue` (the route's
+    expect handler) go through the router, which serves them with the same handler."""
+
+    def __init__(self, proxy: Proxy, application: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]) -> None:
+        self.proxy = proxy
+        self.application = application
+
+    def __call__(self, request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
+        if request.method == "POST" and "Expect" not in request.headers:
+            route = _INFERENCE.get(request.raw_path)
+            if route is not None:
+                return self.proxy.handle(request, route)  # type: ignore[arg-type]  # the app made a web.Request
+        return self.application(request)
 
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
@@ -376,6 +400,8 @@ async def _serve_forever(settings: Settings, sock: socket.socket, worker: worker
         app[WORKER_KEY] = worker
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE, **handler_options(settings))
     await runner.setup()
+    assert runner.server is not None
+    runner.server.request_handler = InferenceFirst(app[PROXY_KEY], runner.server.request_handler)
     if worker is not None:
         private = await workers.serve_private_metrics(worker, app[PROXY_KEY].recorder.metrics.exposition)
     listening = await listen(runner, sock, settings)  # JSON errors and deadlines (pdproxy/listener.py)

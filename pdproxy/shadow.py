@@ -19,11 +19,9 @@ import aiohttp
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
 from pdproxy.errors import ProxyError, UpstreamResponse
-from pdproxy.migration import Attempt
 from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, Pool
 from pdproxy.protocol import Route
-from pdproxy.stream import relay
 from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.upstream import UpstreamClient
 
@@ -62,8 +60,7 @@ class Shadow:
                                deployment="shadow", parent_ids=primary.ids)
         trace.set_request(body)
         try:
-            await asyncio.wait_for(self.proxy.forward(body, route, trace, headers,
-                                                      lambda attempt, resume: _drain(attempt, trace)), self.timeout)
+            await asyncio.wait_for(self.proxy.forward(body, route, trace, headers), self.timeout)
         except (ProxyError, UpstreamResponse) as err:
             trace.fail(err.status, err.error_type, err.message)
         except TimeoutError:
@@ -84,8 +81,3 @@ class Shadow:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
-
-async def _drain(attempt: Attempt, trace: RequestTrace) -> None:
-    """Read the rest of the shadow's answer for its timing (the proxy read its start), and discard it."""
-    if attempt.streamed:
-        await relay(attempt.response, None, trace.scan, attempt.tap)

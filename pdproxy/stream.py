@@ -38,6 +38,7 @@ _CLOSING = (b'"finish_reason":"', _USAGE, b"[DONE]", b'"error":', b'"metrics":')
 _COMPLETION_TOKENS = b'"completion_tokens":'
 _DATA = b"data: {"
 _ONE_CHOICE = b'"choices":[{'
+_LAST_DONE = b"\n\ndata: [DONE]\n\n"
 MAX_EVENT_BYTES = 16 * 1024 * 1024  # as migration.MAX_HEAD_BYTES: room for a 2M-token prompt's ids
 DONE_GRACE = 1.0  # seconds the end of a body may take after its [DONE] (vLLM: at once)
 # From this many events in one read, counting them in bulk costs less than reading each (orjson)
@@ -263,7 +264,10 @@ async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: R
     clock = time.monotonic_ns
     partial = 0  # bytes of the event in progress: held by the scanner, the tap and the client's writer
     while not scan.done:
-        data = await read_stream(upstream, "mid-stream")
+        try:
+            data = await upstream.readany()
+        except (TimeoutError, UpstreamError) as exc:
+            raise stream_failure(exc, "mid-stream") from None
         if not data:
             break
         tail = _after_last_event(data)
@@ -277,8 +281,8 @@ async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: R
         if scan.done:
             data = through_done(data)
         if downstream is not None and data:
-            try:
-                await downstream.write(data)
+            try:  # the end of the client's response once the instance's has come: its connection is reusable now
+                await downstream.write(data, end=scan.done and upstream.at_eof)
             except ConnectionError:
                 raise ClientGone() from None
     if scan.done:
@@ -291,6 +295,8 @@ async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: R
 async def _drain(upstream: Response) -> None:
     """Read the body's end after `[DONE]` (what may follow is dropped), so that its connection can be
     reused; an instance that sends on or holds the connection open gets DONE_GRACE seconds, then it is closed."""
+    if upstream.at_eof:
+        return  # the usual case: the body's end came with the [DONE]; no timer to arm
     try:
         async with asyncio.timeout(DONE_GRACE):
             while await upstream.readany():
@@ -310,8 +316,8 @@ def _after_last_event(data: bytes) -> int | None:
 def through_done(data: bytes) -> bytes:
     """`data` up to the end of its `[DONE]` event: nothing after it is the client's. (CRLF framing,
     rare, and a `[DONE]` split across reads are passed as they came.)"""
-    if b"\r" in data:
-        return data
+    if b"\r" in data or data.endswith(_LAST_DONE) and data.count(b"[DONE]") == 1:
+        return data  # the usual read: [DONE] is its last event, and its only one
     events = data.split(b"\n\n")
     for i, event in enumerate(events[:-1]):
         if any(line[5:].strip() == b"[DONE]" for line in event.split(b"\n") if line.startswith(b"data:")):
@@ -319,17 +325,15 @@ def through_done(data: bytes) -> bytes:
     return data
 
 
-async def read_stream(upstream: Response, when: str) -> bytes:
-    """The next bytes of a decode's stream (b"" at its end); transport failures as `ProxyError(stage=decode)`,
-    saying `when` they happened."""
-    try:
-        return await upstream.readany()
-    except TimeoutError:  # the upstream client's read timeout
-        raise ProxyError(504, f"decode instance went silent {when} (read timeout)", error_type="timeout",
-                         stage=DECODE) from None
-    except UpstreamError as exc:
-        raise ProxyError(502, f"decode instance broke the stream {when}: {exc.__class__.__name__}",
-                         error_type="stream_broken", stage=DECODE) from None
+def stream_failure(exc: BaseException, when: str) -> ProxyError:
+    """A transport failure reading a decode's stream (`Response.readany`) as the `ProxyError(stage=decode)`
+    it is, saying `when` it happened. (Read in place, not through a helper coroutine: one layer less
+    resumed at every read.)"""
+    if isinstance(exc, TimeoutError):  # the upstream client's read timeout
+        return ProxyError(504, f"decode instance went silent {when} (read timeout)", error_type="timeout",
+                          stage=DECODE)
+    return ProxyError(502, f"decode instance broke the stream {when}: {exc.__class__.__name__}",
+                      error_type="stream_broken", stage=DECODE)
 
 
 class WholeEventWriter:
@@ -356,37 +360,39 @@ class WholeEventWriter:
         self.held = b""  # bytes after the last complete event, waiting for the rest of it
         self.write_started = 0.0  # monotonic time of the write in progress, 0 when none (see SlowReaders)
 
-    async def write(self, data: bytes) -> None:
-        if self.scan.malformed > self.malformed:
-            good = _events_before_malformed(self.held + data)  # rare: worth a parse to keep what was fine
+    async def write(self, data: bytes, end: bool = False) -> None:
+        """Send the whole events of what came so far. `end`: nothing follows `data`, so nothing is held
+        back and the response ends with it (one write instead of two)."""
+        malformed = self.scan.malformed > self.malformed
+        if malformed:
+            data = _events_before_malformed(self.held + data)  # rare: worth a parse to keep what was fine
             self.held = b""
-            if good:
-                await self._send(good)
+        else:
+            if self.held:
+                data, self.held = self.held + data, b""
+            if not end and b"\r" not in data:  # CRLF framing is passed through as it comes
+                cut = data.rfind(b"\n\n")
+                whole = cut + 2 if cut >= 0 else 0
+                if whole < len(data):
+                    data, self.held = data[:whole], data[whole:]
+        if data:
+            self.write_started = time.monotonic()
+            if not self.response.prepared:
+                await self.response.prepare(self.request)
+            if end and not malformed:
+                await self.response.write_eof(data)
+            else:
+                await self.response.write(data)  # waits while the client's socket is full
+            self.write_started = 0.0
+            if self.scan.done and not self.held:
+                self.on_delivered()
+        if malformed:
             raise ProxyError(502, "decode instance sent a malformed stream event (not a JSON object)",
                              error_type="malformed_stream", stage=DECODE)
-        if self.held:
-            data, self.held = self.held + data, b""
-        if b"\r" not in data:  # CRLF framing is passed through as it comes
-            cut = data.rfind(b"\n\n")
-            end = cut + 2 if cut >= 0 else 0
-            if end < len(data):
-                data, self.held = data[:end], data[end:]
-        if data:
-            await self._send(data)
 
     async def flush(self) -> None:
         if self.held:
-            data, self.held = self.held, b""
-            await self._send(data)
-
-    async def _send(self, data: bytes) -> None:
-        self.write_started = time.monotonic()
-        if not self.response.prepared:
-            await self.response.prepare(self.request)
-        await self.response.write(data)  # waits while the client's socket is full
-        self.write_started = 0.0
-        if self.scan.done and not self.held:
-            self.on_delivered()
+            await self.write(b"", end=True)
 
     def cut_off(self) -> None:
         """Drop a client that stopped reading: its blocked write fails and the decode is aborted."""

@@ -238,3 +238,30 @@ def test_an_invalid_traceparent_is_ignored_counted_and_starts_a_new_trace(tmp_pa
     finally:
         proxy.stop()
         d.stop()
+
+
+def test_a_body_that_came_whole_with_its_head_is_read_at_once_and_its_size_still_checked():
+    """A chunked body gives no size up front: one that arrived whole with its head (read without
+    waiting) is refused past --max-body-bytes as one read piece by piece is, and one within it is served."""
+    d = ScriptedGroup("decode", 1)
+    proxy, url = start_proxy("--decode", d.url, "--max-body-bytes", "4096", "--health-check-interval", "0")
+    port = int(url.rsplit(":", 1)[1])
+
+    def send_whole(body: bytes) -> int:
+        chunked = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (body[:100], body[100:])) + b"0\r\n\r\n"
+        with socket.create_connection((HOST, port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: pdproxy\r\nContent-Type: application/json\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n" + chunked)  # head and body in one segment
+            return first_answer(sock)[0]
+
+    try:
+        d.script()
+        fits = json.dumps({"model": "m", "prompt": "x" * 3000, "max_tokens": 2}).encode()
+        assert send_whole(fits) == 200
+        assert d.journal()[0]["body"]["prompt"] == "x" * 3000
+        too_large = json.dumps({"model": "m", "prompt": "x" * 5000, "max_tokens": 2}).encode()
+        assert send_whole(too_large) == 413
+        assert len(d.journal()) == 1  # never forwarded
+    finally:
+        proxy.stop()
+        d.stop()

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from pdproxy.errors import DECODE, ProxyError
 from pdproxy.migration.continuation import TokenTap
 from pdproxy.pool import Instance
-from pdproxy.stream import ResponseScan, read_stream, through_done
-from pdproxy.upstream import Response
+from pdproxy.stream import ResponseScan, stream_failure, through_done
+from pdproxy.upstream import Response, UpstreamError
 
 BEFORE_FIRST_TOKEN, MID_STREAM = "before_first_token", "mid_stream"  # the stages a migration happens in
 # mid-stream failures a continuation can repair: the decode went away. An error event is the instance's
@@ -95,7 +96,10 @@ async def read_head(response: Response, scan: ResponseScan, tap: TokenTap | None
     tokens, finishes, malformed = len(scan.chunk_times), len(scan.finish_reasons), scan.malformed
     received = events = 0
     while True:
-        data = await read_stream(response, "before its first token")
+        try:
+            data = await response.readany()
+        except (TimeoutError, UpstreamError) as exc:
+            raise stream_failure(exc, "before its first token") from None
         if not data:
             raise ProxyError(502, "decode instance ended the stream before its first token",
                              error_type="stream_truncated", stage=DECODE)
