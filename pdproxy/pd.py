@@ -135,7 +135,7 @@ class Proxy:
         """
         view = view or RequestView(body, None, route.chat)
         async with self.admission.slot():
-            prefill_instance = None
+            prefill_instance: Instance | None = None
             if self.tokens is not None:
                 await self.tokens.prepare(view)
             decode_instance, decode_decision = self.decode.pick(view)
@@ -147,7 +147,7 @@ class Proxy:
                 trace.routed(PREFILL, decision)
             trace.routed(DECODE, decode_decision)
             trace.admitted(prefill_instance.address if prefill_instance else None, decode_instance.address)
-            kv = None
+            kv: dict[str, Any] | None = None
             if prefill_instance is not None:
                 with decode_instance.reserved():
                     kv = await self._prefill(body, route, trace, prefill_instance, headers)
@@ -200,16 +200,16 @@ class Proxy:
                             headers: dict[str, str]) -> tuple[dict[str, Any] | None, int] | Failure:
         """One prefill attempt: its KV coordinates and status, or why it failed."""
         inst.inflight += 1
-        resp = None
         try:
             resp = await self.upstream.post(inst.url, route.path, payload, headers)
-            raw = await resp.read()
+            try:
+                raw = await resp.read()
+            finally:
+                resp.release()  # pooled when read to its end, else closed (a cancel aborts the prefill)
         except UpstreamError as exc:
             return transport_failure(PREFILL, inst, exc)
         finally:
             inst.inflight -= 1
-            if resp is not None:
-                resp.release()  # pooled when read to its end, else closed (a cancel aborts the prefill)
         if resp.status >= 300:
             return status_failure(PREFILL, inst, resp.status, resp.headers, raw)
         try:
