@@ -54,16 +54,29 @@ MODULES = (
 
 def _form(name: str) -> str:
     module = sys.modules.get(name) or importlib.import_module(name)
-    return form_of_file(getattr(module, "__file__", None) or "")
+    return form_of_file(getattr(module, "__file__", None) or "", _group_library())
 
 
-def form_of_file(path: str) -> str:
-    """"compiled", "stale" (compiled from an older source than the one beside it) or "python"."""
+def _group_library() -> str | None:
+    """The shared library that holds every compiled module's code (mypyc's group `pdproxy`), beside the
+    package; each module's own extension is a small shim that a rebuild leaves alone when it did not change."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for suffix in EXTENSION_SUFFIXES:
+        path = os.path.join(root, "pdproxy__mypyc" + suffix)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def form_of_file(path: str, library: str | None = None) -> str:
+    """"compiled", "stale" (compiled from an older source than the one beside it) or "python". The build
+    time is the newer of the module's extension and the group `library` holding its code."""
     if not path.endswith(tuple(EXTENSION_SUFFIXES)):
         return "python"
     source = path[: path.index(".", path.rindex(os.sep))] + ".py"
     try:
-        if os.stat(source).st_mtime > os.stat(path).st_mtime:
+        built = max(os.stat(p).st_mtime for p in (path, library) if p)
+        if os.stat(source).st_mtime > built:
             return "stale"
     except OSError:
         pass  # an installed wheel carries no sources: nothing to be stale against

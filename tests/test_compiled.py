@@ -59,6 +59,11 @@ def test_an_extension_older_than_its_source_is_reported_stale(tmp_path):
     os.utime(source, (3_000, 3_000))  # edited after the build: the old compiled code is what runs
     assert compiled.form_of_file(str(extension)) == "stale"
     assert compiled.form_of_file(str(source)) == "python"
+    # a rebuild rewrites the group library that holds the code, not a shim whose C did not change
+    library = tmp_path / f"pdproxy__mypyc{EXTENSION_SUFFIXES[0]}"
+    library.write_bytes(b"")
+    os.utime(library, (4_000, 4_000))
+    assert compiled.form_of_file(str(extension), str(library)) == "compiled"
 
 
 def test_compile_modes_and_the_fallback(monkeypatch, capsys):
