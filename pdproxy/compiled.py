@@ -52,9 +52,9 @@ MODULES = (
 )
 
 
-def _form(name: str) -> str:
+def _form(name: str, library: str | None) -> str:
     module = sys.modules.get(name) or importlib.import_module(name)
-    return form_of_file(getattr(module, "__file__", None) or "", _group_library())
+    return form_of_file(getattr(module, "__file__", None) or "", library)
 
 
 def _group_library() -> str | None:
@@ -85,7 +85,8 @@ def form_of_file(path: str, library: str | None = None) -> str:
 
 def report() -> dict[str, object]:
     """For /status and the start-up log: the overall form and each module's."""
-    forms = {name: _form(name) for name in MODULES}
+    library = _group_library()
+    forms = {name: _form(name, library) for name in MODULES}
     values = set(forms.values())
     overall = values.pop() if len(values) == 1 else "mixed"
     return {"form": overall, "modules": forms}

@@ -51,8 +51,7 @@ class Recorder:
         self.capture_content = capture_content
         # refusals cost a client nothing to send: their traces are rate-limited, their counts are not
         self.refusal_traces = RateLimit(rejected_trace_rate)
-        self._deferred: dict[int, tuple[asyncio.TimerHandle, Callable[[], None]]] = {}
-        self._next_deferred = 0
+        self._deferred: dict[Callable[[], None], asyncio.TimerHandle] = {}  # each pending completion, its timer
 
     def defer(self, seconds: float, complete: Callable[[], None]) -> None:
         """Run `complete` (the end of a request's record) in `seconds`, or at `flush()` if sooner;
@@ -62,17 +61,15 @@ class Recorder:
         except RuntimeError:
             complete()
             return
-        key = self._next_deferred
-        self._next_deferred += 1
-        self._deferred[key] = (loop.call_later(seconds, self._run_deferred, key), complete)
+        self._deferred[complete] = loop.call_later(seconds, self._run_deferred, complete)
 
-    def _run_deferred(self, key: int) -> None:
-        _, complete = self._deferred.pop(key)
+    def _run_deferred(self, complete: Callable[[], None]) -> None:
+        del self._deferred[complete]
         complete()
 
     def flush(self) -> None:
         """Complete every deferred record now (before the span exporter shuts down)."""
-        for handle, complete in self._deferred.values():
+        for complete, handle in self._deferred.items():
             handle.cancel()
             complete()
         self._deferred.clear()

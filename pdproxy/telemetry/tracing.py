@@ -129,9 +129,6 @@ class Tracing:
 
     def emit(self, spans: list[SpanData]) -> None:
         """Queue one request's spans (all or none); called on the event loop."""
-        if len(self.queue) + len(spans) > self.queue_size:
-            self.on_drop("queue_full", len(spans))
-            return
         self.emit_encoded([scope_span(encode_span(s)) for s in spans])
 
     def emit_encoded(self, spans: list[bytes]) -> None:
