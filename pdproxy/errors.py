@@ -13,6 +13,9 @@ from aiohttp import web
 
 from pdproxy import jsonio
 
+CLIENT_CLOSED = 499  # nginx's "client closed the request": a client that left before its answer
+JSON = "application/json; charset=utf-8"  # what aiohttp's json_response says
+
 # Stages a request passes through.
 QUEUE, PREFILL, KV_TRANSFER, DECODE = "queue", "prefill", "kv_transfer", "decode"
 
@@ -62,11 +65,15 @@ class ProxyError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.status, code=self.error_type, param=self.param)
 
-    def response(self, headers: dict[str, str] | None = None) -> web.Response:
-        headers = dict(headers or {})
+    def reply(self, headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
+        """The answer: status, JSON body and headers."""
+        headers = {**headers, "Content-Type": JSON} if headers else {"Content-Type": JSON}
         if self.retry_after is not None:
             headers["Retry-After"] = str(max(1, round(self.retry_after)))
-        return web.json_response(self.body(), status=self.status, headers=headers)
+        return self.status, json.dumps(self.body()).encode(), headers
+
+    def response(self, headers: dict[str, str] | None = None) -> web.Response:
+        return _response(self.reply(headers))
 
     def sse_event(self) -> bytes:
         """The error as vLLM sends it inside a stream: one data event, then `[DONE]`."""
@@ -88,15 +95,16 @@ class UpstreamResponse(Exception):
         self.retry_after = retry_after
         self.error_type = upstream_error_type(status)
 
-    def response(self, headers: dict[str, str]) -> web.Response:
+    def reply(self, headers: dict[str, str]) -> tuple[int, bytes, dict[str, str]]:
+        """The answer: the instance's status, its error body (or one made from what it sent), and headers."""
         headers = dict(headers)
         if self.retry_after:
             headers["Retry-After"] = self.retry_after
         if _is_openai_error(self.body):
-            return web.Response(status=self.status, body=self.body, headers={**headers, "Content-Type": "application/json"})
+            return self.status, self.body, {**headers, "Content-Type": "application/json"}
         snippet = self.body[:200].decode("utf-8", "replace").strip() or "(empty body)"
         body = error_body(f"{self.message}: {snippet}", self.status, code=self.error_type)
-        return web.json_response(body, status=self.status, headers=headers)
+        return self.status, json.dumps(body).encode(), {**headers, "Content-Type": JSON}
 
     def in_stream(self) -> ProxyError:
         """The same failure once the client already has its 200: it can only be told in an SSE error event."""
@@ -147,3 +155,22 @@ def _is_openai_error(body: bytes) -> bool:
 
 def bad_request(message: str, param: str | None = None) -> ProxyError:
     return ProxyError(400, message, error_type="invalid_request", param=param)
+
+
+# A request body that cannot be read, from either server (pdproxy/serving/)
+def too_large(limit: int) -> ProxyError:
+    return ProxyError(413, f"request body is larger than {limit} bytes", error_type="body_too_large")
+
+
+def body_timeout(timeout: float) -> ProxyError:
+    return ProxyError(408, f"request body not received within {timeout:g}s", error_type="body_timeout")
+
+
+def client_closed() -> ProxyError:
+    return ProxyError(CLIENT_CLOSED, "client closed the connection while sending its body",
+                      error_type="client_disconnect")
+
+
+def _response(reply: tuple[int, bytes, dict[str, str]]) -> web.Response:
+    status, body, headers = reply
+    return web.Response(status=status, body=body, headers=headers)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -26,6 +27,8 @@ from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 
 from pdproxy.config import Settings
 from pdproxy.errors import error_body
+from pdproxy.protocol import Route
+from pdproxy.serving import Exchange, LeanServer
 
 log = logging.getLogger("pdproxy.listener")
 
@@ -73,11 +76,16 @@ def _headers_too_large(exc: HttpProcessingError) -> bool:
     return isinstance(exc, LineTooLong) or "too many headers" in str(exc).lower()
 
 
-async def listen(runner: web.AppRunner, sock: socket.socket, settings: Settings) -> asyncio.AbstractServer:
-    """Serve `runner`'s application on `sock` with `JsonErrorProtocol`. Close the returned server
-    before `runner.cleanup()`, which then shuts the open connections down gracefully."""
+async def listen(runner: web.AppRunner, sock: socket.socket, settings: Settings, routes: Mapping[bytes, Route],
+                 handle: Callable[[Exchange, Route], Awaitable[None]]) -> tuple[asyncio.AbstractServer, LeanServer]:
+    """Serve plain POSTs to `routes` with `handle` on pdproxy's lean protocol, and every other request
+    with `runner`'s application on `JsonErrorProtocol`. Close the returned server, then shut the lean
+    one down with `runner.cleanup()` (both let the requests being served finish)."""
     loop = asyncio.get_running_loop()
     server = runner.server
     assert server is not None, "runner.setup() first"
     options = handler_options(settings)
-    return await loop.create_server(lambda: JsonErrorProtocol(server, loop=loop, **options), sock=sock, backlog=4096)
+    lean = LeanServer(routes, handle, lambda: JsonErrorProtocol(server, loop=loop, **options),
+                      max_body=settings.max_body_bytes, keep_alive_timeout=settings.keep_alive_timeout,
+                      linger=options["lingering_time"])
+    return await loop.create_server(lean, sock=sock, backlog=4096), lean

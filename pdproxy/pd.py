@@ -11,8 +11,8 @@ Every request ends in exactly one `trace.fail(...)` (when it failed) and always 
 Retries happen only where the client cannot see them: the prefill leg, and the decode leg before
 its first token (the client's status line waits for it). Which KV a retried decode gets, and how a
 stream that breaks after its first token may go on elsewhere (--migrate-mid-stream), is decided in
-`pdproxy/migration/`. A client that goes away cancels this handler (aiohttp's
-`handler_cancellation`), and with it whichever upstream request is open: closing that connection
+`pdproxy/migration/`. A client that goes away cancels this handler (both servers do, see
+`pdproxy/serving/`), and with it whichever upstream request is open: closing that connection
 is how vLLM learns to abort the request and free its KV blocks. Both legs go through
 `pdproxy/upstream.py`'s pooled keep-alive client; how a failed attempt is told apart and retried,
 and how the prefill's answer is read, is `pdproxy/legs.py`. Each leg is a loop whose first attempt
@@ -26,17 +26,16 @@ import hashlib
 import hmac
 import logging
 import re
+from collections.abc import Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
 
 from pdproxy import jsonio
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
-from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request
+from pdproxy.errors import CLIENT_CLOSED, DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, too_large
 from pdproxy.legs import Deadline, Failure, kv_params, retry, status_failure, transport_failure
 from pdproxy.migration import (BEFORE_FIRST_TOKEN, MID_STREAM, Attempt, Budget, Continuation, Handoff, TokenTap,
                                MIGRATABLE, first_token_timeout, read_head)
@@ -44,6 +43,7 @@ from pdproxy.policies import RequestView
 from pdproxy.pool import Instance, Pool
 from pdproxy.protocol import (COMPLETIONS, Route, check_body_encoding, decode_payload, new_uuid4, parse_body,
                               prefill_body, request_id, valid_traceparent, validate)
+from pdproxy.serving.exchange import Exchange
 from pdproxy.stream import ClientGone, ResponseScan, SlowReaders, WholeEventWriter, relay
 from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.telemetry.clock import now
@@ -54,7 +54,6 @@ if TYPE_CHECKING:
     from pdproxy.kvevents.tokenize import RemoteTokenizer
 
 log = logging.getLogger("pdproxy.pd")
-CLIENT_CLOSED = 499  # as the recorder's client_gone(): nginx's "client closed the request"
 _DP_RANK = re.compile(r"\d{1,6}")
 
 
@@ -83,49 +82,46 @@ class Proxy:
         # compared as digests: equal lengths, so the comparison time says nothing about the key
         self._key_digest = hashlib.sha256(f"Bearer {settings.api_key}".encode()).digest() if settings.api_key else None
 
-    async def handle(self, request: web.Request, route: Route) -> web.StreamResponse:
+    async def handle(self, client: Exchange, route: Route) -> None:
         """Serve one client request: check it, mirror it if asked, forward it, answer."""
+        headers = client.headers
         try:
-            rid, id_error = request_id(request.headers), None
+            rid, id_error = request_id(headers), None
         except ProxyError as err:
             rid, id_error = new_uuid4(), err
         trace = self.recorder.begin(route=route.name, operation=route.operation, chat=route.chat,
-                                    headers=self._trace_context(request), request_id=rid,
+                                    headers=self._trace_context(headers), request_id=rid,
                                     pd_mode=self.prefill is not None)
         reply_headers = {"X-Request-Id": rid}
         try:
             if id_error:
                 raise id_error
-            self.check_head(request)
-            body, raw = await self._read_body(request, route)
+            self.check_head(headers, client.content_length)
+            body, raw = await self._read_body(client, route)
             trace.set_request(body)
-            headers = self._leg_headers(request, trace)
+            leg_headers = self._leg_headers(headers, trace)
             if self.shadow is not None:
-                self.shadow.mirror(body, route, trace, headers)
-            view = RequestView(body, request.headers, route.chat)
-            response = await self.forward(body, route, trace, headers, raw, view, request, reply_headers)
-            assert response is not None
-            return response
+                self.shadow.mirror(body, route, trace, leg_headers)
+            view = RequestView(body, headers, route.chat)
+            await self.forward(body, route, trace, leg_headers, raw, view, client, reply_headers)
         except (ProxyError, UpstreamResponse) as exc:
             trace.fail(exc.status, exc.error_type, exc.message)
-            response = exc.response(reply_headers)
-            if exc.status in (408, 413, 415):
-                response.force_close()  # the rest of that body is not worth reading
-            return response
+            # after 408, 413 and 415 the rest of that body is not worth reading
+            client.answer(*exc.reply(reply_headers), close=exc.status in (408, 413, 415))
         except asyncio.CancelledError:
-            trace.client_gone()  # aiohttp cancels the handler when the client disconnects
+            trace.client_gone()  # the server cancels the handler when the client disconnects
             raise
         except Exception:
             log.exception("unexpected error serving request %s", rid)
             internal = ProxyError(500, "internal proxy error", error_type="internal")
             trace.fail(internal.status, internal.error_type, internal.message)
-            return internal.response(reply_headers)
+            client.answer(*internal.reply(reply_headers))
         finally:
             trace.finish()
 
     async def forward(self, body: dict[str, Any], route: Route, trace: RequestTrace, headers: dict[str, str],
-                      raw: bytes | None = None, view: RequestView | None = None, client: web.Request | None = None,
-                      reply_headers: dict[str, str] | None = None) -> web.StreamResponse | None:
+                      raw: bytes | None = None, view: RequestView | None = None, client: Exchange | None = None,
+                      reply_headers: dict[str, str] | None = None) -> None:
         """Admit, choose instances, prefill, run the decode up to its first token and answer `client`.
 
         The same path serves client requests and their shadow copies (no `client`: the answer is read
@@ -164,8 +160,8 @@ class Proxy:
                         await relay(attempt.response, None, trace.scan, attempt.tap)
                 finally:
                     attempt.close()
-                return None
-            return await self._respond(client, attempt, trace, reply_headers or {}, continuation, headers, budget)
+                return
+            await self._respond(client, attempt, trace, reply_headers or {}, continuation, headers, budget)
 
     # -- the prefill leg -------------------------------------------------------------------
 
@@ -352,9 +348,9 @@ class Proxy:
                              error_type="invalid_response", stage=DECODE)
         return raw
 
-    async def _respond(self, request: web.Request, attempt: Attempt, trace: RequestTrace,
+    async def _respond(self, client: Exchange, attempt: Attempt, trace: RequestTrace,
                        reply_headers: dict[str, str], continuation: Continuation | None, headers: dict[str, str],
-                       budget: Budget) -> web.StreamResponse:
+                       budget: Budget) -> None:
         """Give the client the decode's answer: whole, or relayed as it streams; a stream that breaks
         is continued on another decode when it can be (--migrate-mid-stream), else it ends with an
         error event."""
@@ -362,107 +358,84 @@ class Proxy:
             status = attempt.response.status
             content_type = attempt.response.headers.get("content-type", "application/json")
             if not attempt.streamed:
-                return web.Response(status=status, body=attempt.head,
-                                    headers={**reply_headers, "Content-Type": content_type})
-            response = web.StreamResponse(status=status, headers={**reply_headers, "Content-Type": content_type,
-                                                                  "Cache-Control": "no-cache"})
-            client = WholeEventWriter(request, response, trace.scan, on_delivered=trace.delivered,
+                client.answer(status, attempt.head, {**reply_headers, "Content-Type": content_type})
+                return
+            client.start(status, {**reply_headers, "Content-Type": content_type, "Cache-Control": "no-cache"})
+            writer = WholeEventWriter(client, trace.scan, on_delivered=trace.delivered,
                                       on_cut_off=partial(trace.fail, CLIENT_CLOSED, "client_too_slow", self._too_slow))
-            self.slow_readers.writers.add(client)
+            self.slow_readers.writers.add(writer)
             try:
                 try:
                     while True:
                         # the status line goes out with the first token; the end too, when that was all
-                        await client.write(attempt.head, end=trace.scan.done and attempt.response.at_eof)
+                        await writer.write(attempt.head, end=trace.scan.done and attempt.response.at_eof)
                         try:
-                            await relay(attempt.response, client, trace.scan, attempt.tap)
+                            await relay(attempt.response, writer, trace.scan, attempt.tap)
                             break
                         except ProxyError as err:  # raises when the stream cannot go on elsewhere
                             attempt = await self._migrate(continuation, attempt, err, trace, headers, budget)
-                    await client.flush()
+                    await writer.flush()
                 except ProxyError as err:
-                    trace.fail(response.status, err.error_type, err.message)  # the client already has its 200
-                    await response.write(err.sse_event())
-                await response.write_eof()
+                    trace.fail(status, err.error_type, err.message)  # the client already has its 200
+                    await client.send(err.sse_event(), end=True)
+                await client.send(b"", end=True)  # (when the stream's own end did not end it)
             except (ClientGone, ConnectionError):
                 trace.client_gone()  # unless it was cut off for reading too slowly: the first failure stands
             finally:
-                self.slow_readers.writers.discard(client)
-            return response
+                self.slow_readers.writers.discard(writer)
         finally:
             attempt.close()
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def check_head(self, request: web.Request) -> None:
+    def check_head(self, headers: Mapping[str, str], content_length: int | None) -> None:
         """Everything decided from the request head, before a byte of the body is read or invited
         (`100 Continue`, pdproxy/server.py): its encoding, the API key, capacity, the declared size."""
-        check_body_encoding(request.headers)
-        self.authenticate(request)
+        check_body_encoding(headers)
+        self.authenticate(headers)
         self.admission.check()  # saturated: refuse before spending anything on the body
         limit = self.settings.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise _too_large(limit)  # said so up front: not one byte of it is read
+        if content_length is not None and content_length > limit:
+            raise too_large(limit)  # said so up front: not one byte of it is read
 
-    def _trace_context(self, request: web.Request) -> Any:
+    def _trace_context(self, headers: Mapping[str, str]) -> Any:
         """The headers the request's trace continues from: none when `traceparent` is invalid (W3C
         Trace Context: ignore it and start a new trace), which is counted."""
-        if valid_traceparent(request.headers):
-            return request.headers
+        if valid_traceparent(headers):
+            return headers
         self.recorder.metrics.invalid_traceparent.inc()
         return {}
 
-    def authenticate(self, request: web.Request) -> None:
+    def authenticate(self, headers: Mapping[str, str]) -> None:
         """Check the client's API key (when --api-key is set); also guards the debug endpoint."""
         if self._key_digest is None:
             return
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        given = headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if not hmac.compare_digest(hashlib.sha256(given).digest(), self._key_digest):
             raise ProxyError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                              error_type="unauthorized")
 
-    async def _read_body(self, request: web.Request, route: Route) -> tuple[dict[str, Any], bytes | None]:
+    async def _read_body(self, client: Exchange, route: Route) -> tuple[dict[str, Any], bytes | None]:
         """The body as a checked JSON object, read within --body-timeout and --max-body-bytes; and its
         bytes when the decode leg may get them as they are."""
-        limit = self.settings.max_body_bytes
-        try:
-            if request.content.is_eof():  # the whole body came with the headers: nothing to wait for
-                raw = request.content.read_nowait()
-                if len(raw) > limit:  # as request.read() checks the app's client_max_size (the same limit)
-                    raise _too_large(limit)
-            else:
-                async with asyncio.timeout(self.settings.body_timeout):
-                    raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise _too_large(limit) from None
-        except TimeoutError:
-            raise ProxyError(408, f"request body not received within {self.settings.body_timeout:g}s",
-                             error_type="body_timeout") from None
-        except RequestPayloadError as exc:
-            raise bad_request(f"request body is malformed ({exc})") from None
-        except ConnectionError:
-            raise ProxyError(CLIENT_CLOSED, "client closed the connection while sending its body",
-                             error_type="client_disconnect") from None
+        raw = await client.read_body(self.settings.max_body_bytes, self.settings.body_timeout)
         if not raw.strip():
             raise bad_request("request body is empty; send a JSON object")
         body, forward = parse_body(raw)
         return validate(body, route, self.settings.client_kv_params), forward
 
-    def _leg_headers(self, request: web.Request, trace: RequestTrace) -> dict[str, str]:
+    def _leg_headers(self, client_headers: Mapping[str, str], trace: RequestTrace) -> dict[str, str]:
         """Headers both legs share. Authorization: the configured upstream key if any, else the
         client's own header, unless the client authenticated to pdproxy itself (never forwarded)."""
         headers = {"Content-Type": "application/json", "X-Request-Id": trace.request_id}
         if self.settings.upstream_api_key:
             headers["Authorization"] = f"Bearer {self.settings.upstream_api_key}"
-        elif not self.settings.api_key and "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
-        rank = request.headers.get("X-data-parallel-rank")
+        elif not self.settings.api_key and "Authorization" in client_headers:
+            headers["Authorization"] = client_headers["Authorization"]
+        rank = client_headers.get("X-data-parallel-rank")
         if rank is not None:
             if not _DP_RANK.fullmatch(rank.strip()):
                 raise bad_request("X-data-parallel-rank must be a non-negative integer", param="X-data-parallel-rank")
             headers["X-data-parallel-rank"] = rank.strip()
         return headers
 
-
-def _too_large(limit: int) -> ProxyError:
-    return ProxyError(413, f"request body is larger than {limit} bytes", error_type="body_too_large")

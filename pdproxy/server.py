@@ -21,6 +21,7 @@ from pdproxy.listener import handler_options, listen
 from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, HealthChecker, Pool
 from pdproxy.protocol import CHAT, COMPLETIONS, check_body_encoding
+from pdproxy.serving import AioExchange
 from pdproxy.runtime import LoopLag
 from pdproxy.telemetry import setup as setup_telemetry
 from pdproxy.telemetry import trace_destination
@@ -134,38 +135,20 @@ async def _lifecycle(app: web.Application, settings: Settings):
 
 
 def _inference(route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """An inference route through aiohttp's application: the requests the lean server hands over
+    (pdproxy/serving/lean.py), served by the same flow."""
     async def handler(request: web.Request) -> web.StreamResponse:
-        return await request.app[PROXY_KEY].handle(request, route)
+        client = AioExchange(request)
+        await request.app[PROXY_KEY].handle(client, route)
+        assert client.response is not None, "Proxy.handle answers every request"
+        return client.response
 
     _TRACED_HANDLERS.add(handler)
     return handler
 
 
 _TRACED_HANDLERS: set[Callable] = set()  # they check the request head themselves (Proxy.check_head), traced
-_INFERENCE = {COMPLETIONS.path: COMPLETIONS, CHAT.path: CHAT}
-
-
-class InferenceFirst:
-    """The server's request handler: a POST to an inference route goes straight to `Proxy.handle`,
-    every other request through the application (router, `json_errors`, handlers) as before.
-
-    The inference routes need neither the router (the path is one of two) nor the middleware
-    (`Proxy.handle` answers its own errors in OpenAI's shape, traced); skipping them saves the
-    router's lookup and four coroutines per request (the app's, aiohttp's middleware, `json_errors`,
-    the route's wrapper), each resumed at every wake-up of the request's innermost await. Only an
-    exact path is taken here: a query string, an encoded path or `Expect: 100-continue` (the route's
-    expect handler) go through the router, which serves them with the same handler."""
-
-    def __init__(self, proxy: Proxy, application: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]) -> None:
-        self.proxy = proxy
-        self.application = application
-
-    def __call__(self, request: web.BaseRequest) -> Awaitable[web.StreamResponse]:
-        if request.method == "POST" and "Expect" not in request.headers:
-            route = _INFERENCE.get(request.raw_path)
-            if route is not None:
-                return self.proxy.handle(request, route)  # type: ignore[arg-type]  # the app made a web.Request
-        return self.application(request)
+INFERENCE_ROUTES = {COMPLETIONS.path.encode(): COMPLETIONS, CHAT.path.encode(): CHAT}
 
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
@@ -175,7 +158,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     if request.headers.get("Expect", "").lower() != "100-continue":
         return web.json_response(error_body("only 'Expect: 100-continue' is understood", 417), status=417)
     try:
-        request.app[PROXY_KEY].check_head(request)
+        request.app[PROXY_KEY].check_head(request.headers, request.content_length)
     except ProxyError:
         return None
     if request.version >= aiohttp.HttpVersion11:
@@ -256,7 +239,7 @@ async def models(request: web.Request) -> web.Response:
     """Forwarded to a decode instance, so clients see the served model names."""
     proxy = request.app[PROXY_KEY]
     try:
-        proxy.authenticate(request)  # as vLLM guards all of /v1 with its --api-key
+        proxy.authenticate(request.headers)  # as vLLM guards all of /v1 with its --api-key
         instance = proxy.decode.choose()
         headers = {}
         if proxy.settings.upstream_api_key:
@@ -291,7 +274,7 @@ async def tokenizer(request: web.Request) -> web.Response:
     address = None
     admitted = False
     try:
-        proxy.check_head(request)  # encoding, API key, capacity, declared size
+        proxy.check_head(request.headers, request.content_length)  # encoding, API key, capacity, declared size
         try:
             async with asyncio.timeout(proxy.settings.body_timeout):
                 raw = await request.read()
@@ -331,7 +314,7 @@ async def debug_runtime(request: web.Request) -> web.Response:
 
     proxy = request.app[PROXY_KEY]
     try:
-        proxy.authenticate(request)
+        proxy.authenticate(request.headers)
     except ProxyError as err:
         return err.response()
     return web.json_response({**snapshot(proxy), "loop_lag_max_seconds": request.app[LOOP_LAG_KEY].take()})
@@ -400,11 +383,10 @@ async def _serve_forever(settings: Settings, sock: socket.socket, worker: worker
         app[WORKER_KEY] = worker
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE, **handler_options(settings))
     await runner.setup()
-    assert runner.server is not None
-    runner.server.request_handler = InferenceFirst(app[PROXY_KEY], runner.server.request_handler)
     if worker is not None:
         private = await workers.serve_private_metrics(worker, app[PROXY_KEY].recorder.metrics.exposition)
-    listening = await listen(runner, sock, settings)  # JSON errors and deadlines (pdproxy/listener.py)
+    # plain inference POSTs on pdproxy's own protocol, everything else on aiohttp's (pdproxy/listener.py)
+    listening, lean = await listen(runner, sock, settings, INFERENCE_ROUTES, app[PROXY_KEY].handle)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -413,6 +395,6 @@ async def _serve_forever(settings: Settings, sock: socket.socket, worker: worker
     listening.close()
     if private is not None:
         await private.cleanup()
-    await runner.cleanup()
+    await asyncio.gather(lean.shutdown(SHUTDOWN_GRACE), runner.cleanup())
     return 0
 

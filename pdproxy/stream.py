@@ -21,10 +21,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from aiohttp import web
-
 from pdproxy import jsonio
 from pdproxy.errors import DECODE, ProxyError
+from pdproxy.serving.exchange import Exchange
 from pdproxy.upstream import Response, UpstreamError
 
 # Any of these in an event means it may say more than "one choice, this text": parse it. False
@@ -348,11 +347,9 @@ class WholeEventWriter:
     parser would otherwise choke on the broken line, or on our error event glued to its half.
     """
 
-    def __init__(self, request: web.Request, response: web.StreamResponse, scan: Any,
-                 on_delivered: Callable[[], None] = lambda: None,
+    def __init__(self, client: Exchange, scan: Any, on_delivered: Callable[[], None] = lambda: None,
                  on_cut_off: Callable[[], None] = lambda: None) -> None:
-        self.request = request
-        self.response = response
+        self.client = client  # its answer begun (`Exchange.start`): the head goes out with the first write
         self.scan = scan
         self.on_delivered = on_delivered  # called once `[DONE]` has been written to the client
         self.on_cut_off = on_cut_off
@@ -377,12 +374,7 @@ class WholeEventWriter:
                     data, self.held = data[:whole], data[whole:]
         if data:
             self.write_started = time.monotonic()
-            if not self.response.prepared:
-                await self.response.prepare(self.request)
-            if end and not malformed:
-                await self.response.write_eof(data)
-            else:
-                await self.response.write(data)  # waits while the client's socket is full
+            await self.client.send(data, end=end and not malformed)  # waits while the client's socket is full
             self.write_started = 0.0
             if self.scan.done and not self.held:
                 self.on_delivered()
@@ -397,8 +389,7 @@ class WholeEventWriter:
     def cut_off(self) -> None:
         """Drop a client that stopped reading: its blocked write fails and the decode is aborted."""
         self.on_cut_off()  # before the abort, which cancels the handler
-        if self.request.transport is not None:
-            self.request.transport.abort()
+        self.client.abort()
 
 
 class SlowReaders:
