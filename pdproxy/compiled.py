@@ -49,6 +49,8 @@ MODULES = (
     "pdproxy.pd",
     "pdproxy.legs",
     "pdproxy.migration.attempts",
+    # the server of the inference routes
+    "pdproxy.serving.lean",
 )
 
 

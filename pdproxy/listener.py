@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -77,7 +77,7 @@ def _headers_too_large(exc: HttpProcessingError) -> bool:
 
 
 async def listen(runner: web.AppRunner, sock: socket.socket, settings: Settings, routes: Mapping[bytes, Route],
-                 handle: Callable[[Exchange, Route], Awaitable[None]]) -> tuple[asyncio.AbstractServer, LeanServer]:
+                 handle: Callable[[Exchange, Route], Coroutine[Any, Any, None]]) -> tuple[asyncio.AbstractServer, LeanServer]:
     """Serve plain POSTs to `routes` with `handle` on pdproxy's lean protocol, and every other request
     with `runner`'s application on `JsonErrorProtocol`. Close the returned server, then shut the lean
     one down with `runner.cleanup()` (both let the requests being served finish)."""

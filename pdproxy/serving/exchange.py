@@ -13,8 +13,14 @@ class Exchange(Protocol):
     status line and headers go out with the first bytes, so a stream that fails before its first
     `send` can still be answered whole. Writing to a client that went away raises `ConnectionError`."""
 
-    headers: Mapping[str, str]  # case-insensitive names
-    content_length: int | None
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """The request's headers (names case-insensitive)."""
+        ...
+
+    @property
+    def content_length(self) -> int | None:
+        ...
 
     async def read_body(self, limit: int, timeout: float) -> bytes:
         """The whole body, within `timeout` seconds and `limit` bytes; `ProxyError` (408, 413, 400, 499) when not."""

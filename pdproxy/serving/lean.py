@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any
@@ -45,7 +45,7 @@ class LeanServer:
     connections it serves. `handle(exchange, route)` answers one request; `fallback()` makes the
     aiohttp protocol a connection is handed to."""
 
-    def __init__(self, routes: Mapping[bytes, Route], handle: Callable[[LeanExchange, Route], Awaitable[None]],
+    def __init__(self, routes: Mapping[bytes, Route], handle: Callable[[LeanExchange, Route], Coroutine[Any, Any, None]],
                  fallback: Callable[[], asyncio.Protocol], *, max_body: int, keep_alive_timeout: float,
                  linger: float) -> None:
         self.routes = routes
