@@ -395,6 +395,7 @@ async def _serve_forever(settings: Settings, sock: socket.socket, worker: worker
     listening.close()
     if private is not None:
         await private.cleanup()
-    await asyncio.gather(lean.shutdown(SHUTDOWN_GRACE), runner.cleanup())
+    await lean.shutdown(SHUTDOWN_GRACE)  # aiohttp's requests go on meanwhile: its grace then is what is left
+    await runner.cleanup()  # the app's teardown (pools, legs' client, telemetry) comes last
     return 0
 
