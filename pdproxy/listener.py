@@ -1,5 +1,9 @@
-"""The listening socket: aiohttp's HTTP protocol with deadlines, and JSON errors for unparsable requests.
+"""The listening socket: pdproxy's lean protocol for plain inference POSTs (pdproxy/serving/lean.py),
+aiohttp's for everything else, with deadlines and JSON errors for unparsable requests.
 
+Every connection starts on the lean protocol, which hands it to aiohttp's at the first request it
+does not serve itself (another route, an unusual or oversized head, ...). What follows is what
+aiohttp's side needs, and the lean side does alike (the same limits and deadlines).
 Three things aiohttp's defaults do not give a proxy on the serving path:
 
 * A deadline for the request head. aiohttp closes a connection that is idle (or still sending its
@@ -86,6 +90,7 @@ async def listen(runner: web.AppRunner, sock: socket.socket, settings: Settings,
     assert server is not None, "runner.setup() first"
     options = handler_options(settings)
     lean = LeanServer(routes, handle, lambda: JsonErrorProtocol(server, loop=loop, **options),
-                      max_body=settings.max_body_bytes, keep_alive_timeout=settings.keep_alive_timeout,
+                      max_body=settings.max_body_bytes, max_head=MAX_LINE_SIZE, max_headers=MAX_HEADERS,
+                      keep_alive_timeout=settings.keep_alive_timeout,
                       linger=options["lingering_time"])
     return await loop.create_server(lean, sock=sock, backlog=4096), lean

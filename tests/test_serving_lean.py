@@ -100,6 +100,8 @@ def test_pipelined_requests_are_answered_in_order_and_another_route_moves_the_co
     ("Expect", _post("exp", extra=KEY + b"Expect: 100-continue\r\n"), 200),
     ("wrong method", b"GET /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", 405),
     ("malformed header", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nNo colon here\r\n\r\n", 400),
+    ("too many headers", _post("many", extra=KEY + b"".join(b"X-H%d: v\r\n" % i for i in range(200))), 431),
+    ("a header line too long", _post("long", extra=KEY + b"X-Long: " + b"a" * 9000 + b"\r\n"), 431),
     ("two lengths", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
      400),
 ])

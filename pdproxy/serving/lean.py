@@ -34,7 +34,6 @@ from pdproxy.protocol import Route
 
 log = logging.getLogger("pdproxy.serving")
 
-MAX_HEAD = 16 * 1024  # a head not ended within this many bytes goes to aiohttp, whose limits decide
 MAX_PENDING = 64 * 1024  # bytes of following requests held while one is served, before reading pauses
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
 _INTERNAL = ProxyError(500, "internal proxy error", error_type="internal")
@@ -46,12 +45,14 @@ class LeanServer:
     aiohttp protocol a connection is handed to."""
 
     def __init__(self, routes: Mapping[bytes, Route], handle: Callable[[LeanExchange, Route], Coroutine[Any, Any, None]],
-                 fallback: Callable[[], asyncio.Protocol], *, max_body: int, keep_alive_timeout: float,
-                 linger: float) -> None:
+                 fallback: Callable[[], asyncio.Protocol], *, max_body: int, max_head: int, max_headers: int,
+                 keep_alive_timeout: float, linger: float) -> None:
         self.routes = routes
         self.handle = handle
         self.fallback = fallback
         self.max_body = max_body
+        self.max_head = max_head  # a longer head, or one with more headers, is aiohttp's: its limits answer it
+        self.max_headers = max_headers
         self.keep_alive_timeout = keep_alive_timeout
         self.linger = linger
         self.connections: set[Connection] = set()
@@ -182,7 +183,7 @@ class Connection(asyncio.Protocol):
             buffer = self.buffer = buffer.lstrip(b"\r\n")  # empty lines before a request line are ignored
         end = buffer.find(b"\r\n\r\n")
         if end < 0:
-            if len(buffer) > MAX_HEAD:
+            if len(buffer) > self.server.max_head:
                 self._hand_over()
             return
         plain = self._parse(buffer[:end + 4])
@@ -209,7 +210,7 @@ class Connection(asyncio.Protocol):
         if not self.head_complete or parser.get_method() != b"POST" or parser.get_http_version() != "1.1":
             return None
         route = self.server.routes.get(self.url)
-        if route is None:
+        if route is None or len(self.fields) > self.server.max_headers or len(head) > self.server.max_head:
             return None
         headers = CIMultiDict(self.fields)
         if "Expect" in headers or "Transfer-Encoding" in headers or "Upgrade" in headers:
@@ -331,7 +332,7 @@ class LeanExchange:
         return rest
 
     async def read_body(self, limit: int, timeout: float) -> bytes:
-        if self.remaining + sum(len(p) for p in self.parts) > limit:
+        if self.content_length is not None and self.content_length > limit:
             raise too_large(limit)
         if self.remaining:
             self.waiter = self.conn.loop.create_future()
@@ -351,6 +352,8 @@ class LeanExchange:
         if self.started:  # a second response inside one that began would corrupt the connection
             log.error("an answer was given to a request whose answer had begun: connection dropped")
             self.conn.transport.abort()
+            return
+        if self.conn.closed:
             return
         self.close = close
         self.started = self.finished = True
