@@ -110,6 +110,7 @@ class HttpReceiver:
         from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
         self.span_ids: list[str] = []
+        self.batches: list[int] = []  # spans per post
         self.posts = self.connections = self.closed = 0
         lock = threading.Lock()
         receiver = self
@@ -135,8 +136,9 @@ class HttpReceiver:
                 message = ExportTraceServiceRequest.FromString(body)
                 with lock:
                     receiver.posts += 1
-                    receiver.span_ids += [s.span_id.hex() for rs in message.resource_spans
-                                          for ss in rs.scope_spans for s in ss.spans]
+                    ids = [s.span_id.hex() for rs in message.resource_spans for ss in rs.scope_spans for s in ss.spans]
+                    receiver.span_ids += ids
+                    receiver.batches.append(len(ids))
                 time.sleep(delay)
                 try:
                     self.send_response(200)

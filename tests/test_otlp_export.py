@@ -117,3 +117,30 @@ def test_shutdown_leaves_the_sinks_to_a_send_still_in_progress(tmp_path, monkeyp
         assert span["spanId"] == f"{span_id:016x}"
     finally:
         receiver.stop()
+
+
+def test_spans_that_come_while_a_full_batch_is_sent_wait_for_the_next_full_batch(monkeypatch):
+    """Under load the export thread is woken for each full batch; the few spans that came meanwhile
+    go with the next one (or after the schedule delay), not as a post of their own each time."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "30000")  # only full batches, until the shutdown
+    receiver = HttpReceiver(delay=0.3)
+    tracing = Tracing({}, [HttpTransport(receiver.endpoint)], 4096, on_drop=lambda reason, count: None)
+
+    def spans(n: int) -> list[SpanData]:
+        now = time.time_ns()
+        return [SpanData("request", KIND_SERVER, random.getrandbits(128), random.getrandbits(64), None, now, now + 1)
+                for _ in range(n)]
+
+    try:
+        tracing.emit(spans(520))  # a full batch (512): the thread wakes and posts it, which takes 0.3 s
+        assert wait_for(lambda: receiver.posts == 1, 10)
+        tracing.emit(spans(30))  # meanwhile: 38 wait
+        time.sleep(0.6)
+        assert receiver.batches == [512]
+        tracing.emit(spans(500))  # 538: a full batch again
+        assert wait_for(lambda: receiver.posts == 2, 10)
+        time.sleep(0.6)
+        tracing.shutdown(timeout=10)  # and the rest at the end
+        assert receiver.batches == [512, 512, 26]
+    finally:
+        receiver.stop()

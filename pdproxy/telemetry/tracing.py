@@ -144,9 +144,11 @@ class Tracing:
 
     def _run(self) -> None:
         while True:
-            self.wake.wait(self.delay)
+            full = self.wake.wait(self.delay)  # woken for a full batch; else the delay ran out
             self.wake.clear()
-            self._drain()
+            # Woken for a full batch, only full batches go: what is left (the spans that came while those
+            # were sent) waits for the next one or the delay, instead of going as a request of a few spans.
+            self._drain(self.batch if full and not self.stopping else 1)
             if self.stopping:
                 break
         # closed here, by their only user, never under a send() still in progress
@@ -156,9 +158,10 @@ class Tracing:
             except Exception:
                 pass
 
-    def _drain(self) -> None:
+    def _drain(self, least: int) -> None:
+        """Send batches while at least `least` spans are queued."""
         queue = self.queue
-        while queue:
+        while len(queue) >= least:
             count = min(len(queue), self.batch)  # only this thread takes from the queue: it holds as many
             payload = export_framed(self.resource_field, self.scope_field,
                                     b"".join([queue.popleft() for _ in range(count)]))
