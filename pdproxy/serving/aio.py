@@ -58,6 +58,13 @@ class AioExchange:
             await response.write(data)
 
     @property
+    def writable(self) -> bool:
+        return False  # aiohttp's writes are coroutines: every event goes through `send`
+
+    def write_now(self, data: bytes) -> None:
+        raise RuntimeError("aiohttp's responses are written by send()")
+
+    @property
     def started(self) -> bool:
         return self.response is not None and self.response.prepared
 

@@ -39,6 +39,15 @@ class Exchange(Protocol):
         ...
 
     @property
+    def writable(self) -> bool:
+        """`write_now` may be called: the stream began and the client's socket takes bytes without waiting."""
+        ...
+
+    def write_now(self, data: bytes) -> None:
+        """Send `data` on the stream at once (only while `writable`): the relay's fast path, outside any coroutine."""
+        ...
+
+    @property
     def started(self) -> bool:
         """Some of the answer went out: the status can no longer change."""
         ...

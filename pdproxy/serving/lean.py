@@ -373,13 +373,23 @@ class LeanExchange:
             self.started = True
             out = self._head(self.status, self.stream_headers, b"Transfer-Encoding: chunked\r\n")
         if data:
-            out += b"%x\r\n%b\r\n" % (len(data), data)
+            out += b"%x\r\n%b\r\n" % (len(data), data)  # as write_now
         if end:
             out += b"0\r\n\r\n"
             self.finished = True
         conn.transport.write(out)
         if conn.writing_paused:
             await conn.drain()  # the client reads slower than the stream comes
+
+    @property
+    def writable(self) -> bool:
+        conn = self.conn
+        return (self.started and not self.finished and not conn.closed and not conn.writing_paused
+                and not conn.transport.is_closing())
+
+    def write_now(self, data: bytes) -> None:
+        if data:  # (an empty chunk would end the body)
+            self.conn.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
     def abort(self) -> None:
         self.conn.transport.abort()
