@@ -303,7 +303,7 @@ async def tokenizer(request: web.Request) -> web.Response:
             headers["Authorization"] = f"Bearer {proxy.settings.upstream_api_key}"
         elif not proxy.settings.api_key and "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
-        async with proxy.admission.slot():
+        with proxy.admission.take() or await proxy.admission.queue():
             admitted = True
             instance = proxy.decode.choose()
             address = instance.address
