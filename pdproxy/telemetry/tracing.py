@@ -66,7 +66,8 @@ class TraceIds:
     tracestate_cut: str | None = None  # why the client's tracestate was not kept whole: "too_long", "invalid"
 
     def traceparent(self, span_id: int) -> str:
-        return f"00-{self.trace_id:032x}-{span_id:016x}-{'01' if self.sampled else '00'}"
+        # one C formatting call (an f-string with format specs compiles to a str.format call per field)
+        return "00-%032x-%016x-%s" % (self.trace_id, span_id, "01" if self.sampled else "00")
 
 
 class Sink(Protocol):
