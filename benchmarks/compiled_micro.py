@@ -151,7 +151,7 @@ admission = Admission(64, 64, 5.0)
 
 async def admitted():
     admission.check()
-    async with admission.slot():
+    with admission.take() or await admission.queue():
         pass
 
 
@@ -183,7 +183,7 @@ cases = {"scan, 10 events one per read": scan_events, "scan, 10 events in one re
          "upstream: request + 10-event chunked answer, one read per event": exchange,
          "ProxyError + its SSE error event": proxy_error_event,
          "ProxyError + its JSON response (aiohttp)": proxy_error_response,
-         "admission: check + slot (async with)": admit,
+         "admission: check + take (with)": admit,
          "mid-stream tap: 8 events with token ids": tapped}
 out = {"form": compiled.report()["form"]}
 for name, fn in cases.items():

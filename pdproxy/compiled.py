@@ -28,6 +28,7 @@ MODULES = (
     "pdproxy.telemetry.metrics",
     "pdproxy.telemetry.otlp",
     "pdproxy.telemetry.recorder",
+    "pdproxy.telemetry.stalls",
     "pdproxy.telemetry.tracing",
     "pdproxy.policies.request",
     # the legs' HTTP client, the choice of instance and the policies, admission, the errors, mid-stream taps

@@ -130,7 +130,7 @@ class Proxy:
         body and the client's headers).
         """
         view = view or RequestView(body, None, route.chat)
-        async with self.admission.slot():
+        with self.admission.take() or await self.admission.queue():  # no coroutine unless it queues
             prefill_instance: Instance | None = None
             if self.tokens is not None:
                 await self.tokens.prepare(view)

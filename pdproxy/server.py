@@ -21,8 +21,8 @@ from pdproxy.listener import handler_options, listen
 from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, HealthChecker, Pool
 from pdproxy.protocol import CHAT, COMPLETIONS, check_body_encoding
+from pdproxy.runtime import LoopLag, tune_gc
 from pdproxy.serving import AioExchange
-from pdproxy.runtime import LoopLag
 from pdproxy.telemetry import setup as setup_telemetry
 from pdproxy.telemetry import trace_destination
 from pdproxy.telemetry.clock import now
@@ -286,7 +286,7 @@ async def tokenizer(request: web.Request) -> web.Response:
             headers["Authorization"] = f"Bearer {proxy.settings.upstream_api_key}"
         elif not proxy.settings.api_key and "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
-        async with proxy.admission.slot():
+        with proxy.admission.take() or await proxy.admission.queue():
             admitted = True
             instance = proxy.decode.choose()
             address = instance.address
@@ -373,6 +373,7 @@ def _run_worker(settings: Settings, sock: socket.socket, worker: workers.WorkerI
         uvloop.install()
     except ImportError:
         pass
+    tune_gc()  # after the imports: start-up's objects out of the collector's way
     return asyncio.run(_serve_forever(settings, sock, worker))
 
 

@@ -14,24 +14,28 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from dataclasses import dataclass, field
 
 from pdproxy.telemetry.clock import seconds
 
 STAGES = ("queue", "prefill", "kv_transfer", "decode")
 
 
-@dataclass
 class Timeline:
-    """Monotonic-ns stamps of one request; absent stamps are stages never reached."""
+    """Monotonic-ns stamps of one request; absent stamps are stages never reached.
 
-    received: int
-    admitted: int | None = None  # instances chosen; the first leg goes out now
-    prefill_done: int | None = None  # prefill response read (P/D only)
-    decode_sent: int | None = None
-    decode_headers: int | None = None
-    first_token: int | None = None
-    end: int | None = None
+    Timeline and Measurement are plain classes, not dataclasses: compiled, a dataclass's generated
+    `__init__` runs interpreted, and each request makes one of each."""
+
+    def __init__(self, received: int, admitted: int | None = None, prefill_done: int | None = None,
+                 decode_sent: int | None = None, decode_headers: int | None = None, first_token: int | None = None,
+                 end: int | None = None) -> None:
+        self.received = received
+        self.admitted = admitted  # instances chosen; the first leg goes out now
+        self.prefill_done = prefill_done  # prefill response read (P/D only)
+        self.decode_sent = decode_sent
+        self.decode_headers = decode_headers
+        self.first_token = first_token
+        self.end = end
 
     def stage_bounds(self, pd_mode: bool) -> dict[str, tuple[int, int]]:
         """Start/end of each stage span reached; the last one reached ends with the request."""
@@ -47,31 +51,34 @@ class Timeline:
         return bounds
 
 
-@dataclass
 class Measurement:
-    ok: bool
-    status: int
-    failed_stage: str | None
-    error_type: str | None
-    stages: dict[str, float]
-    ttft: float | None = None
-    e2e: float = 0.0
-    tpot: float | None = None
-    gaps: list[float] = field(default_factory=list)  # sorted: only their distribution is reported
-    itl_unit: str = "chunk"
-    itl_mean: float | None = None
-    itl_p50: float | None = None
-    itl_p99: float | None = None
-    itl_max: float | None = None
-    stalls: int = 0
-    chunks: int = 0
-    input_tokens: int | None = None
-    output_tokens: int | None = None
-    handoff_gap: float | None = None
-    decode_headers_wait: float | None = None
-    decode_queue_time: float | None = None
-    kv_estimated: float | None = None
-    bounds: dict[str, tuple[int, int]] = field(default_factory=dict)  # each stage's (start, end) monotonic ns
+    """What `measure` makes of a request: every figure its spans and metrics report."""
+
+    def __init__(self, ok: bool, status: int, failed_stage: str | None, error_type: str | None,
+                 stages: dict[str, float], e2e: float = 0.0, bounds: dict[str, tuple[int, int]] | None = None) -> None:
+        self.ok = ok
+        self.status = status
+        self.failed_stage = failed_stage
+        self.error_type = error_type
+        self.stages = stages
+        self.ttft: float | None = None
+        self.e2e = e2e
+        self.tpot: float | None = None
+        self.gaps: list[float] = []  # sorted: only their distribution is reported
+        self.itl_unit = "chunk"
+        self.itl_mean: float | None = None
+        self.itl_p50: float | None = None
+        self.itl_p99: float | None = None
+        self.itl_max: float | None = None
+        self.stalls = 0
+        self.chunks = 0
+        self.input_tokens: int | None = None
+        self.output_tokens: int | None = None
+        self.handoff_gap: float | None = None
+        self.decode_headers_wait: float | None = None
+        self.decode_queue_time: float | None = None
+        self.kv_estimated: float | None = None
+        self.bounds = bounds if bounds is not None else {}  # each stage's (start, end) monotonic ns
 
 
 def percentile(ordered: list[float], q: float) -> float:

@@ -58,12 +58,15 @@ class SpanData:
 
 # -- protobuf wire format --------------------------------------------------------------------
 
-_SMALL: Final = [bytes([n]) for n in range(128)]
+_BYTES: Final = [bytes([n]) for n in range(256)]
+_SMALL: Final = _BYTES[:128]  # the varints of one byte
 
 
 def _varint(n: int) -> bytes:
     if n < 128:
         return _SMALL[n]
+    if n < 16384:  # a span's length, most lengths: two bytes without a bytearray (a method call per byte compiled)
+        return _BYTES[(n & 0x7F) | 0x80] + _BYTES[n >> 7]
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)

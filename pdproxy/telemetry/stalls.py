@@ -179,7 +179,7 @@ class InstanceRecord:
             if a.start < earliest or steps <= 0 or (limit and len(out) >= limit):
                 break
             steps -= 1
-            if a.end >= lo:
+            if a.end is not None and a.end >= lo:  # closed: always set
                 out.append(a)
         return out
 
@@ -233,7 +233,7 @@ class StallRecords:
             if marked is not None or record is None:
                 out.append(Attributed(start, gap, tokens, marked or "none", []))
                 continue
-            lo, hi = window(start, start + int(gap * 1e9), TOLERANCE_NS)
+            lo, hi = start - TOLERANCE_NS, start + int(gap * 1e9) + TOLERANCE_NS  # `window`, in ns
             cause, culprits = pick(record.around(lo, hi, SCAN_LIMIT), request_id)
             out.append(Attributed(start, gap, tokens, cause, culprits))
         return out

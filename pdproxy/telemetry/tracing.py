@@ -24,7 +24,6 @@ import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Protocol
 
 from opentelemetry import trace as trace_api
@@ -50,23 +49,27 @@ TRACESTATE_MAX_CHARS, TRACESTATE_LONG_MEMBER = 512, 128
 __all__ = ["SpanData", "TraceIds", "Tracing", "Sink", "otlp_transport"]
 
 
-@dataclass
 class TraceIds:
-    """Ids of one request's trace, fixed on arrival."""
+    """Ids of one request's trace, fixed on arrival. A plain class, not a dataclass: compiled, a
+    dataclass's generated `__init__` runs interpreted, and each request makes one."""
 
-    parent: Context
-    trace_id: int
-    root: int
-    prefill: int
-    decode: int
-    sampled: bool
-    tracestate: str | None
-    parent_span_id: int | None = None  # the root's parent: the client's span, or the primary's root for a shadow
-    parent_remote: bool = False
-    tracestate_cut: str | None = None  # why the client's tracestate was not kept whole: "too_long", "invalid"
+    def __init__(self, parent: Context, trace_id: int, root: int, prefill: int, decode: int, sampled: bool,
+                 tracestate: str | None, parent_span_id: int | None = None, parent_remote: bool = False,
+                 tracestate_cut: str | None = None) -> None:
+        self.parent = parent
+        self.trace_id = trace_id
+        self.root = root
+        self.prefill = prefill
+        self.decode = decode
+        self.sampled = sampled
+        self.tracestate = tracestate
+        self.parent_span_id = parent_span_id  # the root's parent: the client's span, or the primary's root for a shadow
+        self.parent_remote = parent_remote
+        self.tracestate_cut = tracestate_cut  # why the client's tracestate was not kept whole: "too_long", "invalid"
 
     def traceparent(self, span_id: int) -> str:
-        return f"00-{self.trace_id:032x}-{span_id:016x}-{'01' if self.sampled else '00'}"
+        # one C formatting call (an f-string with format specs compiles to a str.format call per field)
+        return "00-%032x-%016x-%s" % (self.trace_id, span_id, "01" if self.sampled else "00")
 
 
 class Sink(Protocol):
