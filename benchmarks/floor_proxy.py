@@ -5,9 +5,11 @@ measure of what the HTTP server and the legs cost before any of pdproxy's own wo
 (benchmarks/cpu_per_request.py).
 
 Two servers, to tell the server's share from the legs':
-  aiohttp   aiohttp's web server, as pdproxy serves (target `floor`)
+  aiohttp   aiohttp's web server, as pdproxy served the inference routes until issue 32's third round
+            (target `floor`)
   httptools a bare asyncio protocol on llhttp, writing the response bytes itself: keep-alive and
-            chunked encoding only (target `floor-lean`); what a minimal server would cost
+            chunked encoding only (target `floor-lean`); what a minimal server costs, the model of
+            pdproxy's own lean server (pdproxy/serving/lean.py)
 
 Run: python benchmarks/floor_proxy.py PREFILL_URL DECODE_URL PORT [aiohttp|httptools]
 """
