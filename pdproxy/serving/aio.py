@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from pdproxy.errors import ProxyError, bad_request, body_timeout, client_closed, too_large
+from pdproxy.errors import bad_request, body_timeout, client_closed, too_large
+
+log = logging.getLogger("pdproxy.serving")
 
 
 class AioExchange:
@@ -40,6 +43,10 @@ class AioExchange:
             raise client_closed() from None
 
     def answer(self, status: int, body: bytes, headers: dict[str, str], close: bool = False) -> None:
+        if self.started:  # a second response inside one that began would corrupt the connection
+            log.error("an answer was given to a request whose answer had begun: connection dropped")
+            self.abort()
+            return
         self.response = web.Response(status=status, body=body, headers=headers)
         if close:
             self.response.force_close()
