@@ -342,36 +342,48 @@ def stream_failure(exc: BaseException, when: str) -> ProxyError:
 
 class Pipe:
     """The relay's fast path: a read of whole, plain events goes from the instance's connection to the
-    client's in the callback that brought it, scanned on the way, without waking the relay's task.
+    client's without waking the relay's task, scanned on arrival.
 
     Per event that spares a future, a task wake-up and the resumption of every coroutine of the request
-    (at 256 streams, most of the loop's turns). Only what needs nothing else is taken: whole events
+    (at 256 streams, most of the loop's turns). What a stream's reads bring within one turn of the loop
+    goes out in one write at its end (one callback, not one write per read: under load the relay's
+    task gave that for free by waking late). Only what needs nothing else is taken: whole events
     (nothing held back), no CR, no `[DONE]` or `"error"` (the stream's end and in-band errors are the
-    relay's), within the event size bound, a client that takes the bytes now (`Exchange.write_now`:
-    not one whose socket is full, nor aiohttp's responses). Anything else waits for the relay, which
-    then has every byte that came before it. A malformed event is answered as the relay would: the
-    events before it go out, and the relay gets the error."""
+    relay's), within the event size bound, a client that takes bytes now (`Exchange.writable`: not one
+    whose socket is full, nor aiohttp's responses). Anything else waits for the relay, which runs after
+    the pending write (both are the loop's callbacks, in order). A malformed event is answered as the
+    relay would: the events before it go out, and the relay gets the error."""
 
-    __slots__ = ("writer", "scan", "upstream")
+    __slots__ = ("writer", "scan", "upstream", "pending")
 
     def __init__(self, writer: WholeEventWriter, scan: ResponseScan, upstream: Response) -> None:
         self.writer = writer
         self.scan = scan
         self.upstream = upstream
+        self.pending: list[bytes] = []  # taken, to be written at the end of this turn of the loop
 
     def take(self, data: bytes) -> bool:
         writer, scan = self.writer, self.scan
-        client = writer.client
         if (writer.held or not data.endswith(b"\n\n") or b"\r" in data or b"[DONE]" in data or b'"error"' in data
-                or len(data) > MAX_EVENT_BYTES or not client.writable):
+                or len(data) > MAX_EVENT_BYTES or not writer.client.writable):
             return False
         scan.feed(data, time.monotonic_ns())
         if scan.malformed > writer.malformed:
-            client.write_now(_events_before_malformed(data))
+            self.flush()
+            writer.client.write_now(_events_before_malformed(data))
             self.upstream.interrupt(_malformed())  # the relay raises it
+        elif self.pending:
+            self.pending.append(data)
         else:
-            client.write_now(data)
+            self.pending.append(data)
+            asyncio.get_running_loop().call_soon(self.flush)
         return True
+
+    def flush(self) -> None:
+        pending = self.pending
+        if pending:
+            self.pending = []
+            self.writer.client.write_now(pending[0] if len(pending) == 1 else b"".join(pending))
 
 
 class WholeEventWriter:

@@ -44,7 +44,8 @@ class Exchange(Protocol):
         ...
 
     def write_now(self, data: bytes) -> None:
-        """Send `data` on the stream at once (only while `writable`): the relay's fast path, outside any coroutine."""
+        """Send `data` on the stream at once, without waiting (the relay's fast path, outside any coroutine:
+        taken while `writable`); dropped when the client is gone (the relay learns it on its next write)."""
         ...
 
     @property

@@ -388,8 +388,9 @@ class LeanExchange:
                 and not conn.transport.is_closing())
 
     def write_now(self, data: bytes) -> None:
-        if data:  # (an empty chunk would end the body)
-            self.conn.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        conn = self.conn
+        if data and not conn.closed and not conn.transport.is_closing():  # (an empty chunk would end the body)
+            conn.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
     def abort(self) -> None:
         self.conn.transport.abort()
