@@ -262,11 +262,10 @@ async def relay(upstream: Response, downstream: WholeEventWriter | None, scan: R
     """
     clock = time.monotonic_ns
     partial = 0  # bytes of the event in progress: held by the scanner, the tap and the client's writer
-    pipe = Pipe(downstream, scan, upstream) if downstream is not None and tap is None else None
+    sink = Pipe(downstream, scan, upstream).take if downstream is not None and tap is None else None
     while not scan.done:
         try:
-            if pipe is not None:
-                upstream.sink = pipe.take  # while this waits: plain events go straight through
+            upstream.sink = sink  # while this waits: plain events go straight through
             data = await upstream.readany()
         except (TimeoutError, UpstreamError) as exc:
             raise stream_failure(exc, "mid-stream") from None
@@ -372,11 +371,10 @@ class Pipe:
             self.flush()
             writer.client.write_now(_events_before_malformed(data))
             self.upstream.interrupt(_malformed())  # the relay raises it
-        elif self.pending:
-            self.pending.append(data)
         else:
+            if not self.pending:  # the first this turn: the write at its end
+                asyncio.get_running_loop().call_soon(self.flush)
             self.pending.append(data)
-            asyncio.get_running_loop().call_soon(self.flush)
         return True
 
     def flush(self) -> None:

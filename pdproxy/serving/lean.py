@@ -57,7 +57,6 @@ class LeanServer:
         self.linger = linger
         self.connections: set[Connection] = set()
         self.closing = False
-        self.handed_over = 0  # connections given to aiohttp
         self._sweeper: asyncio.Task | None = None
 
     def __call__(self) -> Connection:
@@ -71,8 +70,8 @@ class LeanServer:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(min(1.0, max(0.05, self.keep_alive_timeout / 4)))
-            idle_since = loop.time() - self.keep_alive_timeout
             now = loop.time()
+            idle_since = now - self.keep_alive_timeout
             for conn in [c for c in self.connections
                          if 0 < c.idle_since <= idle_since or 0 < c.linger_until <= now]:
                 conn.close()
@@ -257,7 +256,6 @@ class Connection(asyncio.Protocol):
     def _hand_over(self) -> None:
         """This request and every later one on the connection are aiohttp's (see the module docstring)."""
         self.server.connections.discard(self)
-        self.server.handed_over += 1
         if self.reading_paused:
             self.reading_paused = False
             self.transport.resume_reading()

@@ -58,13 +58,12 @@ class SpanData:
 
 # -- protobuf wire format --------------------------------------------------------------------
 
-_BYTES: Final = [bytes([n]) for n in range(256)]
-_SMALL: Final = _BYTES[:128]  # the varints of one byte
+_BYTES: Final = [bytes([n]) for n in range(256)]  # below 128: the varints of one byte
 
 
 def _varint(n: int) -> bytes:
     if n < 128:
-        return _SMALL[n]
+        return _BYTES[n]
     if n < 16384:  # a span's length, most lengths: two bytes without a bytearray (a method call per byte compiled)
         return _BYTES[(n & 0x7F) | 0x80] + _BYTES[n >> 7]
     out = bytearray()
@@ -154,7 +153,7 @@ _INT_LIMIT: Final = 1 << 63  # from 0 up to this, an int's varint is the AnyValu
 def _int_prefixes(key: str) -> list[bytes]:
     """Everything of an int attribute's field but its varint, by the varint's length."""
     k = _key(key)
-    return [b"\x4a" + _varint(len(k) + 3 + size) + k + b"\x12" + _SMALL[1 + size] + b"\x18" for size in range(11)]
+    return [b"\x4a" + _varint(len(k) + 3 + size) + k + b"\x12" + _BYTES[1 + size] + b"\x18" for size in range(11)]
 
 
 def str_attribute(key: str, value: str) -> bytes:
@@ -251,7 +250,7 @@ def span_head(name: str, kind: int) -> bytes:
     """Span.name and Span.kind; span names are bounded (stages, operation and model label): cached."""
     head = _HEADS.get((name, kind))
     if head is None:
-        head = _field(b"\x2a", name.encode()) + b"\x30" + _SMALL[kind]
+        head = _field(b"\x2a", name.encode()) + b"\x30" + _BYTES[kind]
         if len(_HEADS) < _PAIRS_MAX:
             _HEADS[(name, kind)] = head
     return head
@@ -281,7 +280,7 @@ def status_tail(error: str | None, parent_remote: bool) -> bytes:
     """Span.status (ERROR with `error` as its message, else unset) and Span.flags."""
     if error is None:
         return _OK_TAILS[parent_remote]
-    status = _field(b"\x7a", _field(b"\x12", error.encode()) + b"\x18" + _SMALL[STATUS_ERROR])
+    status = _field(b"\x7a", _field(b"\x12", error.encode()) + b"\x18" + _BYTES[STATUS_ERROR])
     return status + _OK_TAILS[parent_remote][2:]
 
 
