@@ -35,6 +35,7 @@ Run (see README "Benchmarks"):  python benchmarks/overhead.py [--quick] [--targe
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import os
@@ -411,15 +412,15 @@ def recorder_cost(rounds: int, requests: int, stall_every: int, every_ms: float 
     from pdproxy.telemetry.tracing import Tracing
 
     class Drop:
-        def send(self, payload: bytes) -> bool:
+        async def send(self, payload: bytes) -> bool:
             return True
 
-        def close(self) -> None:
+        async def close(self) -> None:
             pass
 
     ms = 1_000_000
 
-    def one_round(attribution: bool) -> float:
+    async def one_round(attribution: bool) -> float:
         tracing = Tracing({"service.name": "bench"}, [Drop()], 1 << 17, on_drop=lambda reason, count: None)
         recorder = Recorder(Metrics(), tracing, stall_threshold=0.1,
                             stalls=StallRecords() if attribution else None)
@@ -446,13 +447,13 @@ def recorder_cost(rounds: int, requests: int, stall_every: int, every_ms: float 
                 open_.pop(0).finish()
         for trace in open_:
             trace.finish()
-        tracing.shutdown()  # the export thread has encoded every span: its CPU is in the round's
+        await tracing.shutdown()  # every span framed and handed over: its CPU is in the round's
         return (time.process_time() - start) / requests * 1e6
 
     on, off = [], []
     for r in range(rounds):  # alternate which goes first
         for attribution in ((True, False) if r % 2 == 0 else (False, True)):
-            (on if attribution else off).append(one_round(attribution))
+            (on if attribution else off).append(asyncio.run(one_round(attribution)))
     return {"on_us": float(np.median(on)), "off_us": float(np.median(off)), "rounds": rounds, "requests": requests,
             "every_ms": every_ms, "stall_every": stall_every}
 

@@ -8,12 +8,12 @@ tracing on (every span exported by the real HttpTransport to benchmarks/otlp_sin
 that every span arrived) and off, alternating. Default settings: P/D, stall attribution on, a known
 model, round_robin decisions.
 
-Printed per tree, in microseconds of CPU per request (the loop's thread; the export thread's CPU from
-its own clock):
+Printed per tree, in microseconds of CPU per request (the loop's thread; a tree that exports from a
+thread of its own, as before 2026-12-02, has that thread's CPU read from its own clock):
   begin, flow calls (set_request ... delivered), finish  -- what the event loop spends
   of finish: measure(), Metrics.record (each timed alone on the same requests), spans (finish with
   tracing on minus off: span building, encoding if on the loop, queueing)
-  export thread (framing, encoding if done there, the HTTP send)
+  export (framing, encoding if done there, the HTTP send: on the loop, or the export thread's)
   the scan (stream.py, not telemetry) is shown for scale and left out of the totals.
 
 Run:  python benchmarks/trace_cost.py pure=TREE compiled=TREE [before=TREE ...] [--rounds 5 --batch 256]
@@ -34,11 +34,18 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PARTS = ("begin", "flow", "finish", "measure", "metrics", "export_thread", "scan")
+PARTS = ("begin", "flow", "finish", "measure", "metrics", "export", "scan")
 
 
 def child(port: int, rounds: int, batch: int) -> None:
     """Runs inside one tree (PYTHONPATH): prints {part: {"on": us, "off": us}} medians over rounds."""
+    import asyncio
+
+    asyncio.run(_child(port, rounds, batch))
+
+
+async def _child(port: int, rounds: int, batch: int) -> None:
+    import asyncio
     from pdproxy import compiled
     from pdproxy.errors import DECODE, PREFILL
     from pdproxy.policies.base import Decision
@@ -47,7 +54,12 @@ def child(port: int, rounds: int, batch: int) -> None:
     from pdproxy.telemetry.measure import measure
     from pdproxy.telemetry.metrics import Metrics
     from pdproxy.telemetry.models import ModelNames
-    from pdproxy.telemetry.otlp import HttpTransport
+    try:
+        from pdproxy.telemetry.export import HttpExporter as sink  # exports from the event loop
+        on_loop = True
+    except ImportError:
+        from pdproxy.telemetry.otlp import HttpTransport as sink  # type: ignore[assignment,no-redef]
+        on_loop = False
     from pdproxy.telemetry.recorder import Recorder
     from pdproxy.telemetry.stalls import StallRecords
     from pdproxy.telemetry.tracing import Tracing
@@ -64,17 +76,16 @@ def child(port: int, rounds: int, batch: int) -> None:
             "temperature": 0.0}
     prefill, decode = "127.0.0.1:8100", "127.0.0.1:8200"
     drops: list[int] = []
-    tracing = Tracing({"pd.mode": "pd"}, [HttpTransport(f"http://127.0.0.1:{port}/v1/traces")], 8192,
+    tracing = Tracing({"pd.mode": "pd"}, [sink(f"http://127.0.0.1:{port}/v1/traces")], 8192,
                       on_drop=lambda reason, count: drops.append(count))
-    worker = tracing.worker.ident
-    assert worker is not None
-    worker_clock = time.pthread_getcpuclockid(worker)
+    # the export's CPU: the loop's own clock while it sends, or the export thread's
+    export_clock = time.CLOCK_THREAD_CPUTIME_ID if on_loop else time.pthread_getcpuclockid(tracing.worker.ident)
     recorders = {on: Recorder(Metrics(), tracing if on else None, stall_threshold=0.1, models=ModelNames(["m"]),
                               stalls=StallRecords()) for on in (True, False)}
     spare = Metrics()  # Metrics.record timed alone, on the same measurements, into series of its own
     clock = time.thread_time_ns
 
-    def one_batch(on: bool) -> dict[str, float]:
+    async def one_batch(on: bool) -> dict[str, float]:
         rec = recorders[on]
         took: dict[str, int] = {}
         t0 = clock()
@@ -105,16 +116,16 @@ def child(port: int, rounds: int, batch: int) -> None:
             trace.delivered()
         t4 = clock()
         took["flow"], took["scan"] = (t2 - t1) + (t4 - t3), t3 - t2
-        w0 = time.clock_gettime_ns(worker_clock)
         for trace in traces:
             trace.finish()
         t5 = clock()
         took["finish"] = t5 - t4
-        if on:  # until the export thread has sent the batch: its CPU for these requests
-            while tracing.queue:
-                time.sleep(0.002)
-            time.sleep(0.02)
-        took["export_thread"] = time.clock_gettime_ns(worker_clock) - w0 if on else 0
+        w0 = time.clock_gettime_ns(export_clock)
+        if on:  # until every span of the batch is sent: the export's CPU for these requests
+            while tracing.queue or getattr(tracing, "sending", None):
+                await asyncio.sleep(0.002)
+            await asyncio.sleep(0.02)
+        took["export"] = time.clock_gettime_ns(export_clock) - w0 if on else 0
         t5 = clock()  # measure() and Metrics.record alone, with the export thread idle
         measured = []
         for trace in traces:
@@ -130,12 +141,15 @@ def child(port: int, rounds: int, batch: int) -> None:
         return {k: v / batch / 1e3 for k, v in took.items()}
 
     for on in (True, False):  # warm up: series, caches, the connection
-        one_batch(on)
+        await one_batch(on)
     runs: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     for r in range(rounds):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
-            runs[on].append(one_batch(on))
-    tracing.shutdown()
+            runs[on].append(await one_batch(on))
+    if on_loop:
+        await tracing.shutdown()
+    else:
+        tracing.shutdown()
     out: dict[str, object] = {"form": compiled.report()["form"], "dropped": sum(drops)}
     for part in PARTS:
         out[part] = {("on" if on else "off"): _median([run[part] for run in runs[on]]) for on in (True, False)}
@@ -213,20 +227,20 @@ def main() -> int:
 
     names = {"begin": "Recorder.begin", "flow": "flow calls (set_request ... delivered)", "finish": "finish",
              "measure": "  of which measure()", "metrics": "  of which Metrics.record",
-             "export_thread": "export thread",
+             "export": "export (loop or thread)",
              "scan": "(stream scan, not telemetry)"}
     for part, name in names.items():
-        if part == "export_thread":
+        if part == "export":
             row("  of which spans (finish on - off)", [(0.0, r["finish"]["on"] - r["finish"]["off"])
                                                         for r in best.values()])
         row(name, [(r[part]["off"], r[part]["on"]) for r in best.values()])
     loop = {label: {k: sum(r[part][k] for part in ("begin", "flow", "finish")) for k in ("on", "off")}
             for label, r in best.items()}
     row("**event loop total**", [(loop[label]["off"], loop[label]["on"]) for label in best])
-    row("**loop + export thread**", [(loop[label]["off"], loop[label]["on"] + r["export_thread"]["on"])
-                                     for label, r in best.items()])
-    print("\ntracing on - off, loop + export thread: " + ", ".join(
-        f"{label} {loop[label]['on'] + r['export_thread']['on'] - loop[label]['off']:.1f} us"
+    row("**with the export**", [(loop[label]["off"], loop[label]["on"] + r["export"]["on"])
+                                for label, r in best.items()])
+    print("\ntracing on - off, with the export: " + ", ".join(
+        f"{label} {loop[label]['on'] + r['export']['on'] - loop[label]['off']:.1f} us"
         for label, r in best.items()))
     return 0
 

@@ -131,7 +131,7 @@ async def _lifecycle(app: web.Application, settings: Settings):
     await session.close()
     recorder.flush()  # records waiting for their stalls' attribution window, before their spans can go
     if tracing is not None:
-        tracing.shutdown()
+        await tracing.shutdown()
 
 
 def _inference(route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:

@@ -328,12 +328,12 @@ class _InstancePool:
     """Idle keep-alive connections to one instance, most recently used first."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, url: str, connect_timeout: float, read_timeout: float,
-                 max_idle: int, keepalive: float) -> None:
+                 max_idle: int, keepalive: float, tls: ssl.SSLContext | None) -> None:
         parts = urlsplit(url)
         self.loop = loop
         self.host = parts.hostname or ""
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
-        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self.ssl = (tls or ssl.create_default_context()) if parts.scheme == "https" else None
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_idle = max_idle
@@ -401,11 +401,12 @@ class UpstreamClient:
     """Pooled connections to every instance the proxy talks to, and one way to send a request."""
 
     def __init__(self, connect_timeout: float, read_timeout: float, max_idle: int = MAX_IDLE,
-                 keepalive: float = KEEPALIVE) -> None:
+                 keepalive: float = KEEPALIVE, tls: ssl.SSLContext | None = None) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_idle = max_idle
         self.keepalive = keepalive
+        self.tls = tls  # for https: None is the system's trust store
         self.stale_retries = 0  # requests sent again because a reused connection was found closed
         self._pools: dict[str, _InstancePool] = {}
         self._sweeper: asyncio.Task | None = None
@@ -415,7 +416,7 @@ class UpstreamClient:
         if pool is None:
             loop = asyncio.get_running_loop()
             pool = self._pools[base_url] = _InstancePool(loop, base_url, self.connect_timeout, self.read_timeout,
-                                                         self.max_idle, self.keepalive)
+                                                         self.max_idle, self.keepalive, self.tls)
             if self._sweeper is None and self.keepalive > 0:
                 self._sweeper = loop.create_task(self._sweep(), name="upstream-keepalive-sweeper")
         return pool

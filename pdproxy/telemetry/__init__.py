@@ -10,9 +10,10 @@ from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import ModelNames
 from pdproxy.telemetry.recorder import Recorder, RequestTrace
 from pdproxy.telemetry.stalls import StallRecords
-from pdproxy.telemetry.tracefile import TraceFileExporter
+from pdproxy.telemetry.export import LoopSink, ThreadedSink, otlp_sink
 from pdproxy.telemetry.otlp import otlp_target
-from pdproxy.telemetry.tracing import Tracing, otlp_transport
+from pdproxy.telemetry.tracefile import TraceFileExporter
+from pdproxy.telemetry.tracing import Tracing
 
 __all__ = ["Metrics", "ModelNames", "Recorder", "RequestTrace", "TraceDestination", "Tracing", "setup",
            "trace_destination"]
@@ -78,12 +79,13 @@ def setup(settings: Settings) -> tuple[Recorder, Tracing | None]:
     tracing = None
     destination = trace_destination(settings)
     if destination.enabled:
-        sinks = []
-        if destination.otlp_endpoint:
-            sinks.append(otlp_transport(settings.otlp_endpoint, settings.otlp_protocol))
+        sinks: list[LoopSink] = []
+        otlp = otlp_sink(settings.otlp_endpoint, settings.otlp_protocol) if destination.otlp_endpoint else None
+        if otlp is not None:
+            sinks.append(otlp)
         if settings.trace_file:
-            sinks.append(TraceFileExporter(settings.trace_file, settings.trace_file_max_bytes,
-                                           settings.trace_file_backups))
+            sinks.append(ThreadedSink(TraceFileExporter(settings.trace_file, settings.trace_file_max_bytes,
+                                                        settings.trace_file_backups)))
         # both reasons exist from the start: a healthy export shows 0 dropped, not "no data"
         for reason in ("queue_full", "export_failed"):
             metrics.spans_dropped.labels(reason)

@@ -346,8 +346,8 @@ def _timeout() -> float:
     return float(raw) if raw else 10.0  # seconds, as the Python SDK reads it
 
 
-class HttpTransport:
-    """OTLP/HTTP protobuf over one keep-alive connection (the export thread is its only user)."""
+class HttpTarget:
+    """Where and how OTLP/HTTP batches go, from the endpoint and the OTEL_EXPORTER_OTLP_* variables."""
 
     def __init__(self, endpoint: str | None) -> None:
         self.url = urlsplit(http_traces_url(endpoint))
@@ -357,21 +357,32 @@ class HttpTransport:
         self.headers = {"Content-Type": "application/x-protobuf", **_headers("TRACES")}
         if self.gzip:
             self.headers["Content-Encoding"] = "gzip"
+
+    def tls(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=_env("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+                                                      "OTEL_EXPORTER_OTLP_CERTIFICATE"))
+
+
+class HttpTransport:
+    """OTLP/HTTP protobuf over one keep-alive connection, blocking (the simulator's SDK exporter; the
+    proxy posts on its event loop: pdproxy/telemetry/export.py)."""
+
+    def __init__(self, endpoint: str | None) -> None:
+        self.target = HttpTarget(endpoint)
+        self.url, self.path, self.timeout = self.target.url, self.target.path, self.target.timeout
         self.conn: http.client.HTTPConnection | None = None
 
     def _connect(self) -> http.client.HTTPConnection:
         host, port = self.url.hostname or "localhost", self.url.port
         if self.url.scheme == "https":
-            context = ssl.create_default_context(cafile=_env("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
-                                                             "OTEL_EXPORTER_OTLP_CERTIFICATE"))
-            return http.client.HTTPSConnection(host, port or 443, timeout=self.timeout, context=context)
+            return http.client.HTTPSConnection(host, port or 443, timeout=self.timeout, context=self.target.tls())
         return http.client.HTTPConnection(host, port or 80, timeout=self.timeout)
 
     def send(self, payload: bytes) -> bool:
         """Post one batch. Sent at most once: only a request the collector provably did not take is
         retried, once, on a new connection (see `_unanswered`); a timeout is never retried, since the
         collector may be storing the batch right now."""
-        body = gzip.compress(payload) if self.gzip else payload
+        body = gzip.compress(payload) if self.target.gzip else payload
         if self.conn is not None and _dropped(self.conn):
             self.close()  # the collector closed it while idle: do not even try it
         for _ in range(2):
@@ -380,7 +391,7 @@ class HttpTransport:
             try:
                 if self.conn is None:
                     self.conn = self._connect()
-                self.conn.request("POST", self.path, body, self.headers)
+                self.conn.request("POST", self.path, body, self.target.headers)
                 written = True
                 resp = self.conn.getresponse()
                 resp.read()

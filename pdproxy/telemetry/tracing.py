@@ -6,10 +6,11 @@ because the prefill and decode legs must carry their span's id in `traceparent` 
 spans exist.
 
 A finished request's spans are encoded to OTLP protobuf bytes on the event loop (pdproxy/telemetry/
-otlp.py: no SDK span objects) and queued; a background thread frames them in batches and sends
-them. The queue is bounded: spans that do not fit, or that the collector refuses, are dropped and
-counted, a whole request at a time, so a slow or dead collector never slows serving and a trace
-is never cut in half by the queue. The OpenTelemetry SDK still provides the resource
+otlp.py: no SDK span objects) and queued; full batches, or what is queued when the schedule delay
+runs out, are framed and handed to the sinks from the loop too (pdproxy/telemetry/export.py: no
+thread of ours between the loop and OTLP/HTTP). The queue is bounded: spans that do not fit, or that
+the collector refuses, are dropped and counted, a whole request at a time, so a slow or dead
+collector never slows serving and a trace is never cut in half by the queue. The OpenTelemetry SDK still provides the resource
 (OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME work as usual) and, when the operator sets
 OTEL_TRACES_SAMPLER, the sampler. Without it every request is traced, whatever the client's
 `sampled` flag says: the proxy exists to trace every request, and a client must not turn that off.
@@ -19,12 +20,11 @@ from __future__ import annotations
 
 import logging
 import os
+import asyncio
 import random
 import socket
-import threading
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Protocol
 
 from opentelemetry import trace as trace_api
 from opentelemetry.context import Context
@@ -34,7 +34,8 @@ from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from pdproxy import __version__
-from pdproxy.telemetry.otlp import SpanData, encode_span, export_framed, frame_prefix, otlp_transport, scope_span
+from pdproxy.telemetry.export import LoopSink
+from pdproxy.telemetry.otlp import SpanData, encode_span, export_framed, frame_prefix, scope_span
 
 log = logging.getLogger("pdproxy.tracing")
 _propagator = TraceContextTextMapPropagator()
@@ -46,7 +47,7 @@ MAX_BATCH = 512  # spans per export request
 # drop members longer than 128 characters first, then members from the right (the oldest)
 TRACESTATE_MAX_CHARS, TRACESTATE_LONG_MEMBER = 512, 128
 
-__all__ = ["SpanData", "TraceIds", "Tracing", "Sink", "otlp_transport"]
+__all__ = ["SpanData", "TraceIds", "Tracing"]
 
 
 class TraceIds:
@@ -72,15 +73,8 @@ class TraceIds:
         return "00-%032x-%016x-%s" % (self.trace_id, span_id, "01" if self.sampled else "00")
 
 
-class Sink(Protocol):
-    """Where encoded export requests go: an OTLP transport or the trace file."""
-
-    def send(self, payload: bytes) -> bool: ...
-    def close(self) -> None: ...
-
-
 class Tracing:
-    def __init__(self, resource_attrs: dict[str, str], sinks: list[Sink], queue_size: int,
+    def __init__(self, resource_attrs: dict[str, str], sinks: list[LoopSink], queue_size: int,
                  on_drop: DropCounter) -> None:
         provider = TracerProvider(resource=_resource(resource_attrs))  # for its env-configured sampler and resource
         # the SDK's own default (parentbased_always_on) would let a client's sampled=00 switch the proxy's spans off
@@ -95,11 +89,9 @@ class Tracing:
         self.on_drop = on_drop
         self.delay = float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", 1000)) / 1000.0
         self.batch = min(MAX_BATCH, queue_size)
-        self.queue: deque[bytes] = deque()  # one framed span per item; appended on the loop, popped by the worker
-        self.wake = threading.Event()
-        self.stopping = False
-        self.worker = threading.Thread(target=self._run, name="pdproxy-span-export", daemon=True)
-        self.worker.start()
+        self.queue: deque[bytes] = deque()  # one framed span per item
+        self.sending: asyncio.Task | None = None  # the batches being sent: one post at a time
+        self.timer: asyncio.TimerHandle | None = None  # for what is queued when the delay runs out
 
     # -- ids ------------------------------------------------------------------------------
 
@@ -142,50 +134,69 @@ class Tracing:
             self.on_drop("queue_full", len(spans))
             return
         queue.extend(spans)
-        if len(queue) >= self.batch and not self.wake.is_set():
-            self.wake.set()
+        if self.sending is None:
+            if len(queue) >= self.batch:
+                self._send(self.batch)
+            elif self.timer is None:
+                self.timer = asyncio.get_running_loop().call_later(self.delay, self._delay_over)
 
-    def _run(self) -> None:
-        while True:
-            full = self.wake.wait(self.delay)  # woken for a full batch; else the delay ran out
-            self.wake.clear()
-            # Woken for a full batch, only full batches go: what is left (the spans that came while those
-            # were sent) waits for the next one or the delay, instead of going as a request of a few spans.
-            self._drain(self.batch if full and not self.stopping else 1)
-            if self.stopping:
-                break
-        # closed here, by their only user, never under a send() still in progress
+    def _delay_over(self) -> None:
+        self.timer = None
+        if self.sending is None and self.queue:
+            self._send(1)
+
+    def _send(self, least: int) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.sending = asyncio.get_running_loop().create_task(self._drain(least), name="span-export")
+
+    async def _drain(self, least: int) -> None:
+        """Send batches while at least `least` spans are queued. Under load that is a full batch: the
+        spans that come while one is sent wait for the next full one (or the delay), instead of going
+        as a post of a few spans each time."""
+        queue = self.queue
+        try:
+            while len(queue) >= least:
+                count = min(len(queue), self.batch)
+                payload = export_framed(self.resource_field, self.scope_field,
+                                        b"".join([queue.popleft() for _ in range(count)]))
+                for ok in await asyncio.gather(*[_sent(sink, payload) for sink in self.sinks]):
+                    if not ok:
+                        self.on_drop("export_failed", count)
+        finally:
+            self.sending = None
+        if queue and self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.delay, self._delay_over)
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Send what can be sent within `timeout`: a dead or slow collector must not hold up exit."""
+        try:
+            async with asyncio.timeout(timeout):
+                while self.sending is not None or self.queue:
+                    if self.sending is None:
+                        self._send(1)
+                    await asyncio.shield(self.sending)
+        except TimeoutError:
+            log.warning("span export still in progress after %gs at shutdown: the batch being sent and %d "
+                        "queued span(s) not sent", timeout, len(self.queue))
+            if self.sending is not None:
+                self.sending.cancel()
+        if self.timer is not None:
+            self.timer.cancel()
         for sink in self.sinks:
             try:
-                sink.close()
+                await sink.close()
             except Exception:
                 pass
 
-    def _drain(self, least: int) -> None:
-        """Send batches while at least `least` spans are queued."""
-        queue = self.queue
-        while len(queue) >= least:
-            count = min(len(queue), self.batch)  # only this thread takes from the queue: it holds as many
-            payload = export_framed(self.resource_field, self.scope_field,
-                                    b"".join([queue.popleft() for _ in range(count)]))
-            for sink in self.sinks:
-                try:
-                    ok = sink.send(payload)
-                except Exception as exc:  # a sink bug must not kill the export thread
-                    log.warning("span export raised %s", exc)
-                    ok = False
-                if not ok:
-                    self.on_drop("export_failed", count)
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Flush what can be flushed within `timeout`; a dead collector must not hold up exit. A worker
-        still sending then closes the sinks itself when it is done (or dies with the process)."""
-        self.stopping = True
-        self.wake.set()
-        self.worker.join(timeout)
-        if self.worker.is_alive():
-            log.warning("span export still in progress after %gs at shutdown; %d span(s) not yet sent", timeout,
-                        len(self.queue))
+async def _sent(sink: LoopSink, payload: bytes) -> bool:
+    try:
+        return await sink.send(payload)
+    except Exception as exc:  # a sink's bug must not end the export
+        log.warning("span export raised %s", exc)
+        return False
 
 
 def _tracestate(state: trace_api.TraceState | None, header: str | None) -> tuple[str | None, str | None]:
