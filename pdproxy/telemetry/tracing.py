@@ -145,11 +145,12 @@ class Tracing:
         if self.sending is None and self.queue:
             self._send(1)
 
-    def _send(self, least: int) -> None:
+    def _send(self, least: int) -> asyncio.Task:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        self.sending = asyncio.get_running_loop().create_task(self._drain(least), name="span-export")
+        self.sending = task = asyncio.get_running_loop().create_task(self._drain(least), name="span-export")
+        return task
 
     async def _drain(self, least: int) -> None:
         """Send batches while at least `least` spans are queued. Under load that is a full batch: the
@@ -174,9 +175,7 @@ class Tracing:
         try:
             async with asyncio.timeout(timeout):
                 while self.sending is not None or self.queue:
-                    if self.sending is None:
-                        self._send(1)
-                    await asyncio.shield(self.sending)
+                    await asyncio.shield(self.sending or self._send(1))
         except TimeoutError:
             log.warning("span export still in progress after %gs at shutdown: the batch being sent and %d "
                         "queued span(s) not sent", timeout, len(self.queue))
