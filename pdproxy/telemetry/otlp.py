@@ -6,7 +6,7 @@ in Python, hashing the Resource once per span). Here a finished request's spans 
 OTLP wire bytes by hand on the event loop, straight from the request's fields (what its five spans
 share encoded once, the attributes that repeat across requests cached ready encoded: ~10 us
 compiled, benchmarks/trace_cost.py; no lock, no GIL hand-off in the middle of a stream), each
-already framed as a field of its batch, so the export thread joins a batch and sends it. The wire format is
+already framed as a field of its batch, so a batch is one join (pdproxy/telemetry/export.py sends it). The wire format is
 the public OTLP protobuf schema (opentelemetry-proto `trace/v1/trace.proto`); the tests decode it
 with the generated classes.
 

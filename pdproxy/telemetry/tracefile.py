@@ -28,7 +28,7 @@ _ID_KEYS = ("traceId", "spanId", "parentSpanId")
 
 
 class TraceFileExporter:
-    """Receives encoded `ExportTraceServiceRequest`s from the export thread (see tracing.Sink).
+    """Receives encoded `ExportTraceServiceRequest`s on its export thread (telemetry/export.py, `ThreadedSink`).
 
     `max_bytes` bounds each file (0: no bound); `backups` rotated files are kept beside it."""
 

@@ -8,19 +8,19 @@ spans exist.
 A finished request's spans are encoded to OTLP protobuf bytes on the event loop (pdproxy/telemetry/
 otlp.py: no SDK span objects) and queued; full batches, or what is queued when the schedule delay
 runs out, are framed and handed to the sinks from the loop too (pdproxy/telemetry/export.py: no
-thread of ours between the loop and OTLP/HTTP). The queue is bounded: spans that do not fit, or that
-the collector refuses, are dropped and counted, a whole request at a time, so a slow or dead
-collector never slows serving and a trace is never cut in half by the queue. The OpenTelemetry SDK still provides the resource
-(OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME work as usual) and, when the operator sets
-OTEL_TRACES_SAMPLER, the sampler. Without it every request is traced, whatever the client's
+thread of ours between the loop and OTLP/HTTP). The queue is bounded: spans that do not fit, or
+that the collector refuses, are dropped and counted, a whole request at a time, so a slow or dead
+collector never slows serving and a trace is never cut in half by the queue. The OpenTelemetry
+SDK still provides the resource (OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME work as usual) and,
+when the operator sets OTEL_TRACES_SAMPLER, the sampler. Without it every request is traced, whatever the client's
 `sampled` flag says: the proxy exists to trace every request, and a client must not turn that off.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
-import asyncio
 import random
 import socket
 from collections import deque
