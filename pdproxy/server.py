@@ -21,7 +21,7 @@ from pdproxy.listener import handler_options, listen
 from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, HealthChecker, Pool
 from pdproxy.protocol import CHAT, COMPLETIONS, check_body_encoding
-from pdproxy.runtime import LoopLag, tune_gc
+from pdproxy.runtime import LoopLag, tune_gc, tune_malloc
 from pdproxy.serving import AioExchange
 from pdproxy.telemetry import setup as setup_telemetry
 from pdproxy.telemetry import trace_destination
@@ -374,6 +374,7 @@ def _run_worker(settings: Settings, sock: socket.socket, worker: workers.WorkerI
     except ImportError:
         pass
     tune_gc()  # after the imports: start-up's objects out of the collector's way
+    tune_malloc()
     return asyncio.run(_serve_forever(settings, sock, worker))
 
 
