@@ -75,6 +75,10 @@ async def _child(port: int, rounds: int, batch: int) -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "hello " * 40}], "max_tokens": 8, "stream": True,
             "temperature": 0.0}
     prefill, decode = "127.0.0.1:8100", "127.0.0.1:8200"
+    from pdproxy import runtime
+
+    for tune in ("tune_gc", "tune_malloc"):  # as a worker starts serving, in the trees that have them
+        getattr(runtime, tune, lambda: None)()
     drops: list[int] = []
     tracing = Tracing({"pd.mode": "pd"}, [sink(f"http://127.0.0.1:{port}/v1/traces")], 8192,
                       on_drop=lambda reason, count: drops.append(count))
