@@ -4,7 +4,6 @@ the reading of a stream up to its first token (the package docstring says the ru
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from pdproxy.errors import DECODE, ProxyError
@@ -19,13 +18,15 @@ BEFORE_FIRST_TOKEN, MID_STREAM = "before_first_token", "mid_stream"  # the stage
 MIGRATABLE = frozenset({"stream_broken", "timeout", "stream_truncated"})
 
 
-@dataclass
+# Plain classes, not dataclasses: compiled, a dataclass's generated `__init__` runs interpreted, and
+# every request makes a Handoff, an Attempt and a Budget.
 class Handoff:
     """The KV coordinates the next decode attempt gets, and whether they are still safe to give."""
 
-    params: dict[str, Any] | None
-    prefill: Instance | None  # the instance holding the blocks (None: single-instance mode)
-    reusable: bool = True  # False once a decode may have pulled them
+    def __init__(self, params: dict[str, Any] | None, prefill: Instance | None) -> None:
+        self.params = params
+        self.prefill = prefill  # the instance holding the blocks (None: single-instance mode)
+        self.reusable = True  # False once a decode may have pulled them
 
     def spent(self, used: bool) -> str | None:
         """Record a failed attempt; the prefill instance's address when its parameters were abandoned
@@ -40,16 +41,17 @@ class Handoff:
         return self.prefill.address
 
 
-@dataclass
 class Attempt:
     """A decode answer at its commit point: the client may be answered from it now."""
 
-    instance: Instance
-    response: Response
-    head: bytes  # read before the commit point: the first events of a stream, or a whole body
-    streamed: bool
-    tap: TokenTap | None = None  # rewrites a stream armed for mid-stream migration
-    closed: bool = False
+    def __init__(self, instance: Instance, response: Response, head: bytes, streamed: bool,
+                 tap: TokenTap | None = None) -> None:
+        self.instance = instance
+        self.response = response
+        self.head = head  # read before the commit point: the first events of a stream, or a whole body
+        self.streamed = streamed
+        self.tap = tap  # rewrites a stream armed for mid-stream migration
+        self.closed = False
 
     def close(self) -> None:
         """An answer not read to its end is closed, not pooled: that aborts it on the instance."""
@@ -59,13 +61,13 @@ class Attempt:
             self.instance.inflight -= 1
 
 
-@dataclass
 class Budget:
     """How many more decode attempts a request may start, and until when (--decode-retries, --decode-deadline)."""
 
-    retries: int
-    deadline: float  # time.monotonic()
-    used: int = 0
+    def __init__(self, retries: int, deadline: float) -> None:
+        self.retries = retries
+        self.deadline = deadline  # time.monotonic()
+        self.used = 0
 
     @classmethod
     def start(cls, retries: int, seconds: float) -> Budget:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from pdproxy.policies.request import RequestView
@@ -21,19 +20,25 @@ class Instance(Protocol):
 REASON_RETRY = "retry"  # a retry after a failed attempt: no request view, chosen by load
 
 
-@dataclass(slots=True)
 class Decision:
     """Why an instance was chosen: recorded on the leg span and counted in /metrics.
 
     The deciding scores are kept as the instances compared and their values at decision time; the
-    address -> score map is only built when a span records it (`scores()`), not for every request."""
+    address -> score map is only built when a span records it (`scores()`), not for every request.
+    A plain class, not a dataclass: compiled, a dataclass's `__init__` runs interpreted, and every
+    request makes one or two."""
 
-    policy: str
-    reason: str  # one of the policy's fixed reasons (a bounded metric label)
-    matched: int | None = None  # prefix units (tokens or chars) the chosen instance already had
-    unit: str | None = None  # "tokens" or "chars" for `matched`
-    compared: Sequence[Instance] = ()
-    values: Sequence[float] | Callable[[], Sequence[float]] = ()  # or how to compute them, if that costs
+    __slots__ = ("policy", "reason", "matched", "unit", "compared", "values")
+
+    def __init__(self, policy: str, reason: str, matched: int | None = None, unit: str | None = None,
+                 compared: Sequence[Instance] = (),
+                 values: Sequence[float] | Callable[[], Sequence[float]] = ()) -> None:
+        self.policy = policy
+        self.reason = reason  # one of the policy's fixed reasons (a bounded metric label)
+        self.matched = matched  # prefix units (tokens or chars) the chosen instance already had
+        self.unit = unit  # "tokens" or "chars" for `matched`
+        self.compared = compared
+        self.values = values  # or how to compute them, if that costs
 
     def scores(self) -> dict[str, float]:
         values = self.values() if callable(self.values) else self.values
