@@ -4,7 +4,7 @@ benchmarks/cpu_per_request.py measures whole requests through a running proxy; t
 recorder (pdproxy/telemetry/) from the rest: each request goes through the calls pdproxy/pd.py makes
 (Recorder.begin, set_request, leg_headers, routed, admitted, prefill_sent/done, decode_sent,
 decode_headers, its 8-token stream fed to the scan, first_token, delivered, finish), in batches, with
-tracing on (every span exported by the real HttpTransport to benchmarks/otlp_sink.py, which checks
+tracing on (every span exported by the real OTLP/HTTP exporter to benchmarks/otlp_sink.py, which checks
 that every span arrived) and off, alternating. Default settings: P/D, stall attribution on, a known
 model, round_robin decisions.
 
@@ -24,6 +24,7 @@ Run:  python benchmarks/trace_cost.py pure=TREE compiled=TREE [before=TREE ...] 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import json
 import os
@@ -39,13 +40,10 @@ PARTS = ("begin", "flow", "finish", "measure", "metrics", "export", "scan")
 
 def child(port: int, rounds: int, batch: int) -> None:
     """Runs inside one tree (PYTHONPATH): prints {part: {"on": us, "off": us}} medians over rounds."""
-    import asyncio
-
     asyncio.run(_child(port, rounds, batch))
 
 
 async def _child(port: int, rounds: int, batch: int) -> None:
-    import asyncio
     from pdproxy import compiled
     from pdproxy.errors import DECODE, PREFILL
     from pdproxy.policies.base import Decision

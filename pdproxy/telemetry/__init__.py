@@ -80,7 +80,7 @@ def setup(settings: Settings) -> tuple[Recorder, Tracing | None]:
     destination = trace_destination(settings)
     if destination.enabled:
         sinks: list[LoopSink] = []
-        otlp = otlp_sink(settings.otlp_endpoint, settings.otlp_protocol) if destination.otlp_endpoint else None
+        otlp = otlp_sink(settings.otlp_endpoint, settings.otlp_protocol)  # None: no endpoint (the file only)
         if otlp is not None:
             sinks.append(otlp)
         if settings.trace_file:

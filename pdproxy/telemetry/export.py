@@ -1,12 +1,12 @@
 """Where the proxy's batches of spans go, posted from its event loop.
 
-Why on the loop: a thread of its own that posts the batches cost the event loop more than the posts
-themselves (measured in benchmarks/RESULTS.md: ~30 us of the loop's CPU per request at c=32 went
-away with the thread's sends, and the thread's own ~6 us with them): each post hands the GIL back
-and forth between the two threads. OTLP/HTTP is therefore posted with the legs' own HTTP client
-(pdproxy/upstream.py): one buffer written per batch, the answer parsed by llhttp, no thread. What
-blocks by nature (gRPC's synchronous call, writing the trace file) runs on a thread of its own per
-sink, one batch at a time and in order, so a slow collector never holds up the file nor the loop.
+Why on the loop: OTLP/HTTP needs no thread of its own, so it is posted with the legs' own HTTP
+client (pdproxy/upstream.py): one buffer written per batch, the answer parsed by llhttp, no GIL
+hand-offs between threads per post. (In CPU per request the change from the export thread was not
+resolvable end to end on the 2-core machine: benchmarks/RESULTS.md, fourth round.) What blocks by
+nature (gRPC's synchronous call, writing the trace file) runs on a thread of its own per sink, one
+batch at a time and in order, and the sinks get a batch side by side, so a slow collector never
+holds up the file nor the loop.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ in Python, hashing the Resource once per span). Here a finished request's spans 
 OTLP wire bytes by hand on the event loop, straight from the request's fields (what its five spans
 share encoded once, the attributes that repeat across requests cached ready encoded: ~10 us
 compiled, benchmarks/trace_cost.py; no lock, no GIL hand-off in the middle of a stream), each
-already framed as a field of its batch, so a batch is one join (pdproxy/telemetry/export.py sends it). The wire format is
-the public OTLP protobuf schema (opentelemetry-proto `trace/v1/trace.proto`); the tests decode it
-with the generated classes.
+already framed as a field of its batch, so a batch is one join (pdproxy/telemetry/export.py sends
+it). The wire format is the public OTLP protobuf schema (opentelemetry-proto `trace/v1/trace.proto`);
+the tests decode it with the generated classes.
 
 Transports: OTLP/HTTP (protobuf, `http.client`, keep-alive) and OTLP/gRPC (the raw bytes sent
 with `grpc`'s generic unary call), configured from the flags or the standard OTEL_EXPORTER_OTLP_*
@@ -369,14 +369,14 @@ class HttpTransport:
 
     def __init__(self, endpoint: str | None) -> None:
         self.target = HttpTarget(endpoint)
-        self.url, self.path, self.timeout = self.target.url, self.target.path, self.target.timeout
         self.conn: http.client.HTTPConnection | None = None
 
     def _connect(self) -> http.client.HTTPConnection:
-        host, port = self.url.hostname or "localhost", self.url.port
-        if self.url.scheme == "https":
-            return http.client.HTTPSConnection(host, port or 443, timeout=self.timeout, context=self.target.tls())
-        return http.client.HTTPConnection(host, port or 80, timeout=self.timeout)
+        target = self.target
+        host, port = target.url.hostname or "localhost", target.url.port
+        if target.url.scheme == "https":
+            return http.client.HTTPSConnection(host, port or 443, timeout=target.timeout, context=target.tls())
+        return http.client.HTTPConnection(host, port or 80, timeout=target.timeout)
 
     def send(self, payload: bytes) -> bool:
         """Post one batch. Sent at most once: only a request the collector provably did not take is
@@ -391,7 +391,7 @@ class HttpTransport:
             try:
                 if self.conn is None:
                     self.conn = self._connect()
-                self.conn.request("POST", self.path, body, self.target.headers)
+                self.conn.request("POST", self.target.path, body, self.target.headers)
                 written = True
                 resp = self.conn.getresponse()
                 resp.read()

@@ -12,8 +12,9 @@ thread of ours between the loop and OTLP/HTTP). The queue is bounded: spans that
 that the collector refuses, are dropped and counted, a whole request at a time, so a slow or dead
 collector never slows serving and a trace is never cut in half by the queue. The OpenTelemetry
 SDK still provides the resource (OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME work as usual) and,
-when the operator sets OTEL_TRACES_SAMPLER, the sampler. Without it every request is traced, whatever the client's
-`sampled` flag says: the proxy exists to trace every request, and a client must not turn that off.
+when the operator sets OTEL_TRACES_SAMPLER, the sampler. Without it every request is traced,
+whatever the client's `sampled` flag says: the proxy exists to trace every request, and a client
+must not turn that off.
 """
 
 from __future__ import annotations
@@ -137,8 +138,13 @@ class Tracing:
         if self.sending is None:
             if len(queue) >= self.batch:
                 self._send(self.batch)
-            elif self.timer is None:
-                self.timer = asyncio.get_running_loop().call_later(self.delay, self._delay_over)
+            else:
+                self._wait_for_delay()
+
+    def _wait_for_delay(self) -> None:
+        """What is queued goes when the schedule delay runs out, unless a full batch comes first."""
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(self.delay, self._delay_over)
 
     def _delay_over(self) -> None:
         self.timer = None
@@ -167,8 +173,8 @@ class Tracing:
                         self.on_drop("export_failed", count)
         finally:
             self.sending = None
-        if queue and self.timer is None:
-            self.timer = asyncio.get_running_loop().call_later(self.delay, self._delay_over)
+        if queue:
+            self._wait_for_delay()
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Send what can be sent within `timeout`: a dead or slow collector must not hold up exit."""
