@@ -111,6 +111,7 @@ class HttpReceiver:
 
         self.span_ids: list[str] = []
         self.batches: list[int] = []  # spans per post
+        self.trace_posts: dict[str, set[int]] = {}  # trace id: the posts that carried its spans
         self.posts = self.connections = self.closed = 0
         lock = threading.Lock()
         receiver = self
@@ -139,6 +140,8 @@ class HttpReceiver:
                     ids = [s.span_id.hex() for rs in message.resource_spans for ss in rs.scope_spans for s in ss.spans]
                     receiver.span_ids += ids
                     receiver.batches.append(len(ids))
+                    for span in (s for rs in message.resource_spans for ss in rs.scope_spans for s in ss.spans):
+                        receiver.trace_posts.setdefault(span.trace_id.hex(), set()).add(receiver.posts)
                 time.sleep(delay)
                 try:
                     self.send_response(200)

@@ -130,14 +130,16 @@ def test_shutdown_gives_up_on_a_slow_collector_in_time_and_the_file_gets_its_bat
 
 def test_spans_that_come_while_a_full_batch_is_sent_wait_for_the_next_full_batch(monkeypatch):
     """Under load a post goes for each full batch; the few spans that came meanwhile go with the next
-    one (or after the schedule delay), not as a post of their own each time."""
+    one (or after the schedule delay), not as a post of their own each time. A batch holds whole
+    requests (here five spans each): 102 of them, 510 spans, the most under 512."""
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "30000")  # only full batches, until the shutdown
     receiver = HttpReceiver(delay=0.3)
 
-    def spans(n: int) -> list[SpanData]:
-        now = time.time_ns()
-        return [SpanData("request", KIND_SERVER, random.getrandbits(128), random.getrandbits(64), None, now, now + 1)
-                for _ in range(n)]
+    def requests(tracing: Tracing, n: int) -> None:
+        for _ in range(n):
+            now, trace_id = time.time_ns(), random.getrandbits(128)
+            tracing.emit([SpanData("request", KIND_SERVER, trace_id, random.getrandbits(64), None, now, now + 1)
+                          for _ in range(5)])
 
     async def until(condition) -> None:
         for _ in range(1000):
@@ -148,16 +150,18 @@ def test_spans_that_come_while_a_full_batch_is_sent_wait_for_the_next_full_batch
 
     async def run() -> None:
         tracing = Tracing({}, [HttpExporter(receiver.endpoint)], 4096, on_drop=lambda reason, count: None)
-        tracing.emit(spans(520))  # a full batch (512): posted at once, which takes 0.3 s
+        requests(tracing, 104)  # 520 spans: a full batch posted at once, which takes 0.3 s
         await until(lambda: receiver.posts == 1)
-        tracing.emit(spans(30))  # meanwhile: 38 wait
+        requests(tracing, 6)  # meanwhile: 40 wait
         await asyncio.sleep(0.6)
-        assert receiver.batches == [512]
-        tracing.emit(spans(500))  # 538: a full batch again
+        assert receiver.batches == [510]
+        requests(tracing, 100)  # 540: a full batch again
         await until(lambda: receiver.posts == 2)
         await asyncio.sleep(0.6)
         await tracing.shutdown(timeout=10)  # and the rest at the end
-        assert receiver.batches == [512, 512, 26]
+        assert receiver.batches == [510, 510, 30]
+        # every request's spans in one post
+        assert len(receiver.trace_posts) == 210 and all(len(posts) == 1 for posts in receiver.trace_posts.values())
 
     try:
         asyncio.run(run())

@@ -8,7 +8,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from pdproxy.telemetry.otlp import KIND_CLIENT, KIND_SERVER, SpanData, encode_span, export_request, frame_prefix
+from pdproxy.telemetry.otlp import KIND_CLIENT, KIND_SERVER, SpanData, encode_span, export_framed, frame_prefix
 
 TRACE, ROOT, CHILD, CLIENT_SPAN = 0x0AF7651916CD43DD8448EB211C80319C, 0x1111, 0x2222, 0xB7AD6B7169203331
 ATTRS = {"gen_ai.operation.name": "chat", "gen_ai.request.stream": True, "gen_ai.usage.output_tokens": 300,
@@ -34,7 +34,7 @@ def test_encoding_matches_the_sdk():
               sdk_span("pd.prefill", SpanKind.CLIENT, CHILD, ROOT, 11, 15, {"vllm.request_phase": "prefill"},
                        Status(StatusCode.ERROR, "prefill answered 500"), "vendor=1", False)]
     resource, scope = frame_prefix(RESOURCE, "pdproxy", "9.9")
-    decoded = ExportTraceServiceRequest.FromString(export_request(resource, scope, [encode_span(s) for s in ours]))
+    decoded = ExportTraceServiceRequest.FromString(export_framed(resource, scope, [encode_span(s) for s in ours]))
     assert MessageToDict(decoded) == MessageToDict(encode_spans(theirs))
 
 
@@ -51,5 +51,5 @@ def test_span_events_match_the_sdk():
                           kind=SpanKind.CLIENT, status=Status(StatusCode.UNSET), start_time=11, end_time=15,
                           instrumentation_scope=InstrumentationScope("pdproxy", "9.9"))
     resource, scope = frame_prefix(RESOURCE, "pdproxy", "9.9")
-    decoded = ExportTraceServiceRequest.FromString(export_request(resource, scope, [encode_span(ours)]))
+    decoded = ExportTraceServiceRequest.FromString(export_framed(resource, scope, [encode_span(ours)]))
     assert MessageToDict(decoded) == MessageToDict(encode_spans([theirs]))

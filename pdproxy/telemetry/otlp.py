@@ -5,10 +5,10 @@ Why: with the SDK, a request's five spans cost about as much CPU as proxying the
 in Python, hashing the Resource once per span). Here a finished request's spans are encoded to
 OTLP wire bytes by hand on the event loop, straight from the request's fields (what its five spans
 share encoded once, the attributes that repeat across requests cached ready encoded: ~10 us
-compiled, benchmarks/trace_cost.py; no lock, no GIL hand-off in the middle of a stream), each
-already framed as a field of its batch, so a batch is one join (pdproxy/telemetry/export.py sends
-it). The wire format is the public OTLP protobuf schema (opentelemetry-proto `trace/v1/trace.proto`);
-the tests decode it with the generated classes.
+compiled, benchmarks/trace_cost.py; no lock, no GIL hand-off in the middle of a stream), framed as
+fields of their batch and joined into one buffer per request, so that a batch is one more join
+(pdproxy/telemetry/export.py sends it). The wire format is the public OTLP protobuf schema
+(opentelemetry-proto `trace/v1/trace.proto`); the tests decode it with the generated classes.
 
 Transports: OTLP/HTTP (protobuf, `http.client`, keep-alive) and OTLP/gRPC (the raw bytes sent
 with `grpc`'s generic unary call), configured from the flags or the standard OTEL_EXPORTER_OTLP_*
@@ -217,10 +217,12 @@ def new_block(key: tuple, items: Iterable[tuple[str, Any]]) -> bytes:
 
 
 def encode_span(s: SpanData) -> bytes:
-    """The bytes of one `Span` message."""
-    return span_bytes(trace_field(s.trace_id), s.span_id, context_fields(s.trace_state, s.parent_id),
-                      span_head(s.name, s.kind), s.start_ns, s.end_ns, attribute_fields(s.attributes.items()),
-                      events_field(s.events) + links_field(s.links) + status_tail(s.error, s.parent_remote))
+    """One `Span` message, framed as a field of ScopeSpans (see `add_span`)."""
+    out: list[bytes] = []
+    add_span(out, trace_field(s.trace_id), s.span_id, context_fields(s.trace_state, s.parent_id),
+             span_head(s.name, s.kind), s.start_ns, s.end_ns, attribute_fields(s.attributes.items()),
+             events_field(s.events) + links_field(s.links) + status_tail(s.error, s.parent_remote))
+    return b"".join(out)
 
 
 # A span's bytes in parts, so that the recorder builds a request's spans straight from its fields and
@@ -284,12 +286,15 @@ def status_tail(error: str | None, parent_remote: bool) -> bytes:
     return status + _OK_TAILS[parent_remote][2:]
 
 
-def span_bytes(trace: bytes, span_id: int, context: bytes, head: bytes, start_ns: int, end_ns: int,
-               attributes: bytes, tail: bytes) -> bytes:
-    """One `Span` message from its parts: `trace` from `trace_field`, `context` from `context_fields`,
-    `head` from `span_head`, `attributes` encoded attribute fields, `tail` its events, links and `status_tail`."""
-    return b"".join((trace, span_id.to_bytes(8, "big"), context, head, _TIMES(0x39, start_ns, 0x41, end_ns),
-                     attributes, tail))
+def add_span(out: list[bytes], trace: bytes, span_id: int, context: bytes, head: bytes, start_ns: int, end_ns: int,
+             attributes: bytes, tail: bytes) -> None:
+    """Appends one `Span` message from its parts to `out`, framed as a field of ScopeSpans: a request's
+    spans become one buffer with one join, and a batch of requests another join (`export_framed`).
+    `trace` from `trace_field`, `context` from `context_fields`, `head` from `span_head`, `attributes`
+    encoded attribute fields, `tail` its events, links and `status_tail`."""
+    size = len(trace) + 8 + len(context) + len(head) + 18 + len(attributes) + len(tail)
+    out.extend((b"\x12", _varint(size), trace, span_id.to_bytes(8, "big"), context, head,
+                _TIMES(0x39, start_ns, 0x41, end_ns), attributes, tail))
 
 
 def frame_prefix(resource: dict[str, Any], scope_name: str, scope_version: str) -> tuple[bytes, bytes]:
@@ -299,20 +304,13 @@ def frame_prefix(resource: dict[str, Any], scope_name: str, scope_version: str) 
     return _field(b"\x0a", res), _field(b"\x0a", scope)
 
 
-def export_request(resource_field: bytes, scope_field: bytes, spans: list[bytes]) -> bytes:
-    """An `ExportTraceServiceRequest` holding `spans` (already encoded) under one resource and scope."""
-    return export_framed(resource_field, scope_field, b"".join([scope_span(s) for s in spans]))
-
-
-def scope_span(span: bytes) -> bytes:
-    """An encoded span as a field of ScopeSpans: how the export queue holds spans, so that the export
-    thread frames a batch with one join."""
-    return b"\x12" + _varint(len(span)) + span
-
-
-def export_framed(resource_field: bytes, scope_field: bytes, spans: bytes) -> bytes:
-    """`export_request` of spans already framed (`scope_span`) and concatenated."""
-    return _field(b"\x0a", resource_field + _field(b"\x12", scope_field + spans))
+def export_framed(resource_field: bytes, scope_field: bytes, spans: list[bytes]) -> bytes:
+    """An `ExportTraceServiceRequest` holding `spans` (each one or more spans framed by `add_span`)
+    under one resource and scope: the batch copied once."""
+    scope_size = len(scope_field) + sum([len(s) for s in spans])
+    scope_length = _varint(scope_size)
+    size = len(resource_field) + 1 + len(scope_length) + scope_size
+    return b"".join([b"\x0a", _varint(size), resource_field, b"\x12", scope_length, scope_field, *spans])
 
 
 # -- transports --------------------------------------------------------------------------------

@@ -15,16 +15,16 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from pdproxy.errors import DECODE, KV_TRANSFER, PREFILL, QUEUE
+from pdproxy.policies.base import Decision
 from pdproxy.stream import ResponseScan
 from pdproxy.telemetry import names as n
 from pdproxy.telemetry.clock import now, to_unix_ns
 from pdproxy.telemetry.measure import Measurement, Timeline, measure, stall_gaps
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import MAX_NAME_LENGTH, OTHER, ModelNames
-from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData, attribute_fields,
+from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData, add_span, attribute_fields,
                                     context_fields, events_field, float_attribute, int_attribute, known_block,
-                                    links_field, new_block, scope_span, span_bytes, span_head, status_tail,
-                                    str_attribute, trace_field)
+                                    links_field, new_block, span_head, status_tail, str_attribute, trace_field)
 from pdproxy.telemetry.stalls import (TOLERANCE_NS, Activity, Attributed, InstanceRecord, StallRecords, marked_cause,
                                       span_links)
 from pdproxy.telemetry.tracing import TraceIds, Tracing
@@ -134,7 +134,7 @@ class RequestTrace:
         self.prefill_status: int | None = None
         self.decode_status: int | None = None
         self.kv_params: str | None = None
-        self.routes: dict[str, Any] = {}  # leg -> the policies.Decision that chose its instance
+        self.routes: dict[str, Decision] = {}  # leg -> the decision that chose its instance
         self.decode_only = False  # selective disaggregation sent it straight to its decode
         self.scan = ResponseScan(chat)
         self.status = 200
@@ -184,8 +184,8 @@ class RequestTrace:
             content = body.get("messages") if self.chat else body.get("prompt")
             attrs["gen_ai.input.messages"] = json.dumps(content)[:16384]
 
-    def routed(self, leg: str, decision: Any) -> None:
-        """A policy chose the instance for `leg` (a `pdproxy.policies.Decision`): on its span and counted."""
+    def routed(self, leg: str, decision: Decision) -> None:
+        """A policy chose the instance for `leg`: on its span and counted."""
         self.routes[leg] = decision
         self.recorder.metrics.route_decision(leg, decision.policy, decision.reason)
 
@@ -323,7 +323,7 @@ class RequestTrace:
         self.model_label = models.label(self.model, answered)
         self._end_activity(self.t.first_token or self.t.end or now(), m.input_tokens)
         traced = self.ids is not None and self.ids.sampled and self._trace_allowed(m)
-        trace_id = f"{self.ids.trace_id:032x}" if traced and self.ids is not None else None
+        trace_id = self.ids.trace_hex if traced and self.ids is not None else None
         mode = "pd" if self.pd_mode else "single"
         self.recorder.metrics.record(m, self.route, self.model_label, mode, self.deployment, trace_id)
         if self.migrations or self.abandoned_handoffs:
@@ -415,9 +415,10 @@ class RequestTrace:
         # semconv's `{operation} {model}` for a known model; the operation alone otherwise (bounded names)
         name = self.operation if self.model_label == OTHER else f"{self.operation} {self.model_label}"
         trace = trace_field(ids.trace_id)
-        spans = [scope_span(span_bytes(trace, ids.root, context_fields(ids.tracestate, ids.parent_span_id),
-                                       span_head(name, KIND_SERVER), to_unix_ns(t.received), to_unix_ns(end),
-                                       self._root_fields(m, error is not None), status_tail(error, ids.parent_remote)))]
+        spans: list[bytes] = []
+        add_span(spans, trace, ids.root, context_fields(ids.tracestate, ids.parent_span_id), span_head(name, KIND_SERVER),
+                 to_unix_ns(t.received), to_unix_ns(end), self._root_fields(m, error is not None),
+                 status_tail(error, ids.parent_remote))
         context = context_fields(ids.tracestate, ids.root)  # every stage span's: a child of the root
         bounds = m.bounds
         if self.pd_mode and t.decode_sent is not None and DECODE not in bounds:
@@ -450,10 +451,10 @@ class RequestTrace:
             fields = self._stage_block(stage, decision)
             if measured:
                 fields += attribute_fields(measured)
-            spans.append(scope_span(span_bytes(trace, span_id or random.getrandbits(64), context, _STAGE_HEADS[stage],
-                                               to_unix_ns(start), to_unix_ns(stop), fields, tail)))
+            add_span(spans, trace, span_id or random.getrandbits(64), context, _STAGE_HEADS[stage], to_unix_ns(start),
+                     to_unix_ns(stop), fields, tail)
         if self.recorder.tracing is not None:  # it is whenever there are ids
-            self.recorder.tracing.emit_encoded(spans)
+            self.recorder.tracing.emit_encoded(b"".join(spans), 1 + len(bounds))
 
     def _stall_events(self, stalls: list[Attributed]) -> list[tuple[int, str, dict[str, Any]]]:
         """Each stall's time and length on pd.decode (the longest ones), with its cause when attributed."""
@@ -537,7 +538,7 @@ class RequestTrace:
         a.update({k: v for k, v in repeating.items() if v is not None})
         return a
 
-    def _stage_block(self, stage: str, decision: Any) -> bytes:
+    def _stage_block(self, stage: str, decision: Decision | None) -> bytes:
         """A stage span's attributes that repeat across requests, encoded once per distinct set: every
         stage span names its model and deployment (span-derived metrics split like the proxy's), its
         instance and status, and the policy that chose the instance and why."""
@@ -552,15 +553,15 @@ class RequestTrace:
             address, status, attempts = self.decode_instance, self.decode_status, self.decode_attempts
         else:
             address = status = attempts = None
-        policy = (decision.policy, decision.reason) if decision is not None else None
-        key = (stage, self.model_label, self.deployment, address, status, attempts, policy)
+        policy, reason = (decision.policy, decision.reason) if decision is not None else (None, None)
+        key = (stage, self.model_label, self.deployment, address, status, attempts, policy, reason)
         block = known_block(key)
         if block is None:
-            block = new_block(key, self._stage_attributes(stage, address, status, attempts, policy).items())
+            block = new_block(key, self._stage_attributes(stage, address, status, attempts, policy, reason).items())
         return block
 
     def _stage_attributes(self, stage: str, address: str | None, status: int | None, attempts: int | None,
-                          policy: tuple[str, str] | None) -> dict[str, Any]:
+                          policy: str | None, reason: str | None) -> dict[str, Any]:
         attrs: dict[str, Any] = {"gen_ai.request.model": self.model_label, n.DEPLOYMENT: self.deployment}
         if stage in (PREFILL, DECODE):
             attrs.update(_leg_attributes(address, "prefill" if stage == PREFILL else "decode", status))
@@ -569,11 +570,11 @@ class RequestTrace:
         elif stage == KV_TRANSFER:
             attrs[n.KV_DEFINITION] = "upper_bound"
         if policy is not None:
-            attrs[n.ROUTE_POLICY], attrs[n.ROUTE_REASON] = policy
+            attrs[n.ROUTE_POLICY], attrs[n.ROUTE_REASON] = policy, reason
         return attrs
 
     @staticmethod
-    def _stage_measurements(stage: str, m: Measurement, decision: Any) -> list[tuple[str, Any]]:
+    def _stage_measurements(stage: str, m: Measurement, decision: Decision | None) -> list[tuple[str, Any]]:
         """A stage span's attributes of this request alone: the KV hand-off's times, the routing
         decision's scores and matched prefix."""
         attrs: list[tuple[str, Any]] = []

@@ -36,7 +36,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from pdproxy import __version__
 from pdproxy.telemetry.export import LoopSink
-from pdproxy.telemetry.otlp import SpanData, encode_span, export_framed, frame_prefix, scope_span
+from pdproxy.telemetry.otlp import SpanData, encode_span, export_framed, frame_prefix
 
 log = logging.getLogger("pdproxy.tracing")
 _propagator = TraceContextTextMapPropagator()
@@ -68,10 +68,11 @@ class TraceIds:
         self.parent_span_id = parent_span_id  # the root's parent: the client's span, or the primary's root for a shadow
         self.parent_remote = parent_remote
         self.tracestate_cut = tracestate_cut  # why the client's tracestate was not kept whole: "too_long", "invalid"
+        self.trace_hex = "%032x" % trace_id  # formatted once: both legs' traceparent and the exemplars carry it
 
     def traceparent(self, span_id: int) -> str:
         # one C formatting call (an f-string with format specs compiles to a str.format call per field)
-        return "00-%032x-%016x-%s" % (self.trace_id, span_id, "01" if self.sampled else "00")
+        return "00-%s-%016x-%s" % (self.trace_hex, span_id, "01" if self.sampled else "00")
 
 
 class Tracing:
@@ -90,7 +91,8 @@ class Tracing:
         self.on_drop = on_drop
         self.delay = float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", 1000)) / 1000.0
         self.batch = min(MAX_BATCH, queue_size)
-        self.queue: deque[bytes] = deque()  # one framed span per item
+        self.queue: deque[tuple[bytes, int]] = deque()  # a request's framed spans, and how many
+        self.queued = 0  # spans in the queue
         self.sending: asyncio.Task | None = None  # the batches being sent: one post at a time
         self.timer: asyncio.TimerHandle | None = None  # for what is queued when the delay runs out
 
@@ -125,18 +127,18 @@ class Tracing:
 
     def emit(self, spans: list[SpanData]) -> None:
         """Queue one request's spans (all or none); called on the event loop."""
-        self.emit_encoded([scope_span(encode_span(s)) for s in spans])
+        self.emit_encoded(b"".join([encode_span(s) for s in spans]), len(spans))
 
-    def emit_encoded(self, spans: list[bytes]) -> None:
-        """Queue one request's spans already encoded and framed (`otlp.scope_span`), all or none;
-        called on the event loop."""
-        queue = self.queue
-        if len(queue) + len(spans) > self.queue_size:
-            self.on_drop("queue_full", len(spans))
+    def emit_encoded(self, spans: bytes, count: int) -> None:
+        """Queue one request's `count` spans, encoded and framed (`otlp.add_span`) into one buffer, all
+        or none; called on the event loop."""
+        if self.queued + count > self.queue_size:
+            self.on_drop("queue_full", count)
             return
-        queue.extend(spans)
+        self.queue.append((spans, count))
+        self.queued += count
         if self.sending is None:
-            if len(queue) >= self.batch:
+            if self.queued >= self.batch:
                 self._send(self.batch)
             else:
                 self._wait_for_delay()
@@ -148,7 +150,7 @@ class Tracing:
 
     def _delay_over(self) -> None:
         self.timer = None
-        if self.sending is None and self.queue:
+        if self.sending is None and self.queued:
             self._send(1)
 
     def _send(self, least: int) -> asyncio.Task:
@@ -161,30 +163,35 @@ class Tracing:
     async def _drain(self, least: int) -> None:
         """Send batches while at least `least` spans are queued. Under load that is a full batch: the
         spans that come while one is sent wait for the next full one (or the delay), instead of going
-        as a post of a few spans each time."""
+        as a post of a few spans each time. A batch holds whole requests, up to `self.batch` spans."""
         queue = self.queue
         try:
-            while len(queue) >= least:
-                count = min(len(queue), self.batch)
-                payload = export_framed(self.resource_field, self.scope_field,
-                                        b"".join([queue.popleft() for _ in range(count)]))
+            while self.queued >= least:
+                requests: list[bytes] = []
+                count = 0
+                while queue and (not requests or count + queue[0][1] <= self.batch):
+                    spans, n = queue.popleft()
+                    requests.append(spans)
+                    count += n
+                self.queued -= count
+                payload = export_framed(self.resource_field, self.scope_field, requests)
                 for ok in await asyncio.gather(*[_sent(sink, payload) for sink in self.sinks]):
                     if not ok:
                         self.on_drop("export_failed", count)
         finally:
             self.sending = None
-        if queue:
+        if self.queued:
             self._wait_for_delay()
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Send what can be sent within `timeout`: a dead or slow collector must not hold up exit."""
         try:
             async with asyncio.timeout(timeout):
-                while self.sending is not None or self.queue:
+                while self.sending is not None or self.queued:
                     await asyncio.shield(self.sending or self._send(1))
         except TimeoutError:
             log.warning("span export still in progress after %gs at shutdown: the batch being sent and %d "
-                        "queued span(s) not sent", timeout, len(self.queue))
+                        "queued span(s) not sent", timeout, self.queued)
             if self.sending is not None:
                 self.sending.cancel()
         if self.timer is not None:
