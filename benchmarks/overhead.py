@@ -48,6 +48,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -211,6 +212,7 @@ class Bench:
         self.proxy_cpus = "1" if pin else None
         self.other_cpus = "0" if pin else None
         self.upstreams: list[Proc] = []
+        self.wrap: list[str] = []  # a command the proxies run under (benchmarks/instructions.py: valgrind)
         self.receiver_url = ""
         self.prefill_port = self.decode_port = 0
 
@@ -231,8 +233,9 @@ class Bench:
 
     def load(self, url: str, proxy: Proc | None, *, concurrency: int, tokens: int, duration: float,
              warmup: float, itl_ms: float | None = None, timings: bool = False, once: bool = False,
-             ramp: float = 0.0, sample_rss: bool = False) -> PhaseResult:
-        """Run the load generator once; sample the proxy's CPU over exactly the measured window."""
+             ramp: float = 0.0, sample_rss: bool = False, on_mark: Callable[[str], None] | None = None) -> PhaseResult:
+        """Run the load generator once; sample the proxy's CPU over exactly the measured window (and call
+        `on_mark` with "measure-start" and "measure-end" as the window opens and closes)."""
         out_file = self.work / "loadgen-result.json"
         out_file.unlink(missing_ok=True)
         cmd = [sys.executable, str(HERE / "loadgen.py"), "--out", str(out_file), "--url", url,
@@ -256,6 +259,8 @@ class Bench:
                 line = line.strip()
                 if line in ("measure-start", "measure-end"):
                     marks[line] = (proxy.cpu_seconds() if proxy else 0.0, machine_busy())
+                    if on_mark is not None:
+                        on_mark(line)
 
         def watch_rss() -> None:
             while proc.poll() is None:
@@ -298,7 +303,7 @@ class Bench:
         log = self.logs / f"{name}.log"
         if name.startswith("pdproxy"):
             workers = 2 if name == "pdproxy-2w" else self.args.workers
-            args = [sys.executable, "-m", "pdproxy", "serve", "--host", HOST, "--port", str(port), "--prefill",
+            args = [*self.wrap, sys.executable, "-m", "pdproxy", "serve", "--host", HOST, "--port", str(port), "--prefill",
                     prefill, "--decode", decode, "--log-level", "warning", "--workers", str(workers)]
             if name in TRACED:
                 tap_port = free_port()
@@ -323,7 +328,7 @@ class Bench:
             proc.wait_http(url + "/health")
         elif name == "vllm-router":
             exe = peers.vllm_router()
-            args = [exe, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode, "--host", HOST,
+            args = [*self.wrap, exe, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode, "--host", HOST,
                     "--port", str(port), "--prometheus-host", HOST, "--prometheus-port", str(free_port()),
                     "--policy", "round_robin", "--log-level", "warning"]
             proc = Proc(name, args, self.proxy_cpus, log)

@@ -128,6 +128,41 @@ def test_shutdown_gives_up_on_a_slow_collector_in_time_and_the_file_gets_its_bat
         receiver.stop()
 
 
+def test_spans_that_come_while_the_delays_post_is_sent_wait_for_the_delay_again(monkeypatch):
+    """A post made because the schedule delay ran out is followed by the next one a delay later, not
+    the moment it is answered: a busy proxy would otherwise post the few spans of every post's
+    duration, one post after another (what the export did until 2026-12-02)."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "1000")
+    receiver = HttpReceiver(delay=0.3)
+
+    def request(tracing: Tracing) -> None:
+        now, trace_id = time.time_ns(), random.getrandbits(128)
+        tracing.emit([SpanData("request", KIND_SERVER, trace_id, random.getrandbits(64), None, now, now + 1)
+                      for _ in range(5)])
+
+    async def run() -> None:
+        tracing = Tracing({}, [HttpExporter(receiver.endpoint)], 4096, on_drop=lambda reason, count: None)
+        request(tracing)
+        for _ in range(300):  # the delay's post, about a second later
+            if receiver.posts:
+                break
+            await asyncio.sleep(0.01)
+        sent = time.monotonic()
+        for _ in range(3):
+            request(tracing)  # while that post is answered (0.3 s)
+        await asyncio.sleep(0.6)
+        posts_before_delay = receiver.posts if time.monotonic() - sent < 0.95 else None
+        await tracing.shutdown(timeout=10)
+        assert posts_before_delay in (1, None), "posted again as soon as the first post was answered"
+        assert posts_before_delay is not None, "the machine was too slow to tell (0.95 s passed)"
+        assert receiver.batches == [5, 15]
+
+    try:
+        asyncio.run(run())
+    finally:
+        receiver.stop()
+
+
 def test_spans_that_come_while_a_full_batch_is_sent_wait_for_the_next_full_batch(monkeypatch):
     """Under load a post goes for each full batch; the few spans that came meanwhile go with the next
     one (or after the schedule delay), not as a post of their own each time. A batch holds whole

@@ -161,9 +161,11 @@ class Tracing:
         return task
 
     async def _drain(self, least: int) -> None:
-        """Send batches while at least `least` spans are queued. Under load that is a full batch: the
-        spans that come while one is sent wait for the next full one (or the delay), instead of going
-        as a post of a few spans each time. A batch holds whole requests, up to `self.batch` spans."""
+        """Send a batch when at least `least` spans are queued (the delay ran out: any), then while a
+        full batch is: the spans that come while one is sent wait for the next full one or the delay,
+        instead of going as a post of a few spans each time (a post takes long enough that a busy
+        proxy would otherwise post again and again). A batch holds whole requests, up to
+        `self.batch` spans."""
         queue = self.queue
         try:
             while self.queued >= least:
@@ -175,6 +177,7 @@ class Tracing:
                     count += n
                 self.queued -= count
                 payload = export_framed(self.resource_field, self.scope_field, requests)
+                least = self.batch
                 for ok in await asyncio.gather(*[_sent(sink, payload) for sink in self.sinks]):
                     if not ok:
                         self.on_drop("export_failed", count)
