@@ -228,7 +228,6 @@ def encode_span(s: SpanData) -> bytes:
 # A span's bytes in parts, so that the recorder builds a request's spans straight from its fields and
 # encodes what its spans share (trace id, context, the stage spans' names and kinds) once.
 
-_TIMES: Final = struct.Struct("<BQBQ").pack  # start_time_unix_nano (field 7) and end_time_unix_nano (8), fixed64
 _HEADS: Final[dict[tuple[str, int], bytes]] = {}
 # an explicit (unset) status and the flags, as the SDK sends them; by whether the parent is remote
 _OK_TAILS: Final = {remote: b"\x7a\x00\x85\x01" + struct.pack("<I", _FLAG_HAS_IS_REMOTE | (remote and _FLAG_IS_REMOTE))
@@ -293,8 +292,9 @@ def add_span(out: list[bytes], trace: bytes, span_id: int, context: bytes, head:
     `trace` from `trace_field`, `context` from `context_fields`, `head` from `span_head`, `attributes`
     encoded attribute fields, `tail` its events, links and `status_tail`."""
     size = len(trace) + 8 + len(context) + len(head) + 18 + len(attributes) + len(tail)
-    out.extend((b"\x12", _varint(size), trace, span_id.to_bytes(8, "big"), context, head,
-                _TIMES(0x39, start_ns, 0x41, end_ns), attributes, tail))
+    # start_time_unix_nano (field 7) and end_time_unix_nano (8) are fixed64: little-endian
+    out.extend((b"\x12", _varint(size), trace, span_id.to_bytes(8, "big"), context, head, b"\x39",
+                start_ns.to_bytes(8, "little"), b"\x41", end_ns.to_bytes(8, "little"), attributes, tail))
 
 
 def frame_prefix(resource: dict[str, Any], scope_name: str, scope_version: str) -> tuple[bytes, bytes]:

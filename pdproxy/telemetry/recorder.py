@@ -22,9 +22,10 @@ from pdproxy.telemetry.clock import now, to_unix_ns
 from pdproxy.telemetry.measure import Measurement, Timeline, measure, stall_gaps
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import MAX_NAME_LENGTH, OTHER, ModelNames
-from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData, add_span, attribute_fields,
-                                    context_fields, events_field, float_attribute, int_attribute, known_block,
-                                    links_field, new_block, span_head, status_tail, str_attribute, trace_field)
+from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData, add_span, attribute,
+                                    attribute_fields, context_fields, events_field, float_attribute, int_attribute,
+                                    known_block, links_field, new_block, span_head, status_tail, str_attribute,
+                                    trace_field)
 from pdproxy.telemetry.stalls import (TOLERANCE_NS, Activity, Attributed, InstanceRecord, StallRecords, marked_cause,
                                       span_links)
 from pdproxy.telemetry.tracing import TraceIds, Tracing
@@ -507,15 +508,15 @@ class RequestTrace:
         if m.tpot is not None:
             a.append(float_attribute(n.TPOT, m.tpot))
         if scan.finish_reasons:
-            a.append(attribute_fields((("gen_ai.response.finish_reasons", scan.finish_reasons),)))
+            a.append(attribute(b"\x4a", "gen_ai.response.finish_reasons", scan.finish_reasons, False))
         if m.gaps and m.itl_mean is not None and m.itl_p50 is not None and m.itl_p99 is not None \
                 and m.itl_max is not None:  # measure() sets them all together
-            a += (attribute_fields(((n.ITL_UNIT, m.itl_unit),)), int_attribute(n.ITL_COUNT, len(m.gaps)),
+            a += (attribute(b"\x4a", n.ITL_UNIT, m.itl_unit, True), int_attribute(n.ITL_COUNT, len(m.gaps)),
                   float_attribute(n.ITL_MEAN, m.itl_mean), float_attribute(n.ITL_P50, m.itl_p50),
                   float_attribute(n.ITL_P99, m.itl_p99), float_attribute(n.ITL_MAX, m.itl_max),
                   int_attribute(n.STALLS, m.stalls))
         if failed:
-            a.append(attribute_fields((("error.type", m.error_type),)))
+            a.append(attribute(b"\x4a", "error.type", m.error_type, True))
         return b"".join(a)
 
     def _repeating_root_attributes(self, m: Measurement) -> dict[str, Any]:
