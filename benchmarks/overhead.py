@@ -303,8 +303,8 @@ class Bench:
         log = self.logs / f"{name}.log"
         if name.startswith("pdproxy"):
             workers = 2 if name == "pdproxy-2w" else self.args.workers
-            args = [*self.wrap, sys.executable, "-m", "pdproxy", "serve", "--host", HOST, "--port", str(port), "--prefill",
-                    prefill, "--decode", decode, "--log-level", "warning", "--workers", str(workers)]
+            args = [*self.wrap, sys.executable, "-m", "pdproxy", "serve", "--host", HOST, "--port", str(port),
+                    "--prefill", prefill, "--decode", decode, "--log-level", "warning", "--workers", str(workers)]
             if name in TRACED:
                 tap_port = free_port()
                 if self.args.otlp_receiver == "oteltap":
@@ -328,9 +328,9 @@ class Bench:
             proc.wait_http(url + "/health")
         elif name == "vllm-router":
             exe = peers.vllm_router()
-            args = [*self.wrap, exe, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode, "--host", HOST,
-                    "--port", str(port), "--prometheus-host", HOST, "--prometheus-port", str(free_port()),
-                    "--policy", "round_robin", "--log-level", "warning"]
+            args = [*self.wrap, exe, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
+                    "--host", HOST, "--port", str(port), "--prometheus-host", HOST,
+                    "--prometheus-port", str(free_port()), "--policy", "round_robin", "--log-level", "warning"]
             proc = Proc(name, args, self.proxy_cpus, log)
             proc.wait_http(url + "/health", timeout=120)
         elif name == "toy-proxy":

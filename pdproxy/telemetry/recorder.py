@@ -417,9 +417,9 @@ class RequestTrace:
         name = self.operation if self.model_label == OTHER else f"{self.operation} {self.model_label}"
         trace = trace_field(ids.trace_id)
         spans: list[bytes] = []
-        add_span(spans, trace, ids.root, context_fields(ids.tracestate, ids.parent_span_id), span_head(name, KIND_SERVER),
-                 to_unix_ns(t.received), to_unix_ns(end), self._root_fields(m, error is not None),
-                 status_tail(error, ids.parent_remote))
+        add_span(spans, trace, ids.root, context_fields(ids.tracestate, ids.parent_span_id),
+                 span_head(name, KIND_SERVER), to_unix_ns(t.received), to_unix_ns(end),
+                 self._root_fields(m, error is not None), status_tail(error, ids.parent_remote))
         context = context_fields(ids.tracestate, ids.root)  # every stage span's: a child of the root
         bounds = m.bounds
         if self.pd_mode and t.decode_sent is not None and DECODE not in bounds:

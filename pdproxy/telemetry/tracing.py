@@ -68,8 +68,7 @@ class TraceIds:
         self.parent_span_id = parent_span_id  # the root's parent: the client's span, or the primary's root for a shadow
         self.parent_remote = parent_remote
         self.tracestate_cut = tracestate_cut  # why the client's tracestate was not kept whole: "too_long", "invalid"
-        # formatted once: both legs' traceparent and the exemplars carry it (bytes.hex: a tenth of "%032x")
-        self.trace_hex = trace_id.to_bytes(16, "big").hex()
+        self.trace_hex = trace_id.to_bytes(16, "big").hex()  # formatted once: the legs' traceparent, the exemplars
 
     def traceparent(self, span_id: int) -> str:
         return "00-" + self.trace_hex + "-" + span_id.to_bytes(8, "big").hex() + ("-01" if self.sampled else "-00")
