@@ -137,10 +137,10 @@ class HttpReceiver:
                 message = ExportTraceServiceRequest.FromString(body)
                 with lock:
                     receiver.posts += 1
-                    ids = [s.span_id.hex() for rs in message.resource_spans for ss in rs.scope_spans for s in ss.spans]
-                    receiver.span_ids += ids
-                    receiver.batches.append(len(ids))
-                    for span in (s for rs in message.resource_spans for ss in rs.scope_spans for s in ss.spans):
+                    spans = [s for rs in message.resource_spans for ss in rs.scope_spans for s in ss.spans]
+                    receiver.span_ids += [s.span_id.hex() for s in spans]
+                    receiver.batches.append(len(spans))
+                    for span in spans:
                         receiver.trace_posts.setdefault(span.trace_id.hex(), set()).add(receiver.posts)
                 time.sleep(delay)
                 try:

@@ -29,6 +29,14 @@ BODY = {"model": "sim-model", "prompt": "one two three", "max_tokens": 2}
 SPANS_PER_REQUEST = 4  # single mode: root, pd.queue, pd.prefill, pd.decode
 
 
+def emit_requests(tracing: Tracing, n: int) -> None:
+    """`n` requests of five spans each, one trace apiece, as the recorder queues them."""
+    for _ in range(n):
+        now, trace_id = time.time_ns(), random.getrandbits(128)
+        tracing.emit([SpanData("request", KIND_SERVER, trace_id, random.getrandbits(64), None, now, now + 1)
+                      for _ in range(5)])
+
+
 @pytest.fixture(scope="module")
 def sim():
     proc, url = start_sim("single", "--time-scale", "0.1")
@@ -135,21 +143,15 @@ def test_spans_that_come_while_the_delays_post_is_sent_wait_for_the_delay_again(
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "1000")
     receiver = HttpReceiver(delay=0.3)
 
-    def request(tracing: Tracing) -> None:
-        now, trace_id = time.time_ns(), random.getrandbits(128)
-        tracing.emit([SpanData("request", KIND_SERVER, trace_id, random.getrandbits(64), None, now, now + 1)
-                      for _ in range(5)])
-
     async def run() -> None:
         tracing = Tracing({}, [HttpExporter(receiver.endpoint)], 4096, on_drop=lambda reason, count: None)
-        request(tracing)
+        emit_requests(tracing, 1)
         for _ in range(300):  # the delay's post, about a second later
             if receiver.posts:
                 break
             await asyncio.sleep(0.01)
         sent = time.monotonic()
-        for _ in range(3):
-            request(tracing)  # while that post is answered (0.3 s)
+        emit_requests(tracing, 3)  # while that post is answered (0.3 s)
         await asyncio.sleep(0.6)
         posts_before_delay = receiver.posts if time.monotonic() - sent < 0.95 else None
         await tracing.shutdown(timeout=10)
@@ -170,12 +172,6 @@ def test_spans_that_come_while_a_full_batch_is_sent_wait_for_the_next_full_batch
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "30000")  # only full batches, until the shutdown
     receiver = HttpReceiver(delay=0.3)
 
-    def requests(tracing: Tracing, n: int) -> None:
-        for _ in range(n):
-            now, trace_id = time.time_ns(), random.getrandbits(128)
-            tracing.emit([SpanData("request", KIND_SERVER, trace_id, random.getrandbits(64), None, now, now + 1)
-                          for _ in range(5)])
-
     async def until(condition) -> None:
         for _ in range(1000):
             if condition():
@@ -185,12 +181,12 @@ def test_spans_that_come_while_a_full_batch_is_sent_wait_for_the_next_full_batch
 
     async def run() -> None:
         tracing = Tracing({}, [HttpExporter(receiver.endpoint)], 4096, on_drop=lambda reason, count: None)
-        requests(tracing, 104)  # 520 spans: a full batch posted at once, which takes 0.3 s
+        emit_requests(tracing, 104)  # 520 spans: a full batch posted at once, which takes 0.3 s
         await until(lambda: receiver.posts == 1)
-        requests(tracing, 6)  # meanwhile: 40 wait
+        emit_requests(tracing, 6)  # meanwhile: 40 wait
         await asyncio.sleep(0.6)
         assert receiver.batches == [510]
-        requests(tracing, 100)  # 540: a full batch again
+        emit_requests(tracing, 100)  # 540: a full batch again
         await until(lambda: receiver.posts == 2)
         await asyncio.sleep(0.6)
         await tracing.shutdown(timeout=10)  # and the rest at the end
