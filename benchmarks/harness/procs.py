@@ -170,11 +170,11 @@ class Procs(list[Proc]):
 
 
 def start_pdproxy(args: list[str], log: Path | None = None, env: dict | None = None, cpus: str | None = None,
-                  ready: str = "/health", timeout: float = 30.0) -> Proc:
+                  cwd: str | None = None, ready: str = "/health", timeout: float = 30.0) -> Proc:
     """`python -m pdproxy ARGS --host HOST --port <free>` (serve, sim, ...), once `ready` answers 200."""
     port = free_port()
     proc = Proc(f"pdproxy {args[0]}", [sys.executable, "-m", "pdproxy", *args, "--host", HOST, "--port", str(port)],
-                cpus, log, env)
+                cpus, log, env, cwd)
     proc.url = f"http://{HOST}:{port}"
     try:
         proc.wait_http(proc.url + ready, timeout)
