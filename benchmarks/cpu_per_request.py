@@ -62,9 +62,7 @@ def main() -> int:
             print(f"round {r + 1} {name:20s} {rps[name][-1]:7.0f} req/s {cpu[name][-1]:.3f} ms CPU/req", flush=True)
     finally:
         bench.stop_all()
-    for name in targets:
-        if name.startswith("pdproxy"):
-            print(f"{name}: {harness.form(bench.source(name))}")
+    bench.say_forms(targets)
     router = statistics.median(cpu["vllm-router"]) if cpu.get("vllm-router") else None
     print(f"\nCPU per request, {args.tokens}-token streams at concurrency {args.concurrency}, median of "
           f"{args.rounds} interleaved rounds ({'proxy pinned to CPU 1' if args.pin else 'unpinned'}):")

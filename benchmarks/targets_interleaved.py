@@ -84,9 +84,7 @@ def main() -> int:
             rounds.append(got)
     finally:
         bench.stop_all()
-    for name in targets:
-        if name.startswith("pdproxy"):
-            print(f"{name}: {harness.form(bench.source(name))}")
+    bench.say_forms(targets)
 
     def med(name: str, key: str, added: bool = False) -> float:
         return statistics.median(g[name][key] - (g["direct"][key] if added else 0) for g in rounds)

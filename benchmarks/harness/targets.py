@@ -102,6 +102,12 @@ class Bench:
             return self.baseline_path
         return self.pdproxy_path or str(REPO)
 
+    def say_forms(self, targets: list[str]) -> None:
+        """Print which form (compiled or pure Python) each pdproxy target ran in."""
+        for name in targets:
+            if name.startswith("pdproxy"):
+                print(f"{name}: {form(self.source(name))}")
+
     @contextlib.contextmanager
     def running(self, name: str) -> Iterator[tuple[str, Proc | None]]:
         """`name` started, as (its base URL, its process or None for direct); stopped afterwards."""
