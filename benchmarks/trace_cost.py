@@ -27,8 +27,6 @@ import argparse
 import asyncio
 import http.client
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -194,10 +192,9 @@ def main() -> int:
             order = list(trees.items())
             for label, tree in (order if run % 2 == 0 else order[::-1]):  # no tree always last
                 before, posts = _count(port)["spans"], _count(port)["requests"]
-                env = {**os.environ, "PYTHONPATH": tree, "OTEL_BSP_SCHEDULE_DELAY": "20"}
-                out = subprocess.run([sys.executable, str(HERE / "trace_cost.py"), "--child", str(port),
-                                      "--rounds", str(args.rounds), "--batch", str(args.batch)],
-                                     cwd=tree, env=env, capture_output=True, text=True)
+                out = harness.python_in(tree, [str(HERE / "trace_cost.py"), "--child", str(port), "--rounds",
+                                               str(args.rounds), "--batch", str(args.batch)],
+                                        env={"OTEL_BSP_SCHEDULE_DELAY": "20"})
                 if out.returncode:
                     raise SystemExit(f"{label} ({tree}): {out.stderr.strip()}")
                 res = json.loads(out.stdout)

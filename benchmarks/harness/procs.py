@@ -60,6 +60,13 @@ def placed(args: list[str], cpus: str | None) -> list[str]:
     return args
 
 
+def python_in(tree: str, args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python ARGS` with the pdproxy of source tree `tree` (its directory first on the path), to completion,
+    output captured as text: how one run measures several builds side by side."""
+    return subprocess.run([sys.executable, *args], cwd=tree, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": tree, **(env or {})})
+
+
 def wait_port(port: int, timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

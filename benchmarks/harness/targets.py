@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from pathlib import Path
 
 from . import peers
 from .load import PhaseResult, run_load
-from .procs import HERE, HOST, REPO, Proc, free_port, wait_port
+from .procs import HERE, HOST, REPO, Proc, free_port, python_in, wait_port
 
 TARGETS = ("direct", "pdproxy", "pdproxy-off", "vllm-router", "toy-proxy", "pdproxy-noattr", "pdproxy-before",
            "pdproxy-off-before", "pdproxy-2w")
@@ -53,8 +52,7 @@ def interleaved(targets: list[str], rounds: int) -> Iterator[tuple[int, str]]:
 
 def form(src: str) -> str:
     """pdproxy/compiled.py's summary for the tree at `src`, as the proxy started from it sees itself."""
-    out = subprocess.run([sys.executable, "-c", "from pdproxy import compiled; print(compiled.summary())"],
-                         cwd=src, env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True)
+    out = python_in(src, ["-c", "from pdproxy import compiled; print(compiled.summary())"])
     return (out.stdout or out.stderr).strip().splitlines()[-1] if (out.stdout or out.stderr) else "?"
 
 
