@@ -136,25 +136,18 @@ def report(results: dict[str, dict], args: argparse.Namespace, started: datetime
         " | ".join(f"+ITL p50/p99 c={c}" for c in args.concurrency) + " |"
     out(head)
     out("|---|" + "---:|" * (2 * len(args.concurrency) + 1))
-    for name, r in results.items():
-        cells = []
-        values, base = r["ttft_warm"].ttft_us, direct["ttft_warm"].ttft_us if direct else []
+    def cell(name: str, r: dict, phase: str, metric: str) -> str:
+        """p50 / p99 in ms: direct's own in parentheses, a target's added to direct's."""
+        values, base = getattr(r[phase], metric), getattr(direct[phase], metric) if direct else []
         if name == "direct":
-            cells.append(f"({pct(values, 50) / 1000:.3f} / {pct(values, 99) / 1000:.3f})" if values else "-")
-        elif values and base:
-            cells.append(f"{(pct(values, 50) - pct(base, 50)) / 1000:+.3f} / {(pct(values, 99) - pct(base, 99)) / 1000:+.3f}")
-        else:
-            cells.append("-")
-        for metric in ("ttft_us", "gaps_us"):
-            for c in args.concurrency:
-                values, base = getattr(r[f"lat_{c}"], metric), getattr(direct[f"lat_{c}"], metric) if direct else []
-                if name == "direct":
-                    cells.append(f"({pct(values, 50) / 1000:.3f} / {pct(values, 99) / 1000:.3f})" if values else "-")
-                elif values and base:
-                    cells.append(f"{(pct(values, 50) - pct(base, 50)) / 1000:+.3f} / "
-                                 f"{(pct(values, 99) - pct(base, 99)) / 1000:+.3f}")
-                else:
-                    cells.append("-")
+            return f"({pct(values, 50) / 1000:.3f} / {pct(values, 99) / 1000:.3f})" if values else "-"
+        if values and base:
+            return f"{(pct(values, 50) - pct(base, 50)) / 1000:+.3f} / {(pct(values, 99) - pct(base, 99)) / 1000:+.3f}"
+        return "-"
+
+    for name, r in results.items():
+        cells = [cell(name, r, "ttft_warm", "ttft_us")]
+        cells += [cell(name, r, f"lat_{c}", metric) for metric in ("ttft_us", "gaps_us") for c in args.concurrency]
         out(f"| {name} | " + " | ".join(cells) + " |")
     out("(direct row: absolute values in parentheses)")
     out("client CPU %: the load generator's share of its core in the chunks/s phase; other CPU: cores used by "
