@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from procs import running
 from waits import wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -28,14 +29,6 @@ PARENT = textwrap.dedent("""
 """)
 
 
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting for its parent."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def started(procs: harness.Procs, tmp_path: Path, burn: bool = False) -> tuple[harness.Proc, list[int]]:
     pids_file = tmp_path / "pids"
     proc = procs.start("parent", [sys.executable, "-c", PARENT, str(pids_file)], env={"BURN": "1" if burn else ""})
@@ -48,10 +41,10 @@ def test_procs_stop_the_whole_group_even_when_the_run_fails(tmp_path):
     with pytest.raises(RuntimeError, match="a failed measurement"):
         with harness.Procs() as procs:
             proc, pids = started(procs, tmp_path)
-            assert all(alive(pid) for pid in pids)
+            assert all(running(pid) for pid in pids)
             raise RuntimeError("a failed measurement")
     assert proc.popen.returncode is not None
-    wait_until(lambda: not any(alive(pid) for pid in pids), "the parent's own child to be gone too")
+    wait_until(lambda: not any(running(pid) for pid in pids), "the parent's own child to be gone too")
 
 
 def test_cpu_seconds_count_the_children_of_the_process(tmp_path):
@@ -62,7 +55,7 @@ def test_cpu_seconds_count_the_children_of_the_process(tmp_path):
         own = harness.stats.cpu_seconds([parent])
         assert own < 0.5 and harness.stats.cpu_seconds([child]) >= 1.0 - own
         assert proc.memory_mb("VmRSS") > harness.stats.memory_kb([parent], "VmRSS") / 1024
-    assert not alive(child)
+    assert not running(child)
 
 
 def test_free_ports_are_distinct_and_bindable():
