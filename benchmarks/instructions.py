@@ -94,14 +94,13 @@ def main() -> int:
     bench.start_upstreams()
     counts: dict[str, list[float]] = {name: [] for name in targets}
     try:
-        for round_ in range(args.rounds):
-            for name in targets if round_ % 2 == 0 else reversed(targets):
-                per_request, requests = measure(bench, name, args)
-                if requests < args.min_requests:
-                    raise RuntimeError(f"{name}: only {requests} requests counted (at least {args.min_requests})")
-                counts[name].append(per_request)
-                print(f"round {round_ + 1} {name:20s} {per_request / 1e3:8.1f} k instructions/request "
-                      f"({requests} requests)", flush=True)
+        for round_, name in harness.interleaved(targets, args.rounds):
+            per_request, requests = measure(bench, name, args)
+            if requests < args.min_requests:
+                raise RuntimeError(f"{name}: only {requests} requests counted (at least {args.min_requests})")
+            counts[name].append(per_request)
+            print(f"round {round_ + 1} {name:20s} {per_request / 1e3:8.1f} k instructions/request "
+                  f"({requests} requests)", flush=True)
     finally:
         bench.stop_all()
     print(f"\nInstructions per request (user space, callgrind), 8-token streams at concurrency {args.concurrency}, "

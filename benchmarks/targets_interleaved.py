@@ -71,17 +71,12 @@ def main() -> int:
     targets = harness.with_baseline(args.targets, args.baseline_path)
     bench = harness.bench_from(args.work_dir, args.baseline_path, args.pdproxy_path)
     bench.start_upstreams()
-    rounds: list[dict[str, dict[str, float]]] = []
+    rounds: list[dict[str, dict[str, float]]] = [{} for _ in range(args.rounds)]
     try:
-        for r in range(args.rounds):
-            order = targets if r % 2 == 0 else targets[::-1]
-            got: dict[str, dict[str, float]] = {}
-            for name in order:
-                with bench.running(name) as (url, proc):
-                    got[name] = phases(bench, url, proc)
-                print(f"round {r + 1} {name:20s} " + " ".join(f"{k}={v:.3f}" for k, v in got[name].items()),
-                      flush=True)
-            rounds.append(got)
+        for r, name in harness.interleaved(targets, args.rounds):
+            with bench.running(name) as (url, proc):
+                got = rounds[r][name] = phases(bench, url, proc)
+            print(f"round {r + 1} {name:20s} " + " ".join(f"{k}={v:.3f}" for k, v in got.items()), flush=True)
     finally:
         bench.stop_all()
     bench.say_forms(targets)
