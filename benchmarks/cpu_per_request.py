@@ -45,7 +45,8 @@ def main() -> int:
     p.add_argument("--work-dir", default="/tmp/pdproxy-cpu-per-request")
     args = p.parse_args()
     targets = harness.with_baseline(args.targets, args.baseline_path)
-    bench = harness.bench_from(args.work_dir, args.baseline_path, args.pdproxy_path, args.pin)
+    bench = harness.Bench(args.work_dir, pin=args.pin, pdproxy_path=args.pdproxy_path,
+                          baseline_path=args.baseline_path)
     bench.start_upstreams()
     cpu: dict[str, list[float]] = {t: [] for t in targets}
     rps: dict[str, list[float]] = {t: [] for t in targets}

@@ -90,7 +90,8 @@ def main() -> int:
         print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
         return 2
     targets = harness.with_baseline(args.targets, args.baseline_path)
-    bench = harness.bench_from(tempfile.mkdtemp(prefix="pdproxy-instr-"), args.baseline_path, args.pdproxy_path)
+    bench = harness.Bench(tempfile.mkdtemp(prefix="pdproxy-instr-"), pdproxy_path=args.pdproxy_path,
+                          baseline_path=args.baseline_path)
     bench.start_upstreams()
     counts: dict[str, list[float]] = {name: [] for name in targets}
     try:

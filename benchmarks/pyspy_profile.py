@@ -84,7 +84,7 @@ def main() -> int:
     if spy is None:
         print("py-spy is not installed: pip install py-spy", file=sys.stderr)
         return 2
-    bench = harness.bench_from(args.work_dir, pdproxy_path=args.pdproxy_path, pin=args.pin)
+    bench = harness.Bench(args.work_dir, pin=args.pin, pdproxy_path=args.pdproxy_path)
     bench.start_upstreams()
     target = "pdproxy" if args.tracing else "pdproxy-off"
     raw_out = Path(args.work_dir) / "profile.txt"

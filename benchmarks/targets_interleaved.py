@@ -69,7 +69,7 @@ def main() -> int:
     p.add_argument("--work-dir", default="/tmp/pdproxy-targets-interleaved")
     args = p.parse_args()
     targets = harness.with_baseline(args.targets, args.baseline_path)
-    bench = harness.bench_from(args.work_dir, args.baseline_path, args.pdproxy_path)
+    bench = harness.Bench(args.work_dir, pdproxy_path=args.pdproxy_path, baseline_path=args.baseline_path)
     bench.start_upstreams()
     rounds: list[dict[str, dict[str, float]]] = [{} for _ in range(args.rounds)]
     try:

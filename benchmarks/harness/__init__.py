@@ -16,8 +16,8 @@ from __future__ import annotations
 from .load import PhaseResult, pct, run_load
 from .procs import HERE, HOST, REPO, Proc, Procs, free_port, free_ports, placed, python_in, start_pdproxy, wait_port
 from .stats import machine, machine_busy, rss_bytes, wait_quiet
-from .targets import FLOORS, TARGETS, TRACED, Bench, bench_from, interleaved, with_baseline
+from .targets import FLOORS, TARGETS, TRACED, Bench, interleaved, with_baseline
 
 __all__ = ["FLOORS", "HERE", "HOST", "REPO", "TARGETS", "TRACED", "Bench", "PhaseResult", "Proc", "Procs",
-           "bench_from", "free_port", "free_ports", "interleaved", "machine", "machine_busy", "pct", "placed",
-           "python_in", "rss_bytes", "run_load", "start_pdproxy", "wait_port", "wait_quiet", "with_baseline"]
+           "free_port", "free_ports", "interleaved", "machine", "machine_busy", "pct", "placed", "python_in",
+           "rss_bytes", "run_load", "start_pdproxy", "wait_port", "wait_quiet", "with_baseline"]

@@ -86,5 +86,5 @@ def machine() -> str:
     except OSError:
         pass
     mem = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2 ** 30
-    return (f"{os.cpu_count()} x {model}, {mem:.0f} GiB, Linux {platform.release()}, Python {platform.python_version()}, "
-            f"{socket.gethostname()}")
+    return (f"{os.cpu_count()} x {model}, {mem:.0f} GiB, Linux {platform.release()}, "
+            f"Python {platform.python_version()}, {socket.gethostname()}")

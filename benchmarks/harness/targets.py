@@ -189,8 +189,3 @@ class Bench:
         self.receiver_url = f"http://{HOST}:{port}"
         return receiver
 
-
-def bench_from(work_dir: str, baseline_path: str | None = None, pdproxy_path: str | None = None,
-               pin: bool = True) -> Bench:
-    """A Bench with overhead.py's defaults, for the interleaved benchmarks that drive its targets."""
-    return Bench(work_dir, pin=pin, pdproxy_path=pdproxy_path, baseline_path=baseline_path)
