@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
+from pathlib import Path
 
-HOST = "127.0.0.1"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+
+HOST = harness.HOST
 MIB = 1 << 20
 
 
@@ -37,12 +36,6 @@ def body(shape: str, size: int) -> bytes:
         return (head + '"prompt": [' + ",".join(["12345"] * (size // 6)) + "]}").encode()
     filler = {"objects": "{}", "lists": "[]", "numbers": "0", "messages": '{"role": "user", "content": "hi"}'}[shape]
     return (head + '"prompt": "x", "extra": [' + ",".join([filler] * (size // (len(filler) + 1))) + "]}").encode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def decode_instance(port: int) -> None:
@@ -60,34 +53,12 @@ def decode_instance(port: int) -> None:
     web.run_app(app, host=HOST, port=port, print=None, access_log=None)
 
 
-def start(args: list[str], url: str) -> subprocess.Popen:
-    command = [sys.executable, *args] if args[0].endswith(".py") else [sys.executable, "-m", "pdproxy", *args]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return proc
-        except OSError:
-            time.sleep(0.05)
-    stop(proc)
-    raise RuntimeError(f"{' '.join(args[:2])} did not start")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(10)
-
-
 def peak_rss(decode_url: str, data: bytes) -> tuple[int, int]:
     """(the proxy's high-water RSS before the request, after it), in bytes."""
-    port = free_port()
-    url = f"http://{HOST}:{port}"
-    proxy = start(["serve", "--host", HOST, "--port", str(port), "--decode", decode_url, "--debug-endpoints",
-                   "--max-body-bytes", str(len(data) + MIB), "--health-check-interval", "0", "--no-tracing",
-                   "--read-timeout", "120"], url + "/health")
-    try:
+    with harness.Procs() as procs:
+        url = procs.pdproxy("serve", "--decode", decode_url, "--debug-endpoints", "--max-body-bytes",
+                            str(len(data) + MIB), "--health-check-interval", "0", "--no-tracing",
+                            "--read-timeout", "120").url
         before = json.load(urllib.request.urlopen(url + "/debug/runtime"))["max_rss_bytes"]
         request = urllib.request.Request(url + "/v1/completions", data=data,
                                          headers={"Content-Type": "application/json"})
@@ -95,8 +66,6 @@ def peak_rss(decode_url: str, data: bytes) -> tuple[int, int]:
             r.read()
         after = json.load(urllib.request.urlopen(url + "/debug/runtime"))["max_rss_bytes"]
         return before, after
-    finally:
-        stop(proxy)
 
 
 def main() -> None:
@@ -109,10 +78,11 @@ def main() -> None:
     if args.decode_port:
         return decode_instance(args.decode_port)
     small, large = args.sizes
-    decode_port = free_port()
+    decode_port = harness.free_port()
     decode_url = f"http://{HOST}:{decode_port}"
-    decode = start([__file__, "--decode-port", str(decode_port)], decode_url + "/health")
+    decode = harness.Proc("decode", [sys.executable, __file__, "--decode-port", str(decode_port)])
     try:
+        decode.wait_http(decode_url + "/health", timeout=30)
         print(f"{'shape':<10} {'+RSS at ' + str(small) + ' MiB':>16} {'+RSS at ' + str(large) + ' MiB':>16} "
               f"{'RSS MB per body MB':>19}")
         for shape in args.shapes:
@@ -123,7 +93,7 @@ def main() -> None:
             slope = (grown[1] - grown[0]) / ((large - small) * MIB)
             print(f"{shape:<10} {grown[0] / MIB:>13.0f} MB {grown[1] / MIB:>13.0f} MB {slope:>19.1f}")
     finally:
-        stop(decode)
+        decode.stop()
 
 
 if __name__ == "__main__":

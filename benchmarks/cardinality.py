@@ -16,12 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
 import string
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,52 +27,10 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # pdproxy, also when not installed
-from pdproxy.children import spawn  # noqa: E402  (own session; dies with this script, even SIGKILLed)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
-HOST = "127.0.0.1"
 SERVED = "sim-model"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def start(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    popen = spawn([sys.executable, "-m", "pdproxy", *args, "--host", HOST, "--port", str(port)],
-                  stdout=open(log, "wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    url = f"http://{HOST}:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        if popen.poll() is not None:
-            raise SystemExit(f"{args[0]} exited {popen.returncode}: {log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1):
-                return popen, url
-        except OSError:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{url} did not come up; see {log}") from None
-            time.sleep(0.05)
-
-
-def stop(popen: subprocess.Popen) -> None:
-    if popen.poll() is None:
-        os.killpg(popen.pid, signal.SIGTERM)
-        try:
-            popen.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(popen.pid, signal.SIGKILL)
-            popen.wait()
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 def snapshot(url: str, pid: int) -> dict:
@@ -89,7 +43,7 @@ def snapshot(url: str, pid: int) -> dict:
             series += 1
             if "model" in sample.labels:
                 models.add(sample.labels["model"])
-    return {"series": series, "metrics_bytes": len(text.encode()), "rss_bytes": rss_bytes(pid),
+    return {"series": series, "metrics_bytes": len(text.encode()), "rss_bytes": harness.rss_bytes(pid),
             "model_labels": sorted(models)}
 
 
@@ -117,12 +71,10 @@ async def send(url: str, models: list[str], concurrency: int, stream: bool = Fal
 def run(names: int, concurrency: int, seed: int) -> dict:
     rng = random.Random(seed)
     logs = Path(tempfile.mkdtemp(prefix="pdproxy-cardinality-"))
-    procs = []
-    try:
-        sim, sim_url = start(["sim", "--role", "single", "--model", SERVED, "--time-scale", "0.05"], logs / "sim.log")
-        procs.append(sim)
-        proxy, url = start(["serve", "--decode", sim_url, "--log-level", "warning"], logs / "proxy.log")
-        procs.append(proxy)
+    with harness.Procs() as procs:
+        sim = procs.pdproxy("sim", "--role", "single", "--model", SERVED, "--time-scale", "0.05", log=logs / "sim.log")
+        proxy = procs.pdproxy("serve", "--decode", sim.url, "--log-level", "warning", log=logs / "proxy.log")
+        url = proxy.url
         # warm-up: every label set the load will touch exists already (served model streamed and whole,
         # made-up names failing with the instance's 404), and the allocator has settled
         for stream in (False, True):
@@ -137,9 +89,6 @@ def run(names: int, concurrency: int, seed: int) -> dict:
         return {"names": names, "statuses": {str(k): v for k, v in sorted(statuses.items())},
                 "served_statuses": {str(k): v for k, v in served.items()}, "seconds": round(wall, 1),
                 "before": before, "after": after}
-    finally:
-        for p in reversed(procs):
-            stop(p)
 
 
 def main() -> None:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
 # Runs inside each tree: prints {case: microseconds per call}, best of `repeat`.
 CHILD = r'''
@@ -102,7 +104,10 @@ class Transport:  # stands in for the socket: the client's own work is what is t
 
 loop = asyncio.new_event_loop()
 # read_timeout 0: no timer per silence (it would pile up in a loop that never runs)
-instance_pool = _InstancePool(loop, "http://127.0.0.1:8200", 5.0, 0.0, 256, 4.0)
+try:
+    instance_pool = _InstancePool(loop, "http://127.0.0.1:8200", 5.0, 0.0, 256, 4.0, None)  # tls: plain HTTP
+except TypeError:  # a tree from before upstream TLS
+    instance_pool = _InstancePool(loop, "http://127.0.0.1:8200", 5.0, 0.0, 256, 4.0)
 legs_headers = {"Content-Type": "application/json", "X-Request-Id": "req-123", "traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
 answer = [b"%x\r\n%s\r\n" % (len(e), e) for e in events]  # the head comes with the first event, the end with [DONE]
 answer[0] = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
@@ -194,8 +199,7 @@ print(json.dumps(out))
 
 
 def run(tree: str, repeat: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(repeat)], cwd=tree, capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": tree})
+    out = harness.python_in(tree, ["-c", CHILD, str(repeat)])
     if out.returncode:
         raise SystemExit(f"{tree}: {out.stderr.strip()}")
     return json.loads(out.stdout)

@@ -21,38 +21,13 @@ at start-up (pdproxy/compiled.py); the table's first rows say which form ran.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import overhead  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
-
-
-FLOORS = {"floor": "aiohttp", "floor-lean": "httptools"}  # target -> floor_proxy.py's server
-
-
-def start(bench: overhead.Bench, name: str) -> tuple[str, overhead.Proc, list[overhead.Proc]]:
-    if name not in FLOORS:
-        return bench.start_target(name)
-    port = overhead.free_port()
-    url = f"http://{overhead.HOST}:{port}"
-    proc = overhead.Proc(name, [sys.executable, str(HERE / "floor_proxy.py"),
-                                f"http://{overhead.HOST}:{bench.prefill_port}",
-                                f"http://{overhead.HOST}:{bench.decode_port}", str(port), FLOORS[name]],
-                         bench.proxy_cpus, bench.logs / f"{name}.log")
-    proc.wait_http(url + "/health")
-    return url, proc, []
-
-
-def form(src: str) -> str:
-    """pdproxy/compiled.py's summary for the tree at `src`, as the proxy started from it sees itself."""
-    out = subprocess.run([sys.executable, "-c", "from pdproxy import compiled; print(compiled.summary())"],
-                         cwd=src, env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True)
-    return (out.stdout or out.stderr).strip().splitlines()[-1] if (out.stdout or out.stderr) else "?"
+import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
 
 def main() -> int:
@@ -69,35 +44,26 @@ def main() -> int:
     p.add_argument("--no-pin", dest="pin", action="store_false")
     p.add_argument("--work-dir", default="/tmp/pdproxy-cpu-per-request")
     args = p.parse_args()
-    targets = list(args.targets) + (["pdproxy-before", "pdproxy-off-before"] if args.baseline_path else [])
-    bench = overhead.bench_from(args.work_dir, args.baseline_path, args.pdproxy_path, args.pin)
+    targets = harness.with_baseline(args.targets, args.baseline_path)
+    bench = harness.Bench(args.work_dir, pin=args.pin, pdproxy_path=args.pdproxy_path,
+                          baseline_path=args.baseline_path)
     bench.start_upstreams()
     cpu: dict[str, list[float]] = {t: [] for t in targets}
     rps: dict[str, list[float]] = {t: [] for t in targets}
     try:
-        for r in range(args.rounds):
-            order = targets if r % 2 == 0 else targets[::-1]  # neither end of a round is always the same target
-            for name in order:
-                url, proc, helpers = start(bench, name)
-                try:
-                    bench.load(url, proc, concurrency=args.concurrency, tokens=args.tokens, duration=1.0, warmup=0.5)
-                    res = bench.load(url, proc, concurrency=args.concurrency, tokens=args.tokens,
-                                     duration=args.duration, warmup=0.5)
-                finally:
-                    proc.stop()
-                    for h in helpers:
-                        h.stop()
-                if res.errors or not res.requests:
-                    raise RuntimeError(f"{name}: {res.errors} errors in {res.requests} requests")
-                cpu[name].append(res.proxy_cpu / res.requests * 1000)
-                rps[name].append(res.rps)
-                print(f"round {r + 1} {name:20s} {rps[name][-1]:7.0f} req/s {cpu[name][-1]:.3f} ms CPU/req", flush=True)
+        for r, name in harness.interleaved(targets, args.rounds):
+            with bench.running(name) as (url, proc):
+                bench.load(url, proc, concurrency=args.concurrency, tokens=args.tokens, duration=1.0, warmup=0.5)
+                res = bench.load(url, proc, concurrency=args.concurrency, tokens=args.tokens,
+                                 duration=args.duration, warmup=0.5)
+            if res.errors or not res.requests:
+                raise RuntimeError(f"{name}: {res.errors} errors in {res.requests} requests")
+            cpu[name].append(res.proxy_cpu / res.requests * 1000)
+            rps[name].append(res.rps)
+            print(f"round {r + 1} {name:20s} {rps[name][-1]:7.0f} req/s {cpu[name][-1]:.3f} ms CPU/req", flush=True)
     finally:
         bench.stop_all()
-    for name in targets:
-        if name.startswith("pdproxy"):
-            src = args.baseline_path if name.endswith("-before") else args.pdproxy_path or str(overhead.REPO)
-            print(f"{name}: {form(src)}")
+    bench.say_forms(targets)
     router = statistics.median(cpu["vllm-router"]) if cpu.get("vllm-router") else None
     print(f"\nCPU per request, {args.tokens}-token streams at concurrency {args.concurrency}, median of "
           f"{args.rounds} interleaved rounds ({'proxy pinned to CPU 1' if args.pin else 'unpinned'}):")

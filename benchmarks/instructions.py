@@ -33,7 +33,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import overhead  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
 TOTALS = re.compile(rb"^(?:summary|totals): (\d+)", re.MULTILINE)
 
@@ -59,14 +59,13 @@ class Counted:
         return int(TOTALS.search(text).group(1))
 
 
-def measure(bench: overhead.Bench, name: str, args: argparse.Namespace) -> tuple[float, int]:
+def measure(bench: harness.Bench, name: str, args: argparse.Namespace) -> tuple[float, int]:
     """(instructions per request, requests counted) of one run of `name`."""
     out = bench.work / f"{name}.cg"
     for old in bench.work.glob(f"{name}.cg*"):
         old.unlink()
     bench.wrap = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
-    url, proc, helpers = bench.start_target(name)
-    try:
+    with bench.running(name) as (url, proc):
         counted = Counted(proc.popen.pid, out)
         counted.control("--instr=on")
         r = bench.load(url, proc, concurrency=args.concurrency, tokens=8, duration=args.duration,
@@ -74,10 +73,6 @@ def measure(bench: overhead.Bench, name: str, args: argparse.Namespace) -> tuple
         if r.errors or counted.dumps != 2:
             raise RuntimeError(f"{name}: {r.errors} errors {r.error_kinds}, {counted.dumps} dumps")
         return counted.last() / r.requests, r.requests
-    finally:
-        proc.stop()
-        for helper in helpers:
-            helper.stop()
 
 
 def main() -> int:
@@ -94,19 +89,19 @@ def main() -> int:
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
         return 2
-    targets = list(args.targets) + (["pdproxy-before", "pdproxy-off-before"] if args.baseline_path else [])
-    bench = overhead.bench_from(tempfile.mkdtemp(prefix="pdproxy-instr-"), args.baseline_path, args.pdproxy_path)
+    targets = harness.with_baseline(args.targets, args.baseline_path)
+    bench = harness.Bench(tempfile.mkdtemp(prefix="pdproxy-instr-"), pdproxy_path=args.pdproxy_path,
+                          baseline_path=args.baseline_path)
     bench.start_upstreams()
     counts: dict[str, list[float]] = {name: [] for name in targets}
     try:
-        for round_ in range(args.rounds):
-            for name in targets if round_ % 2 == 0 else reversed(targets):
-                per_request, requests = measure(bench, name, args)
-                if requests < args.min_requests:
-                    raise RuntimeError(f"{name}: only {requests} requests counted (at least {args.min_requests})")
-                counts[name].append(per_request)
-                print(f"round {round_ + 1} {name:20s} {per_request / 1e3:8.1f} k instructions/request "
-                      f"({requests} requests)", flush=True)
+        for round_, name in harness.interleaved(targets, args.rounds):
+            per_request, requests = measure(bench, name, args)
+            if requests < args.min_requests:
+                raise RuntimeError(f"{name}: only {requests} requests counted (at least {args.min_requests})")
+            counts[name].append(per_request)
+            print(f"round {round_ + 1} {name:20s} {per_request / 1e3:8.1f} k instructions/request "
+                  f"({requests} requests)", flush=True)
     finally:
         bench.stop_all()
     print(f"\nInstructions per request (user space, callgrind), 8-token streams at concurrency {args.concurrency}, "

@@ -19,25 +19,13 @@ import argparse
 import asyncio
 import json
 import random
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 from pdproxy.upstream import UpstreamClient, UpstreamError  # noqa: E402
-
-HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 async def run(url: str, keepalive: float, server_idle: float, requests: int, seed: int) -> dict:
@@ -69,20 +57,12 @@ def main() -> None:
     parser.add_argument("--server-idle", type=float, default=0.5, help="uvicorn's --timeout-keep-alive (default 0.5)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    port = free_port()
-    server = subprocess.Popen([sys.executable, str(ROOT / "tests" / "keepalive_backend.py"), "--port", str(port),
-                               "--timeout-keep-alive", str(args.server_idle)])
-    url = f"http://{HOST}:{port}"
+    port = harness.free_port()
+    server = harness.Proc("uvicorn", [sys.executable, str(harness.REPO / "tests" / "keepalive_backend.py"),
+                                      "--port", str(port), "--timeout-keep-alive", str(args.server_idle)])
+    url = f"http://{harness.HOST}:{port}"
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                urllib.request.urlopen(url + "/", timeout=1).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        server.wait_http(url + "/", timeout=20)
         below, above = args.server_idle * 4 / 5, args.server_idle * 3  # 4 s vs 5 s; 15 s vs 5 s
         print(f"uvicorn closes idle connections after {args.server_idle:g}s; loop lag up to {args.server_idle / 3:.2f}s")
         print(f"{'upstream keep-alive':>20} {'requests':>9} {'failures':>9} {'resent':>7} {'connections':>12} ran once")
@@ -91,8 +71,7 @@ def main() -> None:
             print(f"{keepalive:>19.2f}s {result['requests']:>9} {result['failures']:>9} {result['resent']:>7} "
                   f"{result['connections']:>12} {result['ran_once']}")
     finally:
-        server.terminate()
-        server.wait(10)
+        server.stop()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(ROOT / "benchmarks"))
 
+import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 from pdproxy import policies  # noqa: E402
 from pdproxy.kvevents import BlockIndex, BlockStored  # noqa: E402
 from pdproxy.kvevents.subscriber import KVEvents, Source  # noqa: E402
@@ -72,20 +74,8 @@ asyncio.run(main())
 """
 
 
-def free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 async def measure_cpu(rate: int, seconds: float) -> dict:
-    ports = free_ports(INSTANCES)
+    ports = harness.free_ports(INSTANCES)
     proc = subprocess.Popen([sys.executable, "-c", PUBLISHER, str(ROOT), ",".join(map(str, ports)), str(rate),
                              str(seconds)], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -210,22 +200,11 @@ async def measure_remote_tokenize(n: int, text_words: int = 620) -> tuple[float,
     """p50 / p99 (us) of a 4,000-token text prompt's ids from a simulated instance's /tokenize (a round trip on
     loopback; the simulator's tokenizer is pure Python, vLLM's a Rust one), and the ids' count."""
     import aiohttp
-    import urllib.request
 
     from pdproxy.kvevents.tokenize import RemoteTokenizer
 
-    port = free_ports(1)[0]
-    proc = subprocess.Popen([sys.executable, "-m", "pdproxy", "sim", "--role", "single", "--preset", "instant",
-                             "--port", str(port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(200):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                time.sleep(0.05)
+    with harness.Procs() as procs:
+        url = procs.pdproxy("sim", "--role", "single", "--preset", "instant", cwd=str(ROOT)).url
         rng = random.Random(5)
         text = " ".join(f"word{rng.randrange(50000)}" for _ in range(text_words))
         async with aiohttp.ClientSession() as session:
@@ -239,9 +218,6 @@ async def measure_remote_tokenize(n: int, text_words: int = 620) -> tuple[float,
                 count = len(view.token_ids or [])
         p50, p99 = percentiles(times)
         return p50, p99, count
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import asyncio
 import json
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from rawhttp import take_requests
+from rawhttp import serve, take_requests
 
 
 class Sink(asyncio.Protocol):
@@ -56,14 +56,6 @@ class Sink(asyncio.Protocol):
                              f"\r\n\r\n".encode() + body)
 
 
-async def main_async(host: str, port: int) -> None:
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(Sink, host, port)
-    print(f"otlp_sink listening on {host}:{port}", flush=True)
-    async with server:
-        await server.serve_forever()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
@@ -71,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     import uvloop
 
-    uvloop.run(main_async(args.host, args.port))
+    uvloop.run(serve("otlp_sink", Sink, args.host, args.port))
 
 
 if __name__ == "__main__":

@@ -35,456 +35,67 @@ Run (see README "Benchmarks"):  python benchmarks/overhead.py [--quick] [--targe
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import os
-import platform
-import shutil
-import signal
-import socket
-import subprocess
+import resource
 import sys
-import threading
 import time
-import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-import peers  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+from harness import PhaseResult, pct  # noqa: E402
+from recorder_cost import recorder_cost  # noqa: E402
 
-HOST = "127.0.0.1"
-TARGETS = ("direct", "pdproxy", "pdproxy-off", "vllm-router", "toy-proxy", "pdproxy-noattr", "pdproxy-before",
-           "pdproxy-off-before", "pdproxy-2w")
+TARGETS = harness.TARGETS
 DEFAULT_TARGETS = TARGETS[:6]
-TRACED = ("pdproxy", "pdproxy-noattr", "pdproxy-before", "pdproxy-2w")
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-PAGE = os.sysconf("SC_PAGE_SIZE")
+TRACED = harness.TRACED
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-# -- processes ---------------------------------------------------------------------------------
-
-
-class Proc:
-    """A child process in its own session (stopped with its whole group), optionally pinned to CPUs."""
-
-    def __init__(self, name: str, args: list[str], cpus: str | None, log: Path, env: dict | None = None,
-                 cwd: str | None = None) -> None:
-        self.name = name
-        args = _placed(args, cpus)
-        self.log = log
-        self._fh = open(log, "wb")
-        self.popen = subprocess.Popen(args, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=cwd)
-
-    def wait_http(self, url: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} exited {self.popen.returncode}:\n{self.log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except Exception:
-                time.sleep(0.1)
-        raise TimeoutError(f"{self.name}: {url} not ready after {timeout}s:\n{self.log.read_text()[-3000:]}")
-
-    def pids(self) -> list[int]:
-        """The process and all its descendants (workers, threads are inside)."""
-        found, todo = [], [self.popen.pid]
-        while todo:
-            pid = todo.pop()
-            found.append(pid)
-            try:
-                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-            except OSError:
-                continue
-            todo += [int(c) for c in children]
-        return found
-
-    def cpu_seconds(self) -> float:
-        """User + system CPU of the process tree so far (a `taskset` wrapper execs, so the pid is the proxy)."""
-        total = 0
-        for pid in self.pids():
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-        return total / CLK_TCK
-
-    def memory_mb(self, key: str) -> float:
-        """VmRSS (now) or VmHWM (peak) summed over the tree, in MB."""
-        total = 0
-        for pid in self.pids():
-            try:
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith(key + ":"):
-                        total += int(line.split()[1])
-            except OSError:
-                continue
-        return total / 1024
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            try:
-                os.killpg(self.popen.pid, signal.SIGTERM)
-                self.popen.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait()
-            except ProcessLookupError:
-                pass
-        self._fh.close()
-
-
-PRIORITY = -10  # niceness of every benchmark process when run as root (see _placed)
-
-
-def _placed(args: list[str], cpus: str | None) -> list[str]:
-    """Pin to `cpus`, and when root, run at a higher priority than the rest of the machine: on a shared
-    machine another user's work would otherwise preempt the proxy under test between two token events,
-    which shows up as milliseconds of "added latency" that belong to no proxy. Every target, the load
-    generator and the upstreams get the same treatment."""
-    if cpus is not None and shutil.which("taskset"):
-        args = ["taskset", "-c", cpus, *args]
-    if os.geteuid() == 0 and shutil.which("nice"):
-        args = ["nice", "-n", str(PRIORITY), *args]
-    return args
-
-
-def machine_busy() -> tuple[int, int]:
-    """(busy, total) jiffies of the whole machine, to report load from processes that are not ours."""
-    parts = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = parts[3] + parts[4]
-    return sum(parts) - idle, sum(parts)
-
-
-# -- one load phase ----------------------------------------------------------------------------
-
-
-@dataclass
-class PhaseResult:
-    requests: int = 0
-    errors: int = 0
-    error_kinds: dict = field(default_factory=dict)
-    events: int = 0
-    seconds: float = 0.0
-    client_cpu: float = 0.0
-    proxy_cpu: float = 0.0
-    background_cpu: float = 0.0  # CPU-seconds/second used by everything else on the machine
-    max_open_streams: int = 0
-    ttft_us: list = field(default_factory=list)
-    gaps_us: list = field(default_factory=list)
-    peak_rss_mb: float = 0.0
-    rss_before_mb: float = 0.0  # hold phase: the proxy's RSS just before the streams opened
-
-    @property
-    def rps(self) -> float:
-        return self.requests / self.seconds if self.seconds else 0.0
-
-    @property
-    def cps(self) -> float:
-        return self.events / self.seconds if self.seconds else 0.0
-
-
-class Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.work = Path(args.work_dir)
-        self.work.mkdir(parents=True, exist_ok=True)
-        self.logs = self.work / "logs"
-        self.logs.mkdir(exist_ok=True)
-        pin = args.pin and (os.cpu_count() or 1) >= 2
-        self.proxy_cpus = "1" if pin else None
-        self.other_cpus = "0" if pin else None
-        self.upstreams: list[Proc] = []
-        self.wrap: list[str] = []  # a command the proxies run under (benchmarks/instructions.py: valgrind)
-        self.receiver_url = ""
-        self.prefill_port = self.decode_port = 0
-
-    # upstreams shared by every target
-    def start_upstreams(self) -> None:
-        script = str(HERE / "zero_upstream.py")
-        for role in ("prefill", "decode"):
-            port = free_port()
-            proc = Proc(f"upstream-{role}", [sys.executable, script, "--role", role, "--port", str(port)],
-                        self.other_cpus, self.logs / f"upstream-{role}.log")
-            proc.wait_http(f"http://{HOST}:{port}/health")
-            self.upstreams.append(proc)
-            setattr(self, f"{role}_port", port)
-
-    def stop_all(self) -> None:
-        for p in self.upstreams:
-            p.stop()
-
-    def load(self, url: str, proxy: Proc | None, *, concurrency: int, tokens: int, duration: float,
-             warmup: float, itl_ms: float | None = None, timings: bool = False, once: bool = False,
-             ramp: float = 0.0, sample_rss: bool = False, on_mark: Callable[[str], None] | None = None) -> PhaseResult:
-        """Run the load generator once; sample the proxy's CPU over exactly the measured window (and call
-        `on_mark` with "measure-start" and "measure-end" as the window opens and closes)."""
-        out_file = self.work / "loadgen-result.json"
-        out_file.unlink(missing_ok=True)
-        cmd = [sys.executable, str(HERE / "loadgen.py"), "--out", str(out_file), "--url", url,
-               "--concurrency", str(concurrency),
-               "--tokens", str(tokens), "--duration", str(duration), "--warmup", str(warmup),
-               "--prompt-words", str(self.args.prompt_words)]
-        if itl_ms is not None:
-            cmd += ["--itl-ms", str(itl_ms)]
-        if timings:
-            cmd.append("--timings")
-        if once:
-            cmd.append("--once")
-        cmd += ["--ramp", str(ramp)]
-        cmd = _placed(cmd, self.other_cpus)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        marks: dict[str, tuple[float, tuple[int, int]]] = {}
-        rss = [0.0]
-
-        def watch_marks() -> None:
-            for line in proc.stderr:
-                line = line.strip()
-                if line in ("measure-start", "measure-end"):
-                    marks[line] = (proxy.cpu_seconds() if proxy else 0.0, machine_busy())
-                    if on_mark is not None:
-                        on_mark(line)
-
-        def watch_rss() -> None:
-            while proc.poll() is None:
-                rss[0] = max(rss[0], proxy.memory_mb("VmRSS"))
-                time.sleep(0.2)
-
-        threads = [threading.Thread(target=watch_marks, daemon=True)]
-        if sample_rss and proxy is not None:
-            threads.append(threading.Thread(target=watch_rss, daemon=True))
-        for t in threads:
-            t.start()
-        proc.wait(timeout=duration + warmup + 120 + (60 if once else 0))
-        for t in threads:
-            t.join(5)
-        if proc.returncode != 0 or not out_file.exists():
-            raise RuntimeError(f"load generator failed ({proc.returncode}): {proc.stdout.read()[-2000:]}")
-        raw = json.loads(out_file.read_text())
-        r = PhaseResult(requests=raw["requests"], errors=raw["errors"], error_kinds=raw["error_kinds"],
-                        events=raw["events"], seconds=raw["seconds"], client_cpu=raw.get("client_cpu", 0.0),
-                        max_open_streams=raw["max_open_streams"], ttft_us=raw.get("ttft_us", []),
-                        gaps_us=raw.get("gaps_us", []), peak_rss_mb=rss[0])
-        if "measure-start" in marks and "measure-end" in marks:
-            (c0, (b0, t0)), (c1, (b1, t1)) = marks["measure-start"], marks["measure-end"]
-            r.proxy_cpu = c1 - c0
-            cores = (os.cpu_count() or 1)
-            machine = (b1 - b0) / CLK_TCK  # CPU-seconds used by the whole machine in the window
-            r.background_cpu = max(0.0, machine - r.proxy_cpu - r.client_cpu) / r.seconds if r.seconds else 0.0
-            r.background_cpu = min(r.background_cpu, cores)
-        return r
-
-    # the proxies
-    def start_target(self, name: str) -> tuple[str, Proc | None, list[Proc]]:
-        """Start `name`; returns its base URL, its process (None for direct) and helper processes."""
-        prefill, decode = f"http://{HOST}:{self.prefill_port}", f"http://{HOST}:{self.decode_port}"
-        if name == "direct":
-            return decode, None, []
-        port = free_port()
-        url = f"http://{HOST}:{port}"
-        helpers: list[Proc] = []
-        log = self.logs / f"{name}.log"
-        if name.startswith("pdproxy"):
-            workers = 2 if name == "pdproxy-2w" else self.args.workers
-            args = [*self.wrap, sys.executable, "-m", "pdproxy", "serve", "--host", HOST, "--port", str(port),
-                    "--prefill", prefill, "--decode", decode, "--log-level", "warning", "--workers", str(workers)]
-            if name in TRACED:
-                tap_port = free_port()
-                if self.args.otlp_receiver == "oteltap":
-                    receiver = [shutil.which("oteltap") or "oteltap", "--port", str(tap_port)]
-                else:
-                    receiver = [sys.executable, str(HERE / "otlp_sink.py"), "--port", str(tap_port)]
-                tap = Proc(self.args.otlp_receiver, receiver, self.other_cpus, self.logs / "otlp-receiver.log")
-                helpers.append(tap)
-                _wait_port(tap_port)
-                self.receiver_url = f"http://{HOST}:{tap_port}"
-                args += ["--otlp-endpoint", self.receiver_url, "--otlp-protocol", "http/protobuf"]
-            else:
-                args.append("--no-tracing")
-            if name == "pdproxy-noattr":
-                args.append("--no-stall-attribution")
-            src = self.args.pdproxy_path or str(REPO)  # `python -m` looks in the working directory first
-            if name.endswith("-before"):
-                src = self.args.baseline_path
-            cpus = "0,1" if name == "pdproxy-2w" and self.proxy_cpus else self.proxy_cpus
-            proc = Proc(name, args, cpus, log, env={"PYTHONPATH": src}, cwd=src)
-            proc.wait_http(url + "/health")
-        elif name == "vllm-router":
-            exe = peers.vllm_router()
-            args = [*self.wrap, exe, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
-                    "--host", HOST, "--port", str(port), "--prometheus-host", HOST,
-                    "--prometheus-port", str(free_port()), "--policy", "round_robin", "--log-level", "warning"]
-            proc = Proc(name, args, self.proxy_cpus, log)
-            proc.wait_http(url + "/health", timeout=120)
-        elif name == "toy-proxy":
-            script = peers.toy_proxy(self.work)
-            args = [sys.executable, str(script), "--host", HOST, "--port", str(port), "--prefiller-host", HOST,
-                    "--prefiller-port", str(self.prefill_port), "--decoder-host", HOST, "--decoder-port",
-                    str(self.decode_port)]
-            proc = Proc(name, args, self.proxy_cpus, log)
-            proc.wait_http(url + "/healthcheck")
-        else:
-            raise ValueError(name)
-        return url, proc, helpers
-
-    def run_target(self, name: str) -> dict:
-        a = self.args
-        print(f"== {name}", flush=True)
-        url, proxy, helpers = self.start_target(name)
-        result: dict = {"name": name}
-        try:
-            # a short warm-up so connection pools and caches exist before anything is measured
-            self.load(url, proxy, concurrency=16, tokens=16, duration=0.5, warmup=0.5)
-            for key, tokens, label in (("sat_chunks", a.sat_tokens, "saturation (long streams)"),
-                                       ("sat_requests", a.short_tokens, "saturation (short streams)")):
-                for _ in range(a.rounds):  # best of N: other load on a shared machine only ever lowers it
-                    wait_quiet(a.quiet_timeout)
-                    r = self.load(url, proxy, concurrency=a.sat_concurrency, tokens=tokens, duration=a.duration,
-                                  warmup=a.warmup)
-                    _say(name, label, r)
-                    if key not in result or r.events > result[key].events:
-                        result[key] = r
-            # TTFT of back-to-back single requests (zero-delay, 2 tokens): the proxy's own critical path,
-            # without the wake-up cost of processes that sat idle between paced tokens (large on a VM)
-            wait_quiet(a.quiet_timeout)
-            result["ttft_warm"] = self.load(url, proxy, concurrency=1, tokens=2, duration=a.latency_duration,
-                                            warmup=a.warmup, timings=True)
-            _say(name, "TTFT back-to-back c=1", result["ttft_warm"])
-            for c in a.concurrency:
-                # users start spread over one answer's length, so arrivals are spread, not in lock-step
-                spread = a.latency_tokens * a.itl_ms / 1000
-                wait_quiet(a.quiet_timeout)
-                r = self.load(url, proxy, concurrency=c, tokens=a.latency_tokens, duration=a.latency_duration,
-                              warmup=max(a.warmup, spread + 0.5), itl_ms=a.itl_ms, timings=True, ramp=spread)
-                result[f"lat_{c}"] = r
-                _say(name, f"latency c={c}", r)
-            if proxy is not None:
-                result["peak_rss_mb"] = proxy.memory_mb("VmHWM")
-            if a.hold_streams and proxy is not None and name in a.hold_targets:
-                time.sleep(0.5)
-                before = proxy.memory_mb("VmRSS")
-                hold = self.load(url, proxy, concurrency=a.hold_streams, tokens=a.hold_tokens, duration=0,
-                                 warmup=0, itl_ms=a.hold_itl_ms, once=True, ramp=a.hold_ramp, sample_rss=True)
-                hold.rss_before_mb = before
-                result["hold"] = hold
-                _say(name, f"hold {a.hold_streams} streams", hold)
-        finally:
-            if proxy is not None:
-                proxy.stop()  # SIGTERM: pdproxy flushes its span queue on the way out
-            if name in TRACED and self.args.otlp_receiver == "sink":
-                try:
-                    with urllib.request.urlopen(self.receiver_url + "/count", timeout=5) as r:
-                        result["spans_received"] = json.loads(r.read())
-                except OSError:
-                    pass
-            for h in helpers:
-                h.stop()
-        return result
-
-
-def recorder_cost(rounds: int, requests: int, stall_every: int, every_ms: float = 10.0,
-                  inflight: int = 64) -> dict[str, float]:
-    """CPU µs per request of the one recorder (pdproxy/telemetry/recorder.py) with the live stall attribution
-    on and off, in this process, interleaved round by round so both see the same machine state.
-
-    Each request goes the P/D way (admitted, prefill done, decode sent, 16 token events 5 ms apart,
-    finished) on one decode, every `stall_every`-th with one 150 ms gap in the middle (0: none); a new one
-    every `every_ms` of its own timeline (100 requests/s on the decode by default: a stall then coincides
-    with ~15 other KV arrivals), `inflight` of them open at once. The attribution path (the record's query, the pd.stall event's cause, the links) runs once
-    per request. Spans are built and encoded to OTLP, then dropped; metrics are recorded.
-    """
-    sys.path.insert(0, str(REPO))
-    from pdproxy.telemetry.metrics import Metrics
-    from pdproxy.telemetry.recorder import Recorder
-    from pdproxy.telemetry.stalls import StallRecords
-    from pdproxy.telemetry.tracing import Tracing
-
-    class Drop:
-        async def send(self, payload: bytes) -> bool:
-            return True
-
-        async def close(self) -> None:
-            pass
-
-    ms = 1_000_000
-
-    async def one_round(attribution: bool) -> float:
-        tracing = Tracing({"service.name": "bench"}, [Drop()], 1 << 17, on_drop=lambda reason, count: None)
-        recorder = Recorder(Metrics(), tracing, stall_threshold=0.1,
-                            stalls=StallRecords() if attribution else None)
-        open_: list = []
-        base = time.monotonic_ns()
-        start = time.process_time()
-        for i in range(requests):
-            trace = recorder.begin(route="completions", operation="text_completion", chat=False, headers={},
-                                   request_id=f"r{i}", pd_mode=True)
-            at = base + int(i * every_ms * ms)  # this request's own timeline
-            trace.admitted("127.0.0.1:8100", "127.0.0.1:8200")
-            trace.prefill_done("127.0.0.1:8100", 200, 1, "{}")
-            trace.t.prefill_done = at
-            trace.decode_sent("127.0.0.1:8200")
-            trace.decode_headers(200)
-            first = at + 20 * ms  # its KV arrives in 20 ms
-            gap = 150 * ms if stall_every and i % stall_every == 0 else 0
-            trace.scan.chunk_times = [first + 5 * ms * k + (gap if k >= 8 else 0) for k in range(16)]
-            trace.scan.chunk_tokens = [1] * 16
-            trace.scan.usage = {"prompt_tokens": 200 + i % 7, "completion_tokens": 16}
-            trace.scan.done = True
-            open_.append(trace)
-            if len(open_) > inflight:
-                open_.pop(0).finish()
-        for trace in open_:
-            trace.finish()
-        await tracing.shutdown()  # every span framed and handed over: its CPU is in the round's
-        return (time.process_time() - start) / requests * 1e6
-
-    on, off = [], []
-    for r in range(rounds):  # alternate which goes first
-        for attribution in ((True, False) if r % 2 == 0 else (False, True)):
-            (on if attribution else off).append(asyncio.run(one_round(attribution)))
-    return {"on_us": float(np.median(on)), "off_us": float(np.median(off)), "rounds": rounds, "requests": requests,
-            "every_ms": every_ms, "stall_every": stall_every}
-
-
-def wait_quiet(timeout: float, threshold: float = 0.25) -> float:
-    """Wait (up to `timeout` s) until the rest of the machine uses under `threshold` cores for a second;
-    between phases our own processes are idle, so what is busy then is someone else's. Returns the load."""
-    deadline = time.monotonic() + timeout
-    while True:
-        (b0, t0), start = machine_busy(), time.monotonic()
-        time.sleep(1.0)
-        (b1, t1), elapsed = machine_busy(), time.monotonic() - start
-        busy = (b1 - b0) / CLK_TCK / elapsed
-        if busy < threshold or time.monotonic() > deadline:
-            return busy
-
-
-def _wait_port(port: int, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection((HOST, port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"nothing listening on {port}")
+def run_target(bench: harness.Bench, name: str, a: argparse.Namespace) -> dict:
+    print(f"== {name}", flush=True)
+    result: dict = {"name": name}
+    with bench.running(name) as (url, proxy):
+        # a short warm-up so connection pools and caches exist before anything is measured
+        bench.load(url, proxy, concurrency=16, tokens=16, duration=0.5, warmup=0.5)
+        for key, tokens, label in (("sat_chunks", a.sat_tokens, "saturation (long streams)"),
+                                   ("sat_requests", a.short_tokens, "saturation (short streams)")):
+            for _ in range(a.rounds):  # best of N: other load on a shared machine only ever lowers it
+                harness.wait_quiet(a.quiet_timeout)
+                r = bench.load(url, proxy, concurrency=a.sat_concurrency, tokens=tokens, duration=a.duration,
+                               warmup=a.warmup)
+                _say(name, label, r)
+                if key not in result or r.events > result[key].events:
+                    result[key] = r
+        # TTFT of back-to-back single requests (zero-delay, 2 tokens): the proxy's own critical path,
+        # without the wake-up cost of processes that sat idle between paced tokens (large on a VM)
+        harness.wait_quiet(a.quiet_timeout)
+        result["ttft_warm"] = bench.load(url, proxy, concurrency=1, tokens=2, duration=a.latency_duration,
+                                         warmup=a.warmup, timings=True)
+        _say(name, "TTFT back-to-back c=1", result["ttft_warm"])
+        for c in a.concurrency:
+            # users start spread over one answer's length, so arrivals are spread, not in lock-step
+            spread = a.latency_tokens * a.itl_ms / 1000
+            harness.wait_quiet(a.quiet_timeout)
+            r = bench.load(url, proxy, concurrency=c, tokens=a.latency_tokens, duration=a.latency_duration,
+                           warmup=max(a.warmup, spread + 0.5), itl_ms=a.itl_ms, timings=True, ramp=spread)
+            result[f"lat_{c}"] = r
+            _say(name, f"latency c={c}", r)
+        if proxy is not None:
+            result["peak_rss_mb"] = proxy.memory_mb("VmHWM")
+        if a.hold_streams and proxy is not None and name in a.hold_targets:
+            time.sleep(0.5)
+            before = proxy.memory_mb("VmRSS")
+            hold = bench.load(url, proxy, concurrency=a.hold_streams, tokens=a.hold_tokens, duration=0,
+                              warmup=0, itl_ms=a.hold_itl_ms, once=True, ramp=a.hold_ramp, sample_rss=True)
+            hold.rss_before_mb = before
+            result["hold"] = hold
+            _say(name, f"hold {a.hold_streams} streams", hold)
+    if bench.spans_received is not None:
+        result["spans_received"] = bench.spans_received
+    return result
 
 
 def _say(name: str, what: str, r: PhaseResult) -> None:
@@ -496,15 +107,11 @@ def _say(name: str, what: str, r: PhaseResult) -> None:
 # -- report ------------------------------------------------------------------------------------
 
 
-def pct(values: list, q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
 def report(results: dict[str, dict], args: argparse.Namespace, started: datetime.datetime) -> str:
     lines: list[str] = []
     out = lines.append
     direct = results.get("direct")
-    out(f"pdproxy overhead benchmark  {started:%Y-%m-%d %H:%M} UTC  on {_machine()}")
+    out(f"pdproxy overhead benchmark  {started:%Y-%m-%d %H:%M} UTC  on {harness.machine()}")
     out(f"upstreams: benchmarks/zero_upstream.py (zero delay; latency phases paced at {args.itl_ms:g} ms/token); "
         f"prompt {args.prompt_words} words; pinning: {'proxy CPU 1, rest CPU 0' if args.pin else 'none'}")
     out(f"saturation: concurrency {args.sat_concurrency}, {args.sat_tokens} tokens (chunks/s) and "
@@ -529,25 +136,18 @@ def report(results: dict[str, dict], args: argparse.Namespace, started: datetime
         " | ".join(f"+ITL p50/p99 c={c}" for c in args.concurrency) + " |"
     out(head)
     out("|---|" + "---:|" * (2 * len(args.concurrency) + 1))
-    for name, r in results.items():
-        cells = []
-        values, base = r["ttft_warm"].ttft_us, direct["ttft_warm"].ttft_us if direct else []
+    def cell(name: str, r: dict, phase: str, metric: str) -> str:
+        """p50 / p99 in ms: direct's own in parentheses, a target's added to direct's."""
+        values, base = getattr(r[phase], metric), getattr(direct[phase], metric) if direct else []
         if name == "direct":
-            cells.append(f"({pct(values, 50) / 1000:.3f} / {pct(values, 99) / 1000:.3f})" if values else "-")
-        elif values and base:
-            cells.append(f"{(pct(values, 50) - pct(base, 50)) / 1000:+.3f} / {(pct(values, 99) - pct(base, 99)) / 1000:+.3f}")
-        else:
-            cells.append("-")
-        for metric in ("ttft_us", "gaps_us"):
-            for c in args.concurrency:
-                values, base = getattr(r[f"lat_{c}"], metric), getattr(direct[f"lat_{c}"], metric) if direct else []
-                if name == "direct":
-                    cells.append(f"({pct(values, 50) / 1000:.3f} / {pct(values, 99) / 1000:.3f})" if values else "-")
-                elif values and base:
-                    cells.append(f"{(pct(values, 50) - pct(base, 50)) / 1000:+.3f} / "
-                                 f"{(pct(values, 99) - pct(base, 99)) / 1000:+.3f}")
-                else:
-                    cells.append("-")
+            return f"({pct(values, 50) / 1000:.3f} / {pct(values, 99) / 1000:.3f})" if values else "-"
+        if values and base:
+            return f"{(pct(values, 50) - pct(base, 50)) / 1000:+.3f} / {(pct(values, 99) - pct(base, 99)) / 1000:+.3f}"
+        return "-"
+
+    for name, r in results.items():
+        cells = [cell(name, r, "ttft_warm", "ttft_us")]
+        cells += [cell(name, r, f"lat_{c}", metric) for metric in ("ttft_us", "gaps_us") for c in args.concurrency]
         out(f"| {name} | " + " | ".join(cells) + " |")
     out("(direct row: absolute values in parentheses)")
     out("client CPU %: the load generator's share of its core in the chunks/s phase; other CPU: cores used by "
@@ -694,20 +294,6 @@ def before_after(results: dict[str, dict]) -> list[str]:
     return lines
 
 
-def _machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PHYS_PAGES") * PAGE / 2 ** 30
-    return (f"{os.cpu_count()} x {model}, {mem:.0f} GiB, Linux {platform.release()}, Python {platform.python_version()}, "
-            f"{socket.gethostname()}")
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--targets", nargs="+", choices=TARGETS,
@@ -750,14 +336,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def bench_from(work_dir: str, baseline_path: str | None = None, pdproxy_path: str | None = None,
-               pin: bool = True) -> Bench:
-    """A Bench with this benchmark's defaults, for the interleaved benchmarks that drive its targets."""
-    return Bench(parser().parse_args(
-        ["--work-dir", work_dir, *(["--baseline-path", baseline_path] if baseline_path else []),
-         *(["--pdproxy-path", pdproxy_path] if pdproxy_path else []), *([] if pin else ["--no-pin"])]))
-
-
 def main() -> int:
     p = parser()
     args = p.parse_args()
@@ -780,17 +358,17 @@ def main() -> int:
         p.error("the -before targets need --baseline-path")
     if args.hold_streams is None:
         args.hold_streams = 500 if args.quick else 5000
-    import resource
-
     resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.monotonic()
-    bench = Bench(args)
+    bench = harness.Bench(args.work_dir, pin=args.pin, workers=args.workers, otlp_receiver=args.otlp_receiver,
+                          pdproxy_path=args.pdproxy_path, baseline_path=args.baseline_path,
+                          prompt_words=args.prompt_words)
     results: dict[str, dict] = {}
     try:
         bench.start_upstreams()
         for name in args.targets:
-            results[name] = bench.run_target(name)
+            results[name] = run_target(bench, name, args)
     finally:
         bench.stop_all()
     if "pdproxy-noattr" in args.targets:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import overhead  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
 
 def frames(line: str) -> tuple[list[str], int]:
@@ -84,35 +84,29 @@ def main() -> int:
     if spy is None:
         print("py-spy is not installed: pip install py-spy", file=sys.stderr)
         return 2
-    bench_args = overhead.parser().parse_args(["--prompt-words", "256", "--work-dir", args.work_dir,
-                                      *(["--pdproxy-path", args.pdproxy_path] if args.pdproxy_path else []),
-                                      *([] if args.pin else ["--no-pin"])])
-    bench = overhead.Bench(bench_args)
+    bench = harness.Bench(args.work_dir, pin=args.pin, pdproxy_path=args.pdproxy_path)
     bench.start_upstreams()
     target = "pdproxy" if args.tracing else "pdproxy-off"
-    url, proxy, helpers = bench.start_target(target)
     raw_out = Path(args.work_dir) / "profile.txt"
     try:
-        bench.load(url, proxy, concurrency=args.concurrency, tokens=args.tokens, duration=2.0, warmup=0.5)
-        (pid,) = proxy.pids()[:1]
-        cmd = [spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--duration", str(int(args.duration)),
-               "--nonblocking", "--format", "raw", "--output", str(raw_out)]
-        spying = subprocess.Popen(overhead._placed(cmd, bench.other_cpus), stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
-        results: list[overhead.PhaseResult] = []
-        loading = threading.Thread(target=lambda: results.append(bench.load(
-            url, proxy, concurrency=args.concurrency, tokens=args.tokens, duration=args.duration, warmup=0.5)))
-        loading.start()
-        spying.wait(timeout=args.duration + 60)
-        loading.join()
-        (r,) = results
-        print(f"{target}: {r.rps:.0f} req/s, {r.proxy_cpu / max(r.requests, 1) * 1000:.3f} ms CPU per request "
-              f"({args.tokens}-token streams, concurrency {args.concurrency}), errors {r.errors}")
-        print(summarise(raw_out.read_text(), args.top))
+        with bench.running(target) as (url, proxy):
+            bench.load(url, proxy, concurrency=args.concurrency, tokens=args.tokens, duration=2.0, warmup=0.5)
+            (pid,) = proxy.pids()[:1]
+            cmd = [spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--duration", str(int(args.duration)),
+                   "--nonblocking", "--format", "raw", "--output", str(raw_out)]
+            spying = subprocess.Popen(harness.placed(cmd, bench.other_cpus), stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL)
+            results: list[harness.PhaseResult] = []
+            loading = threading.Thread(target=lambda: results.append(bench.load(
+                url, proxy, concurrency=args.concurrency, tokens=args.tokens, duration=args.duration, warmup=0.5)))
+            loading.start()
+            spying.wait(timeout=args.duration + 60)
+            loading.join()
+            (r,) = results
+            print(f"{target}: {r.rps:.0f} req/s, {r.proxy_cpu / max(r.requests, 1) * 1000:.3f} ms CPU per request "
+                  f"({args.tokens}-token streams, concurrency {args.concurrency}), errors {r.errors}")
+            print(summarise(raw_out.read_text(), args.top))
     finally:
-        proxy.stop()
-        for h in helpers:
-            h.stop()
         bench.stop_all()
     return 0
 

@@ -1,10 +1,23 @@
 """HTTP/1.1 request framing for the benchmark's raw asyncio servers (zero_upstream, otlp_sink).
 
 Those servers skip aiohttp so that they cost the shared CPU as little as possible; this is the
-one piece of HTTP they need: cutting whole requests (with a Content-Length body) off a buffer.
+one piece of HTTP they need: cutting whole requests (with a Content-Length body) off a buffer,
+and serving a protocol until the process is stopped.
 """
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+
+async def serve(name: str, protocol: Callable[[], asyncio.Protocol], host: str, port: int, **options: Any) -> None:
+    """Serve `protocol` on host:port until cancelled; says so on stdout once listening."""
+    server = await asyncio.get_running_loop().create_server(protocol, host, port, **options)
+    print(f"{name} listening on {host}:{port}", flush=True)
+    async with server:
+        await server.serve_forever()
 
 
 def take_requests(buffer: bytes) -> tuple[list[tuple[str, dict[str, str], bytes]], bytes]:

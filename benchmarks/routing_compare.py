@@ -24,80 +24,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # pdproxy, also when not installed
-from pdproxy.children import spawn  # noqa: E402  (own session; dies with this script, even SIGKILLed)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
-HOST = "127.0.0.1"
 SIM = ("--preset", "h200-llama8b-2gpu", "--kv-bandwidth-gbps", "25")  # a fast KV link: routing decides TTFT
 PREFIX_SIM = (*SIM, "--num-gpu-blocks", "1400")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    def __init__(self, *args: str) -> None:
-        self.log = tempfile.TemporaryFile()
-        self.popen = spawn([sys.executable, "-m", "pdproxy", *args], stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_http(self, url: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"{self.popen.args} exited:\n{self.log.read().decode(errors='replace')}")
-            try:
-                with urllib.request.urlopen(url, timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError(url)
-
-    def stop(self) -> None:
-        self.popen.terminate()
-        try:
-            self.popen.wait(10)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()
-
-
-def started(*args: str) -> tuple[Proc, str]:
-    port = free_port()
-    proc = Proc(*args, "--host", HOST, "--port", str(port))
-    url = f"http://{HOST}:{port}"
-    proc.wait_http(url + "/health")
-    return proc, url
 
 
 def one_run(policy: list[str], sim: tuple[str, ...], bench: list[str], work: Path,
             slow: tuple[str, ...] = ()) -> dict:
     """Fresh instances and proxy; one `pdproxy bench` run; its summary."""
-    procs: list[Proc] = []
-    try:
-        prefill, decode = [], []
-        for k in range(2):
-            proc, url = started("sim", "--role", "prefill", *sim, *(slow if k == 0 else ()))
-            procs.append(proc)
-            prefill.append(url)
-        for _ in range(2):
-            proc, url = started("sim", "--role", "decode", *sim)
-            procs.append(proc)
-            decode.append(url)
-        proc, url = started("serve", "--prefill", *prefill, "--decode", *decode, *policy,
-                            "--health-check-interval", "0", "--no-tracing")
-        procs.append(proc)
+    with harness.Procs() as procs:
+        prefill = [procs.pdproxy("sim", "--role", "prefill", *sim, *(slow if k == 0 else ())).url for k in range(2)]
+        decode = [procs.pdproxy("sim", "--role", "decode", *sim).url for _ in range(2)]
+        url = procs.pdproxy("serve", "--prefill", *prefill, "--decode", *decode, *policy,
+                            "--health-check-interval", "0", "--no-tracing").url
         out = work / f"{'-'.join(policy).strip('-')}-{time.monotonic_ns()}.jsonl"
         done = subprocess.run([sys.executable, "-m", "pdproxy", "bench", "--url", url, "--out", str(out), "--quiet",
                                "--label", policy[-1], "--engine-metrics", *prefill, *bench],
@@ -112,9 +59,6 @@ def one_run(policy: list[str], sim: tuple[str, ...], bench: list[str], work: Pat
                 "hit_rate": counters["hit_rate"], "computed_tokens": counters["computed"],
                 "ttft_p50": st["ttft"]["p50"], "ttft_p99": st["ttft"]["p99"],
                 "slow_share": tokens[0] / sum(tokens) if sum(tokens) else None}
-    finally:
-        for proc in procs:
-            proc.stop()
 
 
 def main() -> int:

@@ -17,11 +17,7 @@ import argparse
 import asyncio
 import collections
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,39 +26,13 @@ from pathlib import Path
 
 import aiohttp
 
-HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def start(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **(env or {})})
-
-
-def wait_http(url: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except Exception:
-            time.sleep(0.1)
-    raise SystemExit(f"{url} did not come up")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
 
 def get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=10) as r:
         return json.loads(r.read())
-
-
-def rss_of(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmRSS:"))
 
 
 # -- the client ledger ----------------------------------------------------------------------
@@ -177,33 +147,26 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="pdproxy-soak-"))
     work.mkdir(parents=True, exist_ok=True)
-    py = [sys.executable, "-m", "pdproxy"]
-    procs: list[subprocess.Popen] = []
-    try:
+    with harness.Procs() as procs:
         urls = {"prefill": [], "decode": []}
         faults = {"prefill": ["--error-rate", "0.02"],
                   "decode": ["--error-rate", "0.02", "--disconnect-rate", "0.02", "--disconnect-after-chunks", "3",
                              "--kv-load-failure-rate", "0.03", "--stall-seconds", "3", "--stall-rate", "0.01",
                              "--stall-after-chunks", "2"]}
-        for role in ("prefill", "prefill", "decode", "decode"):
-            port = free_port()
-            procs.append(start(py + ["sim", "--role", role, "--host", HOST, "--port", str(port), "--time-scale", "0.1",
-                                     "--seed", str(args.seed + port), *faults[role]], work / f"sim-{role}-{port}.log"))
-            urls[role].append(f"http://{HOST}:{port}")
-        for url in urls["prefill"] + urls["decode"]:
-            wait_http(url + "/health")
-        port, dead_collector = free_port(), f"http://{HOST}:{free_port()}"
+        for k, role in enumerate(("prefill", "prefill", "decode", "decode")):
+            sim = procs.pdproxy("sim", "--role", role, "--time-scale", "0.1", "--seed", str(args.seed + k),
+                                *faults[role], log=work / f"sim-{role}-{k}.log")
+            urls[role].append(sim.url)
+        dead_collector = f"http://{harness.HOST}:{harness.free_port()}"
         trace_file = work / "spans.jsonl"
-        proxy = start(py + ["serve", "--host", HOST, "--port", str(port), "--prefill", *urls["prefill"],
-                            "--decode", *urls["decode"], "--read-timeout", "2", "--max-inflight", "64",
-                            "--trace-file", str(trace_file), "--otlp-endpoint", dead_collector,
-                            "--otlp-protocol", "http/protobuf", "--debug-endpoints", "--health-check-interval", "1"],
-                      work / "proxy.log", env={"OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_EXPORTER_OTLP_TIMEOUT": "1"})
-        procs.append(proxy)
-        url = f"http://{HOST}:{port}"
-        wait_http(url + "/health")
+        proxy = procs.pdproxy("serve", "--prefill", *urls["prefill"], "--decode", *urls["decode"],
+                              "--read-timeout", "2", "--max-inflight", "64", "--trace-file", str(trace_file),
+                              "--otlp-endpoint", dead_collector, "--otlp-protocol", "http/protobuf",
+                              "--debug-endpoints", "--health-check-interval", "1", log=work / "proxy.log",
+                              env={"OTEL_BSP_SCHEDULE_DELAY": "200", "OTEL_EXPORTER_OTLP_TIMEOUT": "1"})
+        url = proxy.url
         start_rt = get_json(url + "/debug/runtime")
-        rss_start = rss_of(proxy.pid)
+        rss_start = harness.rss_bytes(proxy.pid)
         started = time.monotonic()
         records = asyncio.run(load(url, args.duration, args.concurrency, args.cancel_rate, args.seed))
         elapsed = time.monotonic() - started
@@ -212,7 +175,7 @@ def main() -> int:
             time.sleep(0.2)
         time.sleep(1.0)
         end_rt = get_json(url + "/debug/runtime")
-        rss_end = rss_of(proxy.pid)
+        rss_end = harness.rss_bytes(proxy.pid)
         counters = request_counters(url)
         dropped = spans_dropped(url)
         roots: dict[str, list[dict]] = {}
@@ -222,15 +185,6 @@ def main() -> int:
             if all(rid in roots for rid in records):
                 break
             time.sleep(0.5)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
 
     # reconcile: client ↔ trace ↔ metrics
     lost: list[str] = []

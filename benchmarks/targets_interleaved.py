@@ -25,14 +25,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import overhead  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
-from cpu_per_request import form, start  # noqa: E402
+import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
 ITL_MS = 10.0
 LAT_TOKENS = 32
 
 
-def phases(bench: overhead.Bench, url: str, proc: overhead.Proc | None) -> dict[str, float]:
+def phases(bench: harness.Bench, url: str, proc: harness.Proc | None) -> dict[str, float]:
     """One round of one target: the figures issue 32 names."""
     out: dict[str, float] = {}
     bench.load(url, proc, concurrency=16, tokens=16, duration=0.5, warmup=0.5)  # pools and caches exist
@@ -46,16 +45,16 @@ def phases(bench: overhead.Bench, url: str, proc: overhead.Proc | None) -> dict[
     out["cps"] = r.cps
     r = bench.load(url, proc, concurrency=1, tokens=2, duration=2.0, warmup=0.5, timings=True)
     _check(url, r)
-    out["ttft_warm"] = overhead.pct(r.ttft_us, 50) / 1000
+    out["ttft_warm"] = harness.pct(r.ttft_us, 50) / 1000
     spread = LAT_TOKENS * ITL_MS / 1000
     r = bench.load(url, proc, concurrency=256, tokens=LAT_TOKENS, duration=3.0, warmup=spread + 0.5,
                    itl_ms=ITL_MS, timings=True, ramp=spread)
     _check(url, r)
-    out["ttft_256"] = overhead.pct(r.ttft_us, 50) / 1000
+    out["ttft_256"] = harness.pct(r.ttft_us, 50) / 1000
     return out
 
 
-def _check(url: str, r: overhead.PhaseResult) -> None:
+def _check(url: str, r: harness.PhaseResult) -> None:
     if r.errors or not r.requests:
         raise RuntimeError(f"{url}: {r.errors} errors in {r.requests} requests")
 
@@ -69,32 +68,18 @@ def main() -> int:
     p.add_argument("--baseline-label", default="before")
     p.add_argument("--work-dir", default="/tmp/pdproxy-targets-interleaved")
     args = p.parse_args()
-    targets = list(args.targets) + (["pdproxy-before", "pdproxy-off-before"] if args.baseline_path else [])
-    bench = overhead.bench_from(args.work_dir, args.baseline_path, args.pdproxy_path)
+    targets = harness.with_baseline(args.targets, args.baseline_path)
+    bench = harness.Bench(args.work_dir, pdproxy_path=args.pdproxy_path, baseline_path=args.baseline_path)
     bench.start_upstreams()
-    rounds: list[dict[str, dict[str, float]]] = []
+    rounds: list[dict[str, dict[str, float]]] = [{} for _ in range(args.rounds)]
     try:
-        for r in range(args.rounds):
-            order = targets if r % 2 == 0 else targets[::-1]
-            got: dict[str, dict[str, float]] = {}
-            for name in order:
-                url, proc, helpers = start(bench, name)
-                try:
-                    got[name] = phases(bench, url, proc)
-                finally:
-                    if proc is not None:
-                        proc.stop()
-                    for h in helpers:
-                        h.stop()
-                print(f"round {r + 1} {name:20s} " + " ".join(f"{k}={v:.3f}" for k, v in got[name].items()),
-                      flush=True)
-            rounds.append(got)
+        for r, name in harness.interleaved(targets, args.rounds):
+            with bench.running(name) as (url, proc):
+                got = rounds[r][name] = phases(bench, url, proc)
+            print(f"round {r + 1} {name:20s} " + " ".join(f"{k}={v:.3f}" for k, v in got.items()), flush=True)
     finally:
         bench.stop_all()
-    for name in targets:
-        if name.startswith("pdproxy"):
-            src = args.baseline_path if name.endswith("-before") else args.pdproxy_path or str(overhead.REPO)
-            print(f"{name}: {form(src)}")
+    bench.say_forms(targets)
 
     def med(name: str, key: str, added: bool = False) -> float:
         return statistics.median(g[name][key] - (g["direct"][key] if added else 0) for g in rounds)

@@ -27,9 +27,6 @@ import argparse
 import asyncio
 import http.client
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -165,12 +162,6 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _count(port: int) -> dict:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
     conn.request("GET", "/count")
@@ -188,22 +179,22 @@ def main() -> int:
     if args.child:
         child(args.child, args.rounds, args.batch)
         return 0
+    sys.path.insert(0, str(HERE))  # here, not at the top: the child runs in another tree and needs none of it
+    import harness
+
     trees = dict(t.split("=", 1) for t in args.trees) or {"this": str(HERE.parent)}
-    port = _free_port()
-    sink = subprocess.Popen([sys.executable, str(HERE / "otlp_sink.py"), "--port", str(port)],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    port = harness.free_port()
+    sink = harness.Proc("otlp_sink", [sys.executable, str(HERE / "otlp_sink.py"), "--port", str(port)])
     try:
-        assert sink.stdout is not None
-        sink.stdout.readline()  # listening
+        harness.wait_port(port)
         best: dict[str, dict] = {}
         for run in range(args.runs):
             order = list(trees.items())
             for label, tree in (order if run % 2 == 0 else order[::-1]):  # no tree always last
                 before, posts = _count(port)["spans"], _count(port)["requests"]
-                env = {**os.environ, "PYTHONPATH": tree, "OTEL_BSP_SCHEDULE_DELAY": "20"}
-                out = subprocess.run([sys.executable, str(HERE / "trace_cost.py"), "--child", str(port),
-                                      "--rounds", str(args.rounds), "--batch", str(args.batch)],
-                                     cwd=tree, env=env, capture_output=True, text=True)
+                out = harness.python_in(tree, [str(HERE / "trace_cost.py"), "--child", str(port), "--rounds",
+                                               str(args.rounds), "--batch", str(args.batch)],
+                                        env={"OTEL_BSP_SCHEDULE_DELAY": "20"})
                 if out.returncode:
                     raise SystemExit(f"{label} ({tree}): {out.stderr.strip()}")
                 res = json.loads(out.stdout)
@@ -219,8 +210,7 @@ def main() -> int:
                     for k in ("on", "off"):
                         kept[part][k] = min(kept[part][k], res[part][k])
     finally:
-        os.killpg(sink.pid, 15)
-        sink.wait()
+        sink.stop()
     print("| us CPU per request | " + " | ".join(f"{label} off | {label} on" for label in best) + " |")
     print("|---|" + "---:|---:|" * len(best))
 

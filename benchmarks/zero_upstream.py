@@ -31,7 +31,7 @@ import os
 import socket
 import time
 
-from rawhttp import take_requests
+from rawhttp import serve, take_requests
 
 WORDS = [b" alpha", b" beta", b" gamma", b" delta", b" eps", b" zeta", b" eta", b" theta"]
 CREATED = int(time.time())
@@ -248,14 +248,9 @@ class Upstream(asyncio.Protocol):
 
 
 async def main_async(args: argparse.Namespace) -> None:
-    loop = asyncio.get_running_loop()
-    engine = Engine(loop)
-    server = await loop.create_server(lambda: Upstream(args.role, engine, args.itl_ms / 1000.0, args.host),
-                                      args.host, args.port,
-                                      backlog=8192, reuse_address=True)
-    print(f"zero_upstream {args.role} listening on {args.host}:{args.port}", flush=True)
-    async with server:
-        await server.serve_forever()
+    engine = Engine(asyncio.get_running_loop())
+    await serve(f"zero_upstream {args.role}", lambda: Upstream(args.role, engine, args.itl_ms / 1000.0, args.host),
+                args.host, args.port, backlog=8192, reuse_address=True)
 
 
 def main() -> None:

@@ -62,6 +62,14 @@ def run(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProces
     return subprocess.CompletedProcess(args, popen.returncode, stdout, stderr)
 
 
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from pdproxy.children import Group
+from procs import running
 from waits import scaled, wait_until
 
 # Ignores SIGTERM, starts a grandchild in its group that does too, writes the grandchild's pid, then sleeps.
@@ -21,13 +22,6 @@ grandchild = subprocess.Popen([sys.executable, "-c",
 open(sys.argv[1], "w").write(str(grandchild.pid))
 time.sleep(600)
 """
-
-
-def running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_stop_kills_what_ignores_sigterm_and_what_it_started(tmp_path: Path) -> None:

@@ -46,14 +46,6 @@ def descendants_of(pid: int) -> set[int]:
     return found
 
 
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return stat[0] != "Z"
-
-
 def kill_sessions(pids: set[int]) -> None:
     """The test's own clean-up of the demo's children (each leads its own session), should the demo not have."""
     for pid in pids:
@@ -172,7 +164,7 @@ def test_demo_ctrl_c_stops_every_process(tmp_path: Path) -> None:
                 raise AssertionError(f"the demo still runs {scaled(20):.0f} s after Ctrl-C") from None
             took = time.monotonic() - interrupted_at
             # the demo waited for its children: none may be left, not even as a zombie it did not reap
-            left = [k for k in kids if alive(k)]
+            left = [k for k in kids if procs.running(k)]
         finally:
             demo.stop()
             kill_sessions(kids)
@@ -193,7 +185,7 @@ def test_demo_killed_takes_its_processes_along(tmp_path: Path) -> None:
     try:
         demo.popen.kill()
         demo.popen.wait()
-        wait_until(lambda: not [k for k in kids if alive(k)], f"the demo's processes {sorted(kids)} to end", timeout=5)
+        wait_until(lambda: not [k for k in kids if procs.running(k)], f"the demo's processes {sorted(kids)} to end", timeout=5)
     finally:
         demo.stop()
         kill_sessions(kids)
