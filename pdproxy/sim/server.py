@@ -96,7 +96,7 @@ class SimServer:
         if s.otlp_traces_endpoint or s.otlp_traces_file:
             from pdproxy.sim.tracing import RequestTracer
 
-            self.tracer = RequestTracer(s.otlp_traces_endpoint, s.otlp_traces_file)
+            self.tracer = RequestTracer(s.otlp_traces_endpoint, s.otlp_traces_file, s.preset.name)
 
     # ---- application -----------------------------------------------------------------------------
     def build_app(self) -> web.Application:

@@ -25,20 +25,17 @@ from rich.console import Console
 from rich.text import Text
 
 from pdproxy import policies
-from pdproxy.bench import html, records, table, traces
+from pdproxy.bench import html, records, report as bench_report, table, traces
 from pdproxy.bench.report_cli import add_slo_arguments, slo_from, write_outputs
-from pdproxy.sim.presets import PRESETS
+from pdproxy.sim.presets import DEFAULT_PRESET, PRESETS
 from pdproxy.whatif import predict, setups
 from pdproxy.whatif.model import ModelParams
 from pdproxy.whatif.workload import Workload, WorkloadError, load
 
-DEFAULT_PRESET = "h200-llama8b-2gpu"  # one instance per GPU, NIXL between GPUs
 CALIBRATED_NOTE = ("calibrated on the given spans: the stated error is the shipped presets'; replaying a run's own "
                    "workload with the curves fitted to its spans, TTFT and KV wait landed within 21 % on vllm023 "
                    "P/D, but across set-ups calibration helped some figures and hurt others (docs/whatif.md)")
-SHARED_GPU_NOTE = ("preset h200-llama8b (instances sharing one GPU, same-GPU NIXL) is outside the stated error: "
-                   "on the recorded 4-instance H200 the model had TTFT 75-85 % and the KV wait 84-86 % too low, the "
-                   "1-GPU P/D's KV wait 47 % too low (docs/whatif.md); read its figures as an ordering only")
+PRESET_ATTR = "pdproxy.sim.preset"  # the simulator names its preset on its spans (and a bench may as a condition)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,9 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--chunk", action="append", type=int, default=[], metavar="TOKENS",
                    help=f"chunk sizes for the default chunked set-ups (default {setups.DEFAULT_CHUNKS[0]})")
     m = p.add_argument_group("model")
-    m.add_argument("--preset", choices=sorted(n for n, p in PRESETS.items() if not p.instant), default=DEFAULT_PRESET,
-                   help=f"timing preset of every instance (default {DEFAULT_PRESET}; `h200-llama8b` for instances "
-                        "sharing one GPU, whose NIXL path is slow)")
+    m.add_argument("--preset", choices=sorted(n for n, p in PRESETS.items() if not p.instant), default=None,
+                   help=f"timing preset of every instance (default: the one the recording names, as `pdproxy sim` "
+                        f"instances do on their spans ({PRESET_ATTR}), else the simulator's default, {DEFAULT_PRESET})")
     m.add_argument("--max-model-len", type=int, help="as the recorded instances had it (default: the recording's, "
                                                      "else the preset's)")
     m.add_argument("--num-gpu-blocks", type=int, help="KV blocks per instance (default: the preset's)")
@@ -108,8 +105,40 @@ def choose_setups(args: argparse.Namespace, wl: Workload) -> tuple[int, list[set
     return gpus, chosen
 
 
-def model_params(args: argparse.Namespace, wl: Workload) -> ModelParams:
-    preset = PRESETS[args.preset]
+def recorded_preset(wl: Workload, idx: traces.TraceIndex | None) -> str | None:
+    """The preset the recording says served it: a condition of the run, else the simulator's spans."""
+    named = wl.conditions.get(PRESET_ATTR)
+    if named is None and idx is not None:
+        named = next((e.attrs[PRESET_ATTR] for i in idx.by_request.values() for e in i.engine.values()
+                      if PRESET_ATTR in e.attrs), None)
+    return str(named) if named is not None else None
+
+
+def choose_preset(args: argparse.Namespace, wl: Workload, idx: traces.TraceIndex | None) -> str:
+    if args.preset:
+        return str(args.preset)
+    named = recorded_preset(wl, idx)
+    if named in PRESETS and not PRESETS[named].instant:
+        wl.notes.append(f"preset {named}: the one the recording names")
+        return named
+    if named is not None:
+        wl.notes.append(f"the recording names preset {named!r}, which the model does not have: the simulator's "
+                        f"default {DEFAULT_PRESET} instead")
+    else:
+        wl.notes.append(f"preset {DEFAULT_PRESET}: the simulator's default (the recording does not name one; pass "
+                        "--preset for other hardware)")
+    return DEFAULT_PRESET
+
+
+def recorded_entry(args: argparse.Namespace, idx: traces.TraceIndex | None) -> dict[str, Any] | None:
+    """The recording's own report entry (what the self-replay is checked against); None without a bench record."""
+    if not args.records:
+        return None
+    return bench_report.build([records.read_run(args.records[0])], idx, verdict=False)["runs"][0]
+
+
+def model_params(args: argparse.Namespace, wl: Workload, preset_name: str) -> ModelParams:
+    preset = PRESETS[preset_name]
     over: dict[str, Any] = {}
     mml = args.max_model_len or wl.max_model_len
     if mml:
@@ -148,6 +177,9 @@ def print_prediction(rep: dict[str, Any], console: Console) -> None:
         console.print(Text(f"assumed: {n}", style="yellow"))
     for n in w.get("calibration_notes") or []:
         console.print(Text(n, style="yellow"))
+    if w.get("self_replay"):
+        for line in predict.self_replay_lines(w["self_replay"]):
+            console.print(Text(line, style="bold red" if "not fit" in line or "NOT FIT" in line else ""))
     for line in w["suggested_runs"]:
         console.print(Text(line, style="bold" if line.startswith("Real runs") else ""))
 
@@ -158,6 +190,9 @@ def html_page(rep: dict[str, Any]) -> str:
     esc = html._e
     banner = (f"<div class=flag><b>{esc(w['prediction'])}</b></div>"
               + "".join(f"<div class=flag>assumed: {esc(n)}</div>" for n in w["workload"]["notes"])
+              + ("<h2>Self-replay</h2><ul>" + "".join(f"<li>{esc(s)}</li>" for s in
+                                                       predict.self_replay_lines(w["self_replay"])) + "</ul>"
+                 if w.get("self_replay") else "")
               + "<h2>Suggested real runs</h2><ul>" + "".join(f"<li>{esc(s)}</li>" for s in w["suggested_runs"])
               + "</ul>")
     page = html.render(rep)
@@ -170,10 +205,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         wl = load(args.records, args.traces)
         if args.records and args.traces and not args.calibrate:
-            wl.notes.append("the workload is the bench record's; the trace files given beside it serve --calibrate "
-                            "only, and were not read")
+            wl.notes.append("the workload is the bench record's; the trace files given beside it give the recorded "
+                            "KV wait (self-replay) and the preset, and serve --calibrate")
         gpus, chosen = choose_setups(args, wl)
-        params = model_params(args, wl)
+        idx = traces.read_traces(args.traces) if args.traces else None
+        params = model_params(args, wl, choose_preset(args, wl, idx))
+        recorded = recorded_entry(args, idx)
+        if recorded is None:
+            wl.notes.append("no bench record (--records): the recorded set-up's prediction is not checked against "
+                            "the recording (self-replay needs its TTFT and token gaps)")
         calibration = None
         if args.calibrate:
             from pdproxy.whatif import calibrate
@@ -182,10 +222,8 @@ def run(args: argparse.Namespace) -> int:
             err.print(calibrate.render(calibration))
             params = replace(params, preset=calibration.preset)
         wl.check(params.preset.max_model_len)
-        if params.preset.name.split("+")[0] == "h200-llama8b":
-            wl.notes.append(SHARED_GPU_NOTE)
         preds = predictions(wl, chosen, params, args.jobs)
-        rep = predict.build_report(wl, preds, slo=slo_from(args))
+        rep = predict.build_report(wl, preds, slo=slo_from(args), recorded=recorded)
         if calibration is not None:
             rep["whatif"]["calibration"] = calibration.to_dict()
             rep["whatif"]["calibration_notes"] = [CALIBRATED_NOTE]

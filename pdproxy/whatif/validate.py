@@ -16,15 +16,7 @@ from pdproxy.sim.presets import PRESETS
 from pdproxy.whatif import predict, setups, workload
 from pdproxy.whatif.model import ModelParams
 
-# (name, how to read it from a report run entry)
-FIGURES: tuple[tuple[str, Any], ...] = (
-    ("TTFT p50", lambda e: e["stats"]["ttft"].get("p50")),
-    ("TTFT p99", lambda e: e["stats"]["ttft"].get("p99")),
-    ("tail ITL p50", lambda e: e["stats"]["tail_itl"]["per_request_max"].get("p50")),
-    ("tail ITL p99", lambda e: e["stats"]["tail_itl"]["per_request_max"].get("p99")),
-    ("KV wait p50", lambda e: ((e.get("kv_transfer") or {}).get("upper_bound") or {}).get("p50")),
-    ("KV wait p99", lambda e: ((e.get("kv_transfer") or {}).get("upper_bound") or {}).get("p99")),
-)
+FIGURES = predict.FIGURES
 
 
 @dataclass(frozen=True)
