@@ -32,7 +32,7 @@ import logging
 import aiohttp
 
 from pdproxy.sim.metrics import SimMetrics
-from pdproxy.sim.timing import PreciseClock
+from pdproxy.sim.timing import PreciseClock, SharedGPU
 
 PULL_PATH = "/sim/kv/pull"
 HEARTBEAT_PATH = "/sim/kv/heartbeat"
@@ -194,6 +194,13 @@ class TransferLink:
         self._busy_until = 0.0
         self.in_flight = 0
         self.bytes_total = 0
+        # same-GPU NIXL: a transfer's copies time-share the GPU like an instance's steps (SharedGPU)
+        self.gpu: SharedGPU | None = None
+        self.gpu_slot = 0
+
+    def share_gpu(self, gpu: SharedGPU | None) -> None:
+        if gpu is not None and gpu.weight > 0:
+            self.gpu, self.gpu_slot = gpu, gpu.slot()
 
     def duration(self, nbytes: int) -> float:
         return nbytes / self.bandwidth if self.bandwidth > 0 else 0.0
@@ -204,6 +211,8 @@ class TransferLink:
         start = max(start_wait, self._busy_until)
         end = start + self.duration(nbytes)
         self._busy_until = end  # reserved at arrival: transfers leave in FIFO order
+        if self.gpu is not None:
+            self.gpu.mark(self.gpu_slot, end)
         self.in_flight += 1
         try:
             await self.clock.sleep_until(end + self.latency)

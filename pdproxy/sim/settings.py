@@ -41,6 +41,7 @@ class SimSettings:
     otlp_traces_endpoint: str | None = None  # vLLM's flag: export llm_request spans there
     otlp_traces_file: str | None = None  # or append them to this OTLP-JSON lines file
     faults: FaultRates = field(default_factory=FaultRates)
+    gpu_share_file: str | None = None  # instances naming the same file time-share one GPU (preset gpu_share)
     kv_events: dict[str, Any] | None = None  # from vLLM's --kv-events-config (pdproxy/sim/kv_events.py); None: off
 
     def __post_init__(self) -> None:
