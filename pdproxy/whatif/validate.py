@@ -66,14 +66,33 @@ def calibrated(case: Case, preset: Any) -> Any:
     return calibrate.fit(infos, preset).preset
 
 
-def run_case(case: Case, calibrate: bool = False) -> list[Row]:
+def recorded_entry(bench: str, trace_files: tuple[str, ...]) -> dict[str, Any]:
+    idx = traces.read_traces(list(trace_files)) if trace_files else None
+    return bench_report.build([records.read_run(bench)], idx, verdict=False)["runs"][0]
+
+
+def fitted(case: Case, params: ModelParams) -> ModelParams:
+    """The model fitted to the source run as a whole (`pdproxy whatif --fit-run`), never to the target."""
+    from pdproxy.whatif import fitrun
+
+    wl = workload.from_bench(case.source)
+    own = setups.recorded(wl.conditions)
+    if own is None:
+        raise ValueError(f"{case.source}: its conditions do not say its set-up")
+    proxy_traces = tuple(t for t in case.source_traces if "vllm-spans" not in t)
+    return fitrun.fit_run(wl, own, params, recorded_entry(case.source, proxy_traces)).params
+
+
+def run_case(case: Case, calibrate: bool = False, fit: bool = False) -> list[Row]:
     wl = workload.from_bench(case.source)
     target = records.read_run(case.target)
     preset = replace(PRESETS[case.preset], **dict(case.overrides))
     if calibrate:
         preset = calibrated(case, preset)
-    pred = predict.run_setup(wl, target_setup(case, target), ModelParams(preset))
-    idx = traces.read_traces(list(case.target_traces)) if case.target_traces else None
-    recorded = bench_report.build([target], idx, verdict=False)["runs"][0]
+    params = ModelParams(preset)
+    if fit:
+        params = fitted(case, params)
+    pred = predict.run_setup(wl, target_setup(case, target), params)
+    recorded = recorded_entry(case.target, case.target_traces)
     predicted = predict.build_report(wl, [pred])["runs"][0]
     return [Row(case.name, name, get(recorded), get(predicted)) for name, get in FIGURES]
