@@ -209,10 +209,11 @@ class TransferLink:
         """Wait for the link, occupy it for the bytes, add the latency; returns (queued, total) s."""
         start_wait = self.clock.now()
         start = max(start_wait, self._busy_until)
-        end = start + self.duration(nbytes)
+        if self.gpu is not None:  # the copies run at the GPU's shared pace, and hold its share meanwhile
+            end = start + self.gpu.stretch(self.gpu_slot, start, self.duration(nbytes))
+        else:
+            end = start + self.duration(nbytes)
         self._busy_until = end  # reserved at arrival: transfers leave in FIFO order
-        if self.gpu is not None:
-            self.gpu.mark(self.gpu_slot, end)
         self.in_flight += 1
         try:
             await self.clock.sleep_until(end + self.latency)

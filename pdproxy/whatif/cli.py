@@ -25,10 +25,10 @@ from rich.console import Console
 from rich.text import Text
 
 from pdproxy import policies
-from pdproxy.bench import html, records, report as bench_report, table, traces
+from pdproxy.bench import html, records, table, traces
 from pdproxy.bench.report_cli import add_slo_arguments, slo_from, write_outputs
 from pdproxy.sim.presets import DEFAULT_PRESET, PRESETS
-from pdproxy.whatif import predict, setups
+from pdproxy.whatif import predict, recorded as recorded_run, setups
 from pdproxy.whatif.model import ModelParams
 from pdproxy.whatif.workload import Workload, WorkloadError, load
 
@@ -134,13 +134,6 @@ def choose_preset(args: argparse.Namespace, wl: Workload, idx: traces.TraceIndex
     return DEFAULT_PRESET
 
 
-def recorded_entry(args: argparse.Namespace, idx: traces.TraceIndex | None) -> dict[str, Any] | None:
-    """The recording's own report entry (what the self-replay is checked against); None without a bench record."""
-    if not args.records:
-        return None
-    return bench_report.build([records.read_run(args.records[0])], idx, verdict=False)["runs"][0]
-
-
 def model_params(args: argparse.Namespace, wl: Workload, preset_name: str) -> ModelParams:
     preset = PRESETS[preset_name]
     over: dict[str, Any] = {}
@@ -214,10 +207,10 @@ def run(args: argparse.Namespace) -> int:
         gpus, chosen = choose_setups(args, wl)
         idx = traces.read_traces(args.traces) if args.traces else None
         params = model_params(args, wl, choose_preset(args, wl, idx))
-        recorded = recorded_entry(args, idx)
-        if recorded is None:
-            wl.notes.append("no bench record (--records): the recorded set-up's prediction is not checked against "
-                            "the recording (self-replay needs its TTFT and token gaps)")
+        recorded = recorded_run.entry(args.records[0] if args.records else None, idx)
+        if not args.records:
+            wl.notes.append("self-replay against the proxy's traces: TTFT (time to first chunk), per-request max ITL "
+                            "(pd.itl.max) and the KV wait as the proxy saw them")
         calibration = None
         if args.calibrate:
             from pdproxy.whatif import calibrate

@@ -5,8 +5,9 @@ them. Two mechanisms carry it, each fitted to the figure it drives, by replaying
 correcting the parameter by the ratio recorded / predicted (a few rounds; the best round is kept):
 
 * `gpu_share` (instances time-sharing one GPU's compute, pdproxy/sim/timing.py `SharedGPU`): every step
-  is stretched by that fraction per other instance stepping meanwhile; fitted on the tail ITL (P/D), or
-  on the tail ITL and the TTFT together (single instances, whose TTFT is compute and queueing);
+  is stretched by that fraction per other instance stepping (or sending KV) meanwhile; fitted on the tail
+  ITL p99 (P/D), or on TTFT p50, p99 and tail ITL p99 together (single instances, whose TTFT is compute
+  and queueing);
 * the KV link's bandwidth (P/D): transfers queue on the prefill's outgoing link; fitted on the KV wait
   (the proxy's traces), else on the TTFT.
 
@@ -70,8 +71,7 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
                            "figures": pred, "worst_error": err})
         if err < best_err:
             best_err, out.params, out.best = err, trial, n
-        compute = _ratio(rec, pred, ("tail ITL p50", "tail ITL p99") if pd else
-                         ("tail ITL p50", "tail ITL p99", "TTFT p50"))
+        compute = _ratio(rec, pred, ("tail ITL p99",) if pd else GOAL)
         changes: dict[str, Any] = {}
         if compute is not None:
             stretch = (1.0 + preset.gpu_share * others) * compute

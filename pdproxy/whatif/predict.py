@@ -181,8 +181,8 @@ def self_replay_lines(replay: dict[str, Any]) -> list[str]:
         lines.append(f"  {r['figure']}: recorded {rec} {what}, predicted {pred} {what}, error {err}{stated} {verdict}")
     if replay["misfit"]:
         lines.append(f"The model does not fit this recording for {', '.join(replay['misfit'])}: its predictions of "
-                     "those figures, for every set-up, are not within the stated error (calibrate with --fit-run, "
-                     "or read them as an ordering only)")
+                     "those figures, for every set-up, are not within the stated error (read them as an ordering "
+                     "only; --fit-run fits the model to the whole run)")
     return lines
 
 
@@ -298,7 +298,7 @@ def suggest(entries: list[dict[str, Any]], predictions: list[Prediction],
     for name, metric, p in COMPARED:
         err = errors.get(name, 0.5)
         vals = [(v, e["label"]) for e in entries if (v := _figure(e, metric, p)) is not None]
-        if not vals:
+        if len(vals) < 2:
             continue
         best, best_label = min(vals)
         close = [lab for v, lab in vals if lab != best_label and overlap(v, best, err)]

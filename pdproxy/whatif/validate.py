@@ -13,7 +13,7 @@ from typing import Any
 
 from pdproxy.bench import records, report as bench_report, traces
 from pdproxy.sim.presets import PRESETS
-from pdproxy.whatif import predict, setups, workload
+from pdproxy.whatif import predict, recorded as recorded_run, setups, workload
 from pdproxy.whatif.model import ModelParams
 
 FIGURES = predict.FIGURES
@@ -67,8 +67,9 @@ def calibrated(case: Case, preset: Any) -> Any:
 
 
 def recorded_entry(bench: str, trace_files: tuple[str, ...]) -> dict[str, Any]:
-    idx = traces.read_traces(list(trace_files)) if trace_files else None
-    return bench_report.build([records.read_run(bench)], idx, verdict=False)["runs"][0]
+    found = recorded_run.entry(bench, traces.read_traces(list(trace_files)) if trace_files else None)
+    assert found is not None
+    return found
 
 
 def fitted(case: Case, params: ModelParams) -> ModelParams:
