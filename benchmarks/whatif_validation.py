@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,8 +48,14 @@ def cases() -> list[Case]:
         for kind in ("pd", "single"):
             bench = str(V / f"bench-{gpus}-{kind}.jsonl.gz")
             out.append(Case(f"self-replay: vllm023 {gpus} {kind}", bench, bench, tr, preset,
-                            setup="1P1D" if kind == "pd" else "1xsingle", source_traces=tr))
-    return [*out, _run_a("pd", "dp"), _run_a("dp", "pd")]
+                            setup="1P1D" if kind == "pd" else "1xsingle", source_traces=tr,
+                            outside="" if kind == "pd" else WARM_CACHE))
+    return [*out, _run_a("pd", "dp"), replace(_run_a("dp", "pd"), outside=NO_LINK)]
+
+
+WARM_CACHE = ("the single run followed the P/D run on the same instance with the same seeded prompts: its prefix "
+              "cache was warm, the model's is cold")
+NO_LINK = "single instances move no KV: nothing in the recording fits the KV link the 2P2D prediction depends on"
 
 
 def main() -> int:
@@ -73,11 +80,14 @@ def main() -> int:
             rec = fmt.format(r.recorded * unit) if r.recorded is not None else "—"
             pred = fmt.format(r.predicted * unit) if r.predicted is not None else "—"
             print(f"| {case.name} | {r.figure} | {rec} | {pred} | {err} |")
-            if r.error is not None:
+            if r.error is not None and not case.outside:
                 worst[r.figure] = max(worst.get(r.figure, 0.0), abs(r.error))
         print(f"<!-- {case.name}: {time.perf_counter() - t:.1f} s -->", file=sys.stderr)
     print("\nWorst |error| per figure (the stated error): "
           + ", ".join(f"{k} ±{v:.0%}" for k, v in worst.items()))
+    for case in cases():
+        if case.outside:
+            print(f"left out of it: {case.name}: {case.outside}")
     print(f"<!-- all cases: {time.perf_counter() - started:.1f} s -->", file=sys.stderr)
     return 0
 

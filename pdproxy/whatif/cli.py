@@ -67,10 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--calibrate", action="store_true",
                    help="fit prefill, decode and KV-transfer curves from the --traces' vLLM spans, print the fit "
                         "and its residuals, and predict with it (default: the preset)")
-    m.add_argument("--fit-run", action="store_true",
+    m.add_argument("--fit-run", action=argparse.BooleanOptionalAction, default=None,
                    help="fit the model's free parameters (GPU time-sharing between instances, the KV link's "
-                        "bandwidth) so that the recorded set-up reproduces the recording (--records; --traces for "
-                        "the KV wait), print the fit, and predict every set-up with it")
+                        "bandwidth) so that the recorded set-up reproduces the recording, print the fit, and predict "
+                        "every set-up with it (default: on whenever the recorded set-up is among the candidates)")
     m.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="set-ups simulated in parallel")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the report as JSON ('-' for stdout)")
@@ -220,13 +220,15 @@ def run(args: argparse.Namespace) -> int:
             params = replace(params, preset=calibration.preset)
         wl.check(params.preset.max_model_len)
         fitted = None
-        if args.fit_run:
+        rec_setup = next((s for s in chosen if s.recorded), None)
+        if args.fit_run is not False and (recorded is None or rec_setup is None):
+            if args.fit_run:
+                raise setups.SetupError("--fit-run replays the recorded set-up against its recording: keep the "
+                                        "recorded set-up among the candidates")
+            wl.notes.append("not fitted to the run (its set-up is not among the candidates): the preset's figures")
+        elif args.fit_run is not False and rec_setup is not None and recorded is not None:
             from pdproxy.whatif import fitrun
 
-            rec_setup = next((s for s in chosen if s.recorded), None)
-            if recorded is None or rec_setup is None:
-                raise setups.SetupError("--fit-run replays the recorded set-up against its recording: give the "
-                                        "bench record (--records) and keep the recorded set-up among the candidates")
             fitted = fitrun.fit_run(wl, rec_setup, params, recorded)
             err.print(fitrun.render(fitted, rec_setup.name))
             params = fitted.params

@@ -29,6 +29,7 @@ class Case:
     overrides: tuple[tuple[str, Any], ...] = ()  # preset fields as the recorded instances had them
     setup: str | None = None  # the target's set-up (default: from its conditions)
     source_traces: tuple[str, ...] = ()  # the source run's traces with vLLM's spans (for --calibrate)
+    outside: str = ""  # why the case is outside what the model claims (left out of the stated error), if it is
 
 
 @dataclass
