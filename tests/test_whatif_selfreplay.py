@@ -102,3 +102,10 @@ def test_a_difference_inside_the_stated_error_decides_nothing():
     clear = predict.respect_error(_verdict(0.1, 1.0), predict.EXPECTED_ERROR, ["TTFT p99"])
     assert clear["decision"] == "adopt" and clear["decided_by"] == "TTFT p99 improved vs 2P2D"
     assert "does not fit the recording for TTFT p99" in clear["reason"]
+
+
+def test_the_fits_figures_are_the_reports():
+    wl = workload.from_bench(PD)
+    pred = predict.run_setup(wl, setups.parse_setup("2P2D"),
+                             ModelParams(replace(PRESETS["h200-llama8b"], max_model_len=8192, num_gpu_blocks=4096)))
+    assert predict.prediction_figures(pred) == predict.figures(predict.build_report(wl, [pred])["runs"][0])
