@@ -215,10 +215,10 @@ def respect_error(v: dict[str, Any], errors: dict[str, float], misfit: list[str]
         value, limit = c["value"], c["limit"]
         if fig is None or err is None or value is None or limit is None or c["passed"] is None:
             continue
-        if c["criterion"].endswith("SLO"):
+        if c["criterion"].endswith("SLO"):  # the SLO lies within the prediction's error
             inside = value * (1 - err) <= limit <= value * (1 + err)
-        else:
-            inside = overlap(value, limit, err)
+        else:  # the two predictions differ by less than the stated error
+            inside = abs(value - limit) <= err * abs(limit)
         if inside:
             c["passed"] = None
             c["detail"] += f"; no measurable difference (inside the ±{err:.0%} stated error)"
