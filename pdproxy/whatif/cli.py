@@ -70,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--fit-run", action=argparse.BooleanOptionalAction, default=None,
                    help="fit the model's free parameters (GPU time-sharing between instances, the KV link's "
                         "bandwidth) so that the recorded set-up reproduces the recording, print the fit, and predict "
-                        "every set-up with it (default: on whenever the recorded set-up is among the candidates)")
+                        "every set-up with it (default: on whenever the recorded set-up is among the candidates, unless "
+                        "the recording names the simulator's preset)")
     m.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="set-ups simulated in parallel")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the report as JSON ('-' for stdout)")
@@ -221,6 +222,10 @@ def run(args: argparse.Namespace) -> int:
         wl.check(params.preset.max_model_len)
         fitted = None
         rec_setup = next((s for s in chosen if s.recorded), None)
+        if args.fit_run is None and args.preset is None and recorded_preset(wl, idx) == params.preset.name:
+            args.fit_run = False  # simulated instances: their timings are the preset's, what misses is the host's
+            wl.notes.append("not fitted to the run: the recording names the simulator's preset, whose timings the "
+                            "model replays as they are (--fit-run to fit anyway)")
         if args.fit_run is not False and (recorded is None or rec_setup is None):
             if args.fit_run:
                 raise setups.SetupError("--fit-run replays the recorded set-up against its recording: keep the "
