@@ -9,11 +9,12 @@ durations), so the host's load does not blur it.
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import aiohttp
 import pytest
 
-from tests.procs import start_sim
+from tests.procs import run, start_sim
 
 pytestmark = pytest.mark.timeout(120)
 BODY = {"model": "sim-model", "prompt": "hello there", "max_tokens": 300, "ignore_eos": True}
@@ -55,3 +56,13 @@ def test_two_instances_sharing_one_gpu_slow_each_other(tmp_path, share, low, hig
     assert alone > 0
     # 300 decode steps side by side: with full time-slicing each step of A is about twice as long
     assert low <= shared / alone <= high, (alone, shared)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpu-share", "1"], "--gpu-share needs --gpu-share-file"),
+    (["--gpu-share", "-0.5", "--gpu-share-file", "{f}"], "--gpu-share must be >= 0"),
+])
+def test_bad_gpu_share_flags_are_a_clear_error(tmp_path, args, message):
+    argv = [a.format(f=tmp_path / "gpu") for a in args]
+    p = run([sys.executable, "-m", "pdproxy", "sim", "--port", "0", *argv], timeout=60)
+    assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr

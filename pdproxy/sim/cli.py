@@ -152,6 +152,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> SimSettings:
+    if args.gpu_share and not args.gpu_share_file:
+        raise ValueError("--gpu-share needs --gpu-share-file: the file the instances on one GPU share")
     preset = preset_with(
         args.preset,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,

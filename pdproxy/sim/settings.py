@@ -61,6 +61,8 @@ class SimSettings:
                 f"max model len {p.max_model_len} needs {math.ceil(p.max_model_len / p.block_size)} KV blocks of "
                 f"{p.block_size} tokens but the cache has {p.num_gpu_blocks}; lower --max-model-len or raise "
                 "--num-gpu-blocks (vLLM refuses to start in this case too)")
+        if p.gpu_share < 0:
+            raise ValueError("--gpu-share must be >= 0")
         if p.max_num_batched_tokens < 1 or p.max_num_seqs < 1 or p.block_size < 1:
             raise ValueError("max-num-batched-tokens, max-num-seqs and block-size must be >= 1")
 

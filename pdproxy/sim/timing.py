@@ -221,7 +221,9 @@ class GPUShareFile(SharedGPU):
         return busy
 
     def mark(self, slot: int, until: float) -> None:
-        self._SLOT.pack_into(self._map, slot * self._SLOT.size, os.getpid(), until)
+        """The process's steps and the KV it sends share its slot: busy until the later of the two."""
+        _, current = self._SLOT.unpack_from(self._map, slot * self._SLOT.size)
+        self._SLOT.pack_into(self._map, slot * self._SLOT.size, os.getpid(), max(current, until))
 
 
 def _alive(pid: int) -> bool:
