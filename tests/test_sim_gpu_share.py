@@ -14,7 +14,7 @@ import sys
 import aiohttp
 import pytest
 
-from tests.procs import run, start_sim
+from procs import run, start_sim
 
 pytestmark = pytest.mark.timeout(120)
 BODY = {"model": "sim-model", "prompt": "hello there", "max_tokens": 300, "ignore_eos": True}

@@ -22,7 +22,7 @@ from pdproxy.bench import records, report as bench_report, traces
 from pdproxy.sim.presets import PRESETS
 from pdproxy.whatif import fitrun, predict, setups, workload
 from pdproxy.whatif.model import ModelParams
-from tests.procs import run
+from procs import run
 
 pytestmark = pytest.mark.timeout(300)
 A = Path(__file__).parent / "fixtures" / "real-xpyd-2026-12-01b"
