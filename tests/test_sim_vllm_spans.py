@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from otlp import GrpcReceiver, TapReceiver
-from procs import HOST, free_port, pdproxy, start_proxy
+from procs import HOST, free_port, pdproxy, run as run_cmd, start_proxy
 from real_traces import REAL_TRACES, otlp_spans
 
 WORKLOAD = """
@@ -113,7 +113,9 @@ def _shape(spans: list[tuple[dict, dict, dict]], parents: dict[str, str]) -> dic
         s["kinds"].add(sp["kind"])
         s["scopes"].add(scope.get("name"))
         s["resource"] |= set(res)
-        s["attrs"] |= {(a["key"], next(iter(a["value"]))) for a in sp["attributes"]}
+        # vLLM's attributes; the simulator's own (pdproxy.sim.*: which preset served) are checked apart
+        s["attrs"] |= {(a["key"], next(iter(a["value"]))) for a in sp["attributes"]
+                       if not a["key"].startswith("pdproxy.sim.")}
     return out
 
 
@@ -140,7 +142,12 @@ def test_spans_have_the_recorded_vllm_shape(run):
         assert got[role]["attrs"] == want[role]["attrs"], role
     # the single sim's spans (OTLP/HTTP to oteltap) under the single proxy's pd.prefill, like the recording's
     tap = [sp for sp in run["tap"] if sp.get("name") == "llm_request"]
-    assert {a["key"] for sp in tap for a in sp.get("attributes", [])} == {k for k, _ in want["single pd.prefill"]["attrs"]}
+    assert {a["key"] for sp in tap for a in sp.get("attributes", []) if not a["key"].startswith("pdproxy.sim.")} \
+        == {k for k, _ in want["single pd.prefill"]["attrs"]}
+    # and each says which timing preset served it, so `pdproxy whatif` replays the run with that preset
+    presets = {a["value"]["stringValue"] for _, _, sp in sim_spans if sp["name"] == "llm_request"
+               for a in sp["attributes"] if a["key"] == "pdproxy.sim.preset"}
+    assert presets == {"h200-llama8b"}
     assert tap and all(parents.get(sp.get("parentSpanId")) == "single pd.prefill" for sp in tap)
 
 
@@ -247,3 +254,13 @@ def test_a_dead_collector_does_not_break_serving_and_a_bad_protocol_is_refused()
                         str(free_port())], capture_output=True, text=True, timeout=30,
                        env={**os.environ, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"})
     assert p.returncode == 2 and "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_whatif_replays_with_the_preset_the_sims_spans_name(run):
+    d = run["dir"]
+    proc = run_cmd([sys.executable, "-m", "pdproxy", "whatif", "--traces", str(d / "pd.otlp"), "--traces",
+                    str(d / "vllm-prefill.jsonl"), "--traces", str(d / "vllm-decode.jsonl"), "--gpus", "2",
+                    "--setup", "1P1D", "--no-fit-run", "--jobs", "1"], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "preset h200-llama8b: the one the recording names" in proc.stdout
+    assert "Self-replay: the recorded set-up 1P1D" in proc.stdout

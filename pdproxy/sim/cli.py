@@ -93,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "off in the others)")
     stall.add_argument("--no-kv-pull-stalls-decode", dest="kv_pull_stalls_decode", action="store_false",
                        help="decode: keep stepping during KV pulls (the one-GPU and instant presets' default)")
+    g.add_argument("--gpu-share", type=float, default=None,
+                   help="instances time-sharing one GPU: how much each other instance stepping at the same time "
+                        "stretches a step (0 = a GPU of its own, the presets' default; 1 = full time-slicing); "
+                        "applies between the instances given the same --gpu-share-file")
+    g.add_argument("--gpu-share-file", default=None, metavar="PATH",
+                   help="a file the instances on one GPU share (one slot each: when its current step ends)")
     g.add_argument("--skip-kv-pull", action="store_true",
                    help="decode: trust kv_transfer_params without contacting the prefill (no transfer time)")
 
@@ -146,6 +152,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> SimSettings:
+    if args.gpu_share and not args.gpu_share_file:
+        raise ValueError("--gpu-share needs --gpu-share-file: the file the instances on one GPU share")
     preset = preset_with(
         args.preset,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_chunked_prefill=args.enable_chunked_prefill,
@@ -153,6 +161,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         max_model_len=args.max_model_len, kv_bandwidth_gbps=args.kv_bandwidth_gbps, kv_latency_ms=args.kv_latency_ms,
         kv_bytes_per_token=args.kv_bytes_per_token, frontend_overhead_ms=args.frontend_overhead_ms,
         kv_pull_overhead_ms=args.kv_pull_overhead_ms, kv_pull_stalls_decode=args.kv_pull_stalls_decode,
+        gpu_share=args.gpu_share,
     )
     faults = FaultRates(
         error_rate=args.error_rate, error_status=args.error_status, slow_start_seconds=args.slow_start_seconds,
@@ -170,7 +179,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         eos_after_tokens=args.eos_after_tokens, tokens_per_word=args.tokens_per_word, seed=args.seed,
         refuse_connections=args.refuse_connections,
         journal_size=args.journal_size, faults=faults, otlp_traces_endpoint=args.otlp_traces_endpoint,
-        otlp_traces_file=args.otlp_traces_file,
+        otlp_traces_file=args.otlp_traces_file, gpu_share_file=args.gpu_share_file,
         kv_events=parse_config(args.kv_events_config) if args.kv_events_config else None,
     )
 

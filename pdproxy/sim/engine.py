@@ -41,7 +41,7 @@ from pdproxy.sim.kv import BlockPool, KVLeases, KVPuller, PullOutcome, RemoteKV
 from pdproxy.sim.metrics import SimMetrics
 from pdproxy.sim.prefix_cache import UNBOUNDED_BLOCKS, PrefixCache
 from pdproxy.sim.settings import SimSettings
-from pdproxy.sim.timing import PreciseClock, kv_link_seconds
+from pdproxy.sim.timing import PreciseClock, SharedGPU, kv_link_seconds
 
 # Steps follow an ideal timeline (each starts where the previous one ended), so the host's
 # scheduling hiccups do not slow the simulated GPU down: a late wake-up is made up by the next
@@ -122,7 +122,7 @@ class Engine:
     """One engine core. `run()` is the step loop; handlers `submit()` and `abort()` sequences."""
 
     def __init__(self, settings: SimSettings, metrics: SimMetrics, clock: PreciseClock,
-                 puller: KVPuller | None) -> None:
+                 puller: KVPuller | None, gpu: SharedGPU | None = None) -> None:
         self.settings = settings
         p = settings.preset
         self.cost = settings.cost_model()
@@ -137,6 +137,9 @@ class Engine:
         self.leases = KVLeases(settings.engine_id, self.pool, settings.kv_lease_seconds, metrics,
                                on_free=self._wake) if settings.has_connector else None
         self.puller = puller
+        # instances time-sharing one GPU stretch each other's steps (preset gpu_share; None: a GPU of its own)
+        self.gpu = gpu if gpu is not None and p.gpu_share > 0 and not p.instant else None
+        self.gpu_slot = self.gpu.slot() if self.gpu is not None else 0
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.ready: collections.deque[Sequence] = collections.deque()  # KV loaded, one token to go
         self.running: list[Sequence] = []
@@ -228,6 +231,8 @@ class Engine:
                 continue
             duration = self.cost.step_seconds(len(batch), prefill_tokens)
             start = now if ideal_end is None or now - ideal_end > LAG_RESET_S else ideal_end
+            if self.gpu is not None:
+                duration = self.gpu.stretch(self.gpu_slot, start, duration)
             ideal_end = start + duration
             await self.clock.sleep_until(ideal_end)
             self.steps += 1

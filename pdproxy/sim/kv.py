@@ -32,7 +32,7 @@ import logging
 import aiohttp
 
 from pdproxy.sim.metrics import SimMetrics
-from pdproxy.sim.timing import PreciseClock
+from pdproxy.sim.timing import PreciseClock, SharedGPU
 
 PULL_PATH = "/sim/kv/pull"
 HEARTBEAT_PATH = "/sim/kv/heartbeat"
@@ -194,6 +194,13 @@ class TransferLink:
         self._busy_until = 0.0
         self.in_flight = 0
         self.bytes_total = 0
+        # same-GPU NIXL: a transfer's copies time-share the GPU like an instance's steps (SharedGPU)
+        self.gpu: SharedGPU | None = None
+        self.gpu_slot = 0
+
+    def share_gpu(self, gpu: SharedGPU | None) -> None:
+        if gpu is not None and gpu.weight > 0:
+            self.gpu, self.gpu_slot = gpu, gpu.slot()
 
     def duration(self, nbytes: int) -> float:
         return nbytes / self.bandwidth if self.bandwidth > 0 else 0.0
@@ -202,7 +209,10 @@ class TransferLink:
         """Wait for the link, occupy it for the bytes, add the latency; returns (queued, total) s."""
         start_wait = self.clock.now()
         start = max(start_wait, self._busy_until)
-        end = start + self.duration(nbytes)
+        if self.gpu is not None:  # the copies run at the GPU's shared pace, and hold its share meanwhile
+            end = start + self.gpu.stretch(self.gpu_slot, start, self.duration(nbytes))
+        else:
+            end = start + self.duration(nbytes)
         self._busy_until = end  # reserved at arrival: transfers leave in FIFO order
         self.in_flight += 1
         try:

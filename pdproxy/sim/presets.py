@@ -74,6 +74,11 @@ class Preset:
     # on one GPU (1.5 s same-GPU transfers left the streams alone). On in the 2-GPU preset, whose link is
     # fitted so that the whole pull reproduces the 62 ms (benchmarks/sim_calibration.py checks it).
     kv_pull_stalls_decode: bool = False
+    # several instances time-sharing one GPU's compute: each other instance stepping at the same time
+    # stretches a step by this fraction (0: a GPU per instance; 1: full time-slicing). The simulator applies
+    # it between `pdproxy sim` processes that share a --gpu-share-file; the what-if to every instance of a
+    # set-up (all on the recorded GPUs). Fitted to a recording by `pdproxy whatif --fit-run`.
+    gpu_share: float = 0.0
     instant: bool = False  # no engine loop at all: every answer is produced immediately
     notes: tuple[str, ...] = field(default=())
 

@@ -30,7 +30,7 @@ from pdproxy.sim.protocol import (APIError, GenerationRequest, error_body, parse
                                   parse_json, parse_tokenize)
 from pdproxy.sim.render import DONE, Renderer, request_metrics, usage
 from pdproxy.sim.settings import SimSettings
-from pdproxy.sim.timing import PreciseClock, kv_bytes
+from pdproxy.sim.timing import GPUShareFile, PreciseClock, kv_bytes
 from pdproxy.sim import tokens
 from pdproxy.sim.generation import Generation
 
@@ -78,7 +78,10 @@ class SimServer:
         if s.has_connector and not s.skip_kv_pull:
             self.puller = KVPuller(s.engine_id, self.metrics, self.clock, s.scaled(s.preset.kv_pull_overhead_ms),
                                    s.kv_lease_seconds)
-        self.engine = Engine(s, self.metrics, self.clock, self.puller)
+        gpu = GPUShareFile(s.gpu_share_file, s.preset.gpu_share) if s.gpu_share_file and s.preset.gpu_share > 0 \
+            else None
+        self.engine = Engine(s, self.metrics, self.clock, self.puller, gpu)
+        self.gpu = gpu
         self.kv_events = None
         if s.kv_events is not None and s.enable_prefix_caching:  # vLLM publishes only with prefix caching on
             from pdproxy.sim.kv_events import SimKVEvents
@@ -87,6 +90,7 @@ class SimServer:
         bandwidth = s.preset.kv_bandwidth_gbps * 1e9
         self.link = TransferLink(0.0 if s.instant or bandwidth <= 0 else bandwidth / s.time_scale,
                                  s.scaled(s.preset.kv_latency_ms), self.clock)
+        self.link.share_gpu(self.gpu)  # the KV it sends keeps this instance busy on the shared GPU
         self.faults = FaultBook(s.faults, s.seed)
         self.journal = Journal(s.journal_size)
         self.frontend_delay = s.scaled(s.preset.frontend_overhead_ms)
@@ -96,7 +100,7 @@ class SimServer:
         if s.otlp_traces_endpoint or s.otlp_traces_file:
             from pdproxy.sim.tracing import RequestTracer
 
-            self.tracer = RequestTracer(s.otlp_traces_endpoint, s.otlp_traces_file)
+            self.tracer = RequestTracer(s.otlp_traces_endpoint, s.otlp_traces_file, s.preset.name)
 
     # ---- application -----------------------------------------------------------------------------
     def build_app(self) -> web.Application:

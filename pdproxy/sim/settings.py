@@ -41,6 +41,7 @@ class SimSettings:
     otlp_traces_endpoint: str | None = None  # vLLM's flag: export llm_request spans there
     otlp_traces_file: str | None = None  # or append them to this OTLP-JSON lines file
     faults: FaultRates = field(default_factory=FaultRates)
+    gpu_share_file: str | None = None  # instances naming the same file time-share one GPU (preset gpu_share)
     kv_events: dict[str, Any] | None = None  # from vLLM's --kv-events-config (pdproxy/sim/kv_events.py); None: off
 
     def __post_init__(self) -> None:
@@ -60,6 +61,8 @@ class SimSettings:
                 f"max model len {p.max_model_len} needs {math.ceil(p.max_model_len / p.block_size)} KV blocks of "
                 f"{p.block_size} tokens but the cache has {p.num_gpu_blocks}; lower --max-model-len or raise "
                 "--num-gpu-blocks (vLLM refuses to start in this case too)")
+        if p.gpu_share < 0:
+            raise ValueError("--gpu-share must be >= 0")
         if p.max_num_batched_tokens < 1 or p.max_num_seqs < 1 or p.block_size < 1:
             raise ValueError("max-num-batched-tokens, max-num-seqs and block-size must be >= 1")
 

@@ -72,7 +72,7 @@ def _sink(endpoint: str | None, trace_file: str | None) -> Any:
 class RequestTracer:
     """Emits one `llm_request` span per finished request."""
 
-    def __init__(self, endpoint: str | None, trace_file: str | None = None) -> None:
+    def __init__(self, endpoint: str | None, trace_file: str | None = None, preset: str | None = None) -> None:
         resource = Resource.create({"vllm.instrumenting_module_name": MODULE_NAME,
                                     "vllm.process_id": str(os.getpid())})
         self.provider = TracerProvider(resource=resource)
@@ -84,6 +84,7 @@ class RequestTracer:
         self.propagator = TraceContextTextMapPropagator()
         # the engine's clock is time.perf_counter(); spans want wall time
         self.offset = time.time() - time.perf_counter()
+        self.preset = preset  # not vLLM's: says which timing preset served, so `pdproxy whatif` replays with it
 
     def finished(self, headers: Mapping[str, str], seq: Any, request_id: str, submitted: float,
                  params: dict[str, Any]) -> None:
@@ -103,6 +104,8 @@ class RequestTracer:
             "gen_ai.latency.time_in_model_inference": last - seq.scheduled_at,
             "gen_ai.request.id": request_id,
         }
+        if self.preset:
+            attrs["pdproxy.sim.preset"] = self.preset
         for key, attr in (("top_p", "gen_ai.request.top_p"), ("max_tokens", "gen_ai.request.max_tokens"),
                           ("temperature", "gen_ai.request.temperature"), ("n", "gen_ai.request.n")):
             if params.get(key):  # vLLM sets each only when truthy

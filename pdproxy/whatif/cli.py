@@ -27,18 +27,15 @@ from rich.text import Text
 from pdproxy import policies
 from pdproxy.bench import html, records, table, traces
 from pdproxy.bench.report_cli import add_slo_arguments, slo_from, write_outputs
-from pdproxy.sim.presets import PRESETS
-from pdproxy.whatif import predict, setups
+from pdproxy.sim.presets import DEFAULT_PRESET, PRESETS
+from pdproxy.whatif import predict, recorded as recorded_run, setups
 from pdproxy.whatif.model import ModelParams
 from pdproxy.whatif.workload import Workload, WorkloadError, load
 
-DEFAULT_PRESET = "h200-llama8b-2gpu"  # one instance per GPU, NIXL between GPUs
 CALIBRATED_NOTE = ("calibrated on the given spans: the stated error is the shipped presets'; replaying a run's own "
                    "workload with the curves fitted to its spans, TTFT and KV wait landed within 21 % on vllm023 "
                    "P/D, but across set-ups calibration helped some figures and hurt others (docs/whatif.md)")
-SHARED_GPU_NOTE = ("preset h200-llama8b (instances sharing one GPU, same-GPU NIXL) is outside the stated error: "
-                   "on the recorded 4-instance H200 the model had TTFT 75-85 % and the KV wait 84-86 % too low, the "
-                   "1-GPU P/D's KV wait 47 % too low (docs/whatif.md); read its figures as an ordering only")
+PRESET_ATTR = "pdproxy.sim.preset"  # the simulator names its preset on its spans (and a bench may as a condition)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,9 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--chunk", action="append", type=int, default=[], metavar="TOKENS",
                    help=f"chunk sizes for the default chunked set-ups (default {setups.DEFAULT_CHUNKS[0]})")
     m = p.add_argument_group("model")
-    m.add_argument("--preset", choices=sorted(n for n, p in PRESETS.items() if not p.instant), default=DEFAULT_PRESET,
-                   help=f"timing preset of every instance (default {DEFAULT_PRESET}; `h200-llama8b` for instances "
-                        "sharing one GPU, whose NIXL path is slow)")
+    m.add_argument("--preset", choices=sorted(n for n, p in PRESETS.items() if not p.instant), default=None,
+                   help=f"timing preset of every instance (default: the one the recording names, as `pdproxy sim` "
+                        f"instances do on their spans ({PRESET_ATTR}), else the simulator's default, {DEFAULT_PRESET})")
     m.add_argument("--max-model-len", type=int, help="as the recorded instances had it (default: the recording's, "
                                                      "else the preset's)")
     m.add_argument("--num-gpu-blocks", type=int, help="KV blocks per instance (default: the preset's)")
@@ -70,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--calibrate", action="store_true",
                    help="fit prefill, decode and KV-transfer curves from the --traces' vLLM spans, print the fit "
                         "and its residuals, and predict with it (default: the preset)")
+    m.add_argument("--fit-run", action=argparse.BooleanOptionalAction, default=None,
+                   help="fit the model's free parameters (GPU time-sharing between instances, the KV link's "
+                        "bandwidth) so that the recorded set-up reproduces the recording, print the fit, and predict "
+                        "every set-up with it (default: on whenever the recorded set-up is among the candidates, unless "
+                        "the recording names the simulator's preset)")
     m.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="set-ups simulated in parallel")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the report as JSON ('-' for stdout)")
@@ -108,8 +110,33 @@ def choose_setups(args: argparse.Namespace, wl: Workload) -> tuple[int, list[set
     return gpus, chosen
 
 
-def model_params(args: argparse.Namespace, wl: Workload) -> ModelParams:
-    preset = PRESETS[args.preset]
+def recorded_preset(wl: Workload, idx: traces.TraceIndex | None) -> str | None:
+    """The preset the recording says served it: a condition of the run, else the simulator's spans."""
+    named = wl.conditions.get(PRESET_ATTR)
+    if named is None and idx is not None:
+        named = next((e.attrs[PRESET_ATTR] for i in idx.by_request.values() for e in i.engine.values()
+                      if PRESET_ATTR in e.attrs), None)
+    return str(named) if named is not None else None
+
+
+def choose_preset(args: argparse.Namespace, wl: Workload, idx: traces.TraceIndex | None) -> str:
+    if args.preset:
+        return str(args.preset)
+    named = recorded_preset(wl, idx)
+    if named in PRESETS and not PRESETS[named].instant:
+        wl.notes.append(f"preset {named}: the one the recording names")
+        return named
+    if named is not None:
+        wl.notes.append(f"the recording names preset {named!r}, which the model does not have: the simulator's "
+                        f"default {DEFAULT_PRESET} instead")
+    else:
+        wl.notes.append(f"preset {DEFAULT_PRESET}: the simulator's default (the recording does not name one; pass "
+                        "--preset for other hardware)")
+    return DEFAULT_PRESET
+
+
+def model_params(args: argparse.Namespace, wl: Workload, preset_name: str) -> ModelParams:
+    preset = PRESETS[preset_name]
     over: dict[str, Any] = {}
     mml = args.max_model_len or wl.max_model_len
     if mml:
@@ -148,6 +175,9 @@ def print_prediction(rep: dict[str, Any], console: Console) -> None:
         console.print(Text(f"assumed: {n}", style="yellow"))
     for n in w.get("calibration_notes") or []:
         console.print(Text(n, style="yellow"))
+    if w.get("self_replay"):
+        for line in predict.self_replay_lines(w["self_replay"]):
+            console.print(Text(line, style="bold red" if "not fit" in line or "NOT FIT" in line else ""))
     for line in w["suggested_runs"]:
         console.print(Text(line, style="bold" if line.startswith("Real runs") else ""))
 
@@ -158,6 +188,9 @@ def html_page(rep: dict[str, Any]) -> str:
     esc = html._e
     banner = (f"<div class=flag><b>{esc(w['prediction'])}</b></div>"
               + "".join(f"<div class=flag>assumed: {esc(n)}</div>" for n in w["workload"]["notes"])
+              + ("<h2>Self-replay</h2><ul>" + "".join(f"<li>{esc(s)}</li>" for s in
+                                                       predict.self_replay_lines(w["self_replay"])) + "</ul>"
+                 if w.get("self_replay") else "")
               + "<h2>Suggested real runs</h2><ul>" + "".join(f"<li>{esc(s)}</li>" for s in w["suggested_runs"])
               + "</ul>")
     page = html.render(rep)
@@ -170,10 +203,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         wl = load(args.records, args.traces)
         if args.records and args.traces and not args.calibrate:
-            wl.notes.append("the workload is the bench record's; the trace files given beside it serve --calibrate "
-                            "only, and were not read")
+            wl.notes.append("the workload is the bench record's; the trace files given beside it give the recorded "
+                            "KV wait (self-replay) and the preset, and serve --calibrate")
         gpus, chosen = choose_setups(args, wl)
-        params = model_params(args, wl)
+        idx = traces.read_traces(args.traces) if args.traces else None
+        params = model_params(args, wl, choose_preset(args, wl, idx))
+        recorded = recorded_run.entry(args.records[0] if args.records else None, idx)
+        if not args.records:
+            wl.notes.append("self-replay against the proxy's traces: TTFT (time to first chunk), per-request max ITL "
+                            "(pd.itl.max) and the KV wait as the proxy saw them")
         calibration = None
         if args.calibrate:
             from pdproxy.whatif import calibrate
@@ -182,13 +220,30 @@ def run(args: argparse.Namespace) -> int:
             err.print(calibrate.render(calibration))
             params = replace(params, preset=calibration.preset)
         wl.check(params.preset.max_model_len)
-        if params.preset.name.split("+")[0] == "h200-llama8b":
-            wl.notes.append(SHARED_GPU_NOTE)
+        fitted = None
+        rec_setup = next((s for s in chosen if s.recorded), None)
+        if args.fit_run is None and args.preset is None and recorded_preset(wl, idx) == params.preset.name:
+            args.fit_run = False  # simulated instances: their timings are the preset's, what misses is the host's
+            wl.notes.append("not fitted to the run: the recording names the simulator's preset, whose timings the "
+                            "model replays as they are (--fit-run to fit anyway)")
+        if args.fit_run is not False and (recorded is None or rec_setup is None):
+            if args.fit_run:
+                raise setups.SetupError("--fit-run replays the recorded set-up against its recording: keep the "
+                                        "recorded set-up among the candidates")
+            wl.notes.append("not fitted to the run (its set-up is not among the candidates): the preset's figures")
+        elif args.fit_run is not False and rec_setup is not None and recorded is not None:
+            from pdproxy.whatif import fitrun
+
+            fitted = fitrun.fit_run(wl, rec_setup, params, recorded)
+            err.print(fitrun.render(fitted, rec_setup.name))
+            params = fitted.params
         preds = predictions(wl, chosen, params, args.jobs)
-        rep = predict.build_report(wl, preds, slo=slo_from(args))
+        rep = predict.build_report(wl, preds, slo=slo_from(args), recorded=recorded)
         if calibration is not None:
             rep["whatif"]["calibration"] = calibration.to_dict()
             rep["whatif"]["calibration_notes"] = [CALIBRATED_NOTE]
+        if fitted is not None:
+            rep["whatif"]["fit_run"] = fitted.to_dict()
     except (WorkloadError, setups.SetupError, records.RecordError, traces.TraceError, OSError, ValueError) as e:
         err.print(f"[red]pdproxy whatif: {e}[/]")
         return 2

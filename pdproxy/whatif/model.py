@@ -25,7 +25,7 @@ from pdproxy.sim.kv import PullOutcome, PullRejected, RemoteKV, TransferLink
 from pdproxy.sim.prefix_cache import block_hashes
 from pdproxy.sim.presets import SIM_LOOPBACK_MS, Preset
 from pdproxy.sim.settings import SimSettings
-from pdproxy.sim.timing import kv_bytes
+from pdproxy.sim.timing import SharedGPU, kv_bytes
 from pdproxy.whatif import virtual
 from pdproxy.whatif.setups import Setup
 from pdproxy.whatif.workload import Request, Workload
@@ -73,10 +73,12 @@ class _Instance:
         self.settings = SimSettings(role=role, preset=preset, engine_id=f"whatif-{name}")
         self.clock = clock
         self.puller = _Puller(cluster, clock, self.settings) if role == "decode" else None
-        self.engine = Engine(self.settings, virtual.NullMetrics(), clock, self.puller)  # type: ignore[arg-type]
+        self.engine = Engine(self.settings, virtual.NullMetrics(), clock, self.puller,  # type: ignore[arg-type]
+                             cluster.gpu)
         bandwidth = preset.kv_bandwidth_gbps * 1e9
         self.link = TransferLink(bandwidth if bandwidth > 0 else 0.0, self.settings.scaled(preset.kv_latency_ms),
                                  clock)  # type: ignore[arg-type]
+        self.link.share_gpu(cluster.gpu)
         self.frontend = self.settings.scaled(preset.frontend_overhead_ms)
         self.loopback = cluster.params.loopback_ms / 1000.0
 
@@ -146,6 +148,7 @@ class _Cluster:
         self.clock = clock
         self.transfers: dict[str, tuple[float, float]] = {}
         preset = params.preset
+        self.gpu = SharedGPU(preset.gpu_share)  # every instance on the recorded GPUs (when gpu_share > 0)
         if setup.chunk is not None:
             preset = replace(preset, enable_chunked_prefill=True, max_num_batched_tokens=setup.chunk)
         self.preset = preset

@@ -10,10 +10,11 @@ tell apart within that error, which are the real runs worth making next.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdproxy.bench import report as bench_report
+from pdproxy.bench import report as bench_report, stats
 from pdproxy.bench.records import Run
 from pdproxy.bench.traces import TraceIndex, TraceInfo
 from pdproxy.bench.verdict import Slo, decide
@@ -23,26 +24,54 @@ from pdproxy.whatif.workload import Workload
 
 PREDICTION = "a PREDICTION of the what-if model (pdproxy whatif), not a measurement"
 
-# Relative error of each figure: the largest |predicted - recorded| / recorded seen when replaying recorded
-# vLLM 0.23 runs on the model (docs/whatif.md, "Validation": vllm023 one and two GPUs, P/D targets), leaving
-# out the cases the docs name as outside the model (instances sharing one GPU's compute, a prefix cache
-# warmed by an earlier run). Two set-ups whose predictions differ by less than that cannot be told apart.
+# Relative error of each figure: the largest |predicted - recorded| / recorded the validation shows with the
+# model fitted to the recorded run (benchmarks/whatif_validation.py --fit-run, docs/whatif.md "Validation"):
+# self-replay of run A pd and dp, run B, vllm023 1- and 2-GPU P/D, and run A's 2P2D -> four singles; left
+# out and named there: the vllm023 singles (a prefix cache warmed by the run before) and run A's singles ->
+# 2P2D (singles carry no KV transfer to fit the link on). Predictions overlapping within it cannot be told
+# apart; a self-replay that misses its own recording by more does not fit it, and the output says so.
 EXPECTED_ERROR: dict[str, float] = {
-    "TTFT p50": 0.50,
-    "TTFT p99": 0.50,
-    "tail ITL p50": 0.65,
-    "tail ITL p99": 0.70,
-    "KV wait p50": 0.50,
-    "KV wait p99": 0.50,
+    "TTFT p50": 0.30,
+    "TTFT p99": 0.40,
+    "tail ITL p50": 0.90,
+    "tail ITL p99": 0.35,
+    "KV wait p50": 0.20,
+    "KV wait p99": 0.20,
+    "completed": 0.75,
 }
-FIGURES = (("ttft", "p50", "TTFT p50"), ("ttft", "p99", "TTFT p99"),
-           ("tail_itl", "p50", "tail ITL p50"), ("tail_itl", "p99", "tail ITL p99"))
+
+
+def _kv(e: dict[str, Any], p: str) -> float | None:
+    return ((e.get("kv_transfer") or {}).get("upper_bound") or {}).get(p)
+
+
+# (name, how to read it from a report run entry): the figures a prediction states and a self-replay checks
+FIGURES: tuple[tuple[str, Callable[[dict[str, Any]], float | None]], ...] = (
+    ("TTFT p50", lambda e: e["stats"]["ttft"].get("p50")),
+    ("TTFT p99", lambda e: e["stats"]["ttft"].get("p99")),
+    ("tail ITL p50", lambda e: e["stats"]["tail_itl"]["per_request_max"].get("p50")),
+    ("tail ITL p99", lambda e: e["stats"]["tail_itl"]["per_request_max"].get("p99")),
+    ("KV wait p50", lambda e: _kv(e, "p50")),
+    ("KV wait p99", lambda e: _kv(e, "p99")),
+    ("completed", lambda e: float(e["stats"]["requests"]["ok"])),
+)
+COMPARED = (("TTFT p50", "ttft", "p50"), ("TTFT p99", "ttft", "p99"),
+            ("tail ITL p50", "tail_itl", "p50"), ("tail ITL p99", "tail_itl", "p99"))
+
+
+def figures(entry: dict[str, Any]) -> dict[str, float | None]:
+    return {name: get(entry) for name, get in FIGURES}
+
+
+def overlap(a: float, b: float, err: float) -> bool:
+    """Two predictions with the same relative error `err` whose bands [x(1-err), x(1+err)] meet."""
+    return a * (1 - err) <= b * (1 + err) and b * (1 - err) <= a * (1 + err)
 
 
 def error_text(errors: dict[str, float] = EXPECTED_ERROR) -> str:
     parts = ", ".join(f"{k} ±{v:.0%}" for k, v in errors.items())  # tail ITL = per-request max ITL
-    return (f"This is {PREDICTION}. Expected error per figure (largest seen against recorded vLLM 0.23 runs, "
-            f"docs/whatif.md): {parts}.")
+    return (f"This is {PREDICTION}. Expected error per figure (largest seen against recorded vLLM 0.23 runs with "
+            f"the model fitted to them, docs/whatif.md): {parts}.")
 
 
 @dataclass
@@ -101,6 +130,18 @@ def _trace(o: Outcome, rec: dict[str, Any]) -> TraceInfo | None:
                      stage_times=times)
 
 
+def prediction_figures(pred: Prediction) -> dict[str, float | None]:
+    """The FIGURES of one predicted run straight from its records: what `build_report` gives, without its cost
+    (the whole-run fit replays the recorded set-up several times and reads only these)."""
+    ok = [r for r in pred.run.requests if not r.get("warmup") and r.get("ok")]
+    ttft = stats.describe(r["ttft"] for r in ok)
+    tail = stats.describe(max(r["itl"]) for r in ok if r["itl"])
+    kv = stats.describe(i.stages["kv_transfer"] for r in ok
+                        if (i := pred.traces.get(r["request_id"])) is not None and "kv_transfer" in i.stages)
+    return {"TTFT p50": ttft["p50"], "TTFT p99": ttft["p99"], "tail ITL p50": tail["p50"], "tail ITL p99": tail["p99"],
+            "KV wait p50": kv["p50"], "KV wait p99": kv["p99"], "completed": float(len(ok))}
+
+
 def run_setup(workload: Workload, setup: Setup, params: ModelParams) -> Prediction:
     outcomes = simulate(workload, setup, params)
     label = setup.name + (" (recorded)" if setup.recorded else "")
@@ -111,13 +152,108 @@ def run_setup(workload: Workload, setup: Setup, params: ModelParams) -> Predicti
         if info is not None:
             infos[rec["request_id"]] = info
     header = {"type": "run", "format": "pdproxy-bench/1", "run_id": label, "label": label,
-              "tool": "pdproxy whatif", "conditions": setup.conditions(), "workload": workload.header.get("workload"),
+              "tool": "pdproxy whatif", "target": f"virtual-time model, preset {params.preset.name}",
+              "conditions": setup.conditions(), "workload": workload.header.get("workload"),
               "conditions_source": "whatif"}
     return Prediction(setup, Run(header=header, requests=recs, source=f"whatif:{setup.name}"), infos)
 
 
+def self_replay(recorded: dict[str, Any], predicted: dict[str, Any],
+                errors: dict[str, float] = EXPECTED_ERROR) -> dict[str, Any]:
+    """The recorded set-up's prediction against its own recording, figure by figure.
+
+    A figure the model misses by more than its stated error is one it does not fit: its predictions
+    for other set-ups are no better than that miss, and the output says so."""
+    rows, misfit = [], []
+    rec, pred = figures(recorded), figures(predicted)
+    for name, _ in FIGURES:
+        r, p = rec[name], pred[name]
+        err = None if r is None or p is None or r == 0 else (p - r) / r
+        limit = errors.get(name)
+        fits = None if err is None or limit is None else abs(err) <= limit
+        if fits is False:
+            misfit.append(name)
+        rows.append({"figure": name, "recorded": r, "predicted": p, "error": err, "stated_error": limit,
+                     "fits": fits})
+    return {"setup": predicted["label"], "rows": rows, "misfit": misfit}
+
+
+def self_replay_lines(replay: dict[str, Any]) -> list[str]:
+    lines = [f"Self-replay: the recorded set-up {replay['setup']} predicted against its own recording:"]
+    for r in replay["rows"]:
+        if r["recorded"] is None and r["predicted"] is None:
+            continue
+        unit = 1.0 if r["figure"] == "completed" else 1e3
+        rec = "—" if r["recorded"] is None else f"{r['recorded'] * unit:,.1f}"
+        pred = "—" if r["predicted"] is None else f"{r['predicted'] * unit:,.1f}"
+        err = "n/a" if r["error"] is None else f"{r['error']:+.0%}"
+        verdict = {True: "fits", False: "DOES NOT FIT", None: ""}[r["fits"]]
+        stated = f" (stated ±{r['stated_error']:.0%})" if r["stated_error"] is not None else ""
+        what = "requests" if r["figure"] == "completed" else "ms"
+        lines.append(f"  {r['figure']}: recorded {rec} {what}, predicted {pred} {what}, error {err}{stated} {verdict}")
+    if replay["misfit"]:
+        lines.append(f"The model does not fit this recording for {', '.join(replay['misfit'])}: its predictions of "
+                     "those figures, for every set-up, are not within the stated error (read them as an ordering "
+                     "only)")
+    return lines
+
+
+def _figure_of(criterion: str, p: int) -> str | None:
+    if criterion.startswith("TTFT"):
+        return f"TTFT p{p}"
+    if criterion.startswith("tail ITL"):
+        return f"tail ITL p{p}"
+    return None
+
+
+def respect_error(v: dict[str, Any], errors: dict[str, float], misfit: list[str]) -> dict[str, Any]:
+    """A predicted difference inside the stated error is no measurable difference: never a deciding criterion."""
+    p = int(v["slo"]["percentile"])
+    for c in v["criteria"]:
+        fig = _figure_of(c["criterion"], p)
+        err = errors.get(fig or "")
+        value, limit = c["value"], c["limit"]
+        if fig is None or err is None or value is None or limit is None or c["passed"] is None:
+            continue
+        if c["criterion"].endswith("SLO"):  # the SLO lies within the prediction's error
+            inside = value * (1 - err) <= limit <= value * (1 + err)
+        else:  # the two predictions differ by less than the stated error
+            inside = abs(value - limit) <= err * abs(limit)
+        if inside:
+            c["passed"] = None
+            c["detail"] += f"; no measurable difference (inside the ±{err:.0%} stated error)"
+    failing = [c for c in v["criteria"] if c["passed"] is False]
+    passing = [c for c in v["criteria"] if c["passed"] and _figure_of(c["criterion"], p)]
+    if failing:
+        decided = failing[0]
+        v["decision"], v["reason"] = "don't adopt", f"{_label(decided)} failed: {decided['detail']}"
+    elif passing:
+        scored = [c for c in passing if c["margin"] is not None] or passing
+        decided = min(scored, key=lambda c: c["margin"] if c["margin"] is not None else 0.0)
+        v["decision"], v["reason"] = "adopt", f"all criteria met; closest: {_label(decided)}: {decided['detail']}"
+    else:
+        decided = None
+        v["decision"] = "no measurable difference"
+        v["reason"] = "every compared figure is inside the stated error of the recorded set-up's"
+    v["decided_by"] = _label(decided) if decided else None
+    fig = _figure_of(decided["criterion"], p) if decided else None
+    if fig in misfit:
+        v["reason"] += (f" — but the model does not fit the recording for {fig} (self-replay): this verdict rests on a "
+                        "figure it could not reproduce")
+    if misfit:
+        v["notes"] = [*v.get("notes", []), f"the model does not fit this recording for {', '.join(misfit)} "
+                                           "(self-replay): verdicts on those figures are unreliable"]
+    return v
+
+
+def _label(c: dict[str, Any]) -> str:
+    return c["criterion"] + (f" vs {c['baseline']}" if c.get("baseline") else "")
+
+
 def build_report(workload: Workload, predictions: list[Prediction], slo: Slo | None = None,
-                 errors: dict[str, float] = EXPECTED_ERROR) -> dict[str, Any]:
+                 errors: dict[str, float] = EXPECTED_ERROR, recorded: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The predicted runs as `pdproxy report` builds them; `recorded` (the recording's own report entry)
+    turns on the self-replay check of the recorded set-up's prediction."""
     idx = TraceIndex()
     for p in predictions:
         idx.by_request.update(p.traces)
@@ -132,7 +268,10 @@ def build_report(workload: Workload, predictions: list[Prediction], slo: Slo | N
                   "pdproxy's stage spans",
     })
     entries = report["runs"]
-    base = next((e for e, p in zip(entries, predictions) if p.setup.recorded), entries[0])
+    base_i = next((i for i, p in enumerate(predictions) if p.setup.recorded), None)
+    base = entries[base_i if base_i is not None else 0]
+    replay = self_replay(recorded, entries[base_i], errors) if recorded is not None and base_i is not None else None
+    misfit = replay["misfit"] if replay else []
     verdicts = []
     for e in entries:
         if e is base:
@@ -140,9 +279,9 @@ def build_report(workload: Workload, predictions: list[Prediction], slo: Slo | N
         v = decide(e, [base], slo or Slo())
         v["resources"] = "same resources"
         v["resources_text"] = f"same GPU total; {PREDICTION}"
-        v["notes"] = [*v.get("notes", []), "predicted figures: a difference inside the expected error is not a "
-                                           "difference (see the suggested runs)"]
-        verdicts.append(v)
+        v["notes"] = [*v.get("notes", []), "predicted figures: a difference inside the stated error is no measurable "
+                                           "difference and decides nothing (see the suggested runs)"]
+        verdicts.append(respect_error(v, errors, misfit))
     if verdicts:
         report["verdicts"] = verdicts
         report["verdict"] = verdicts[0]
@@ -150,6 +289,7 @@ def build_report(workload: Workload, predictions: list[Prediction], slo: Slo | N
         "prediction": error_text(errors),
         "expected_error": dict(errors),
         "workload": {"source": workload.source, "requests": len(workload.requests), "notes": workload.notes},
+        "self_replay": replay,
         "suggested_runs": suggest(entries, predictions, errors),
     }
     return report
@@ -163,27 +303,33 @@ def _figure(e: dict[str, Any], metric: str, p: str) -> float | None:
 
 def suggest(entries: list[dict[str, Any]], predictions: list[Prediction],
             errors: dict[str, float] = EXPECTED_ERROR) -> list[str]:
-    """The set-ups worth running for real: per figure, the best prediction and every set-up within the error."""
+    """The set-ups worth running for real: per figure, the best prediction and every set-up whose error band
+    overlaps the best one's (the model cannot separate those; a real run can)."""
     out: list[str] = []
     worth: dict[str, list[str]] = {}
-    for metric, p, name in FIGURES:
+    for name, metric, p in COMPARED:
         err = errors.get(name, 0.5)
         vals = [(v, e["label"]) for e in entries if (v := _figure(e, metric, p)) is not None]
-        if not vals:
+        if len(vals) < 2:
             continue
         best, best_label = min(vals)
-        close = [lab for v, lab in vals if lab != best_label and v * (1 - err) <= best * (1 + err)]
-        worth.setdefault(best_label, []).append(name)
-        if close:
+        close = [lab for v, lab in vals if lab != best_label and overlap(v, best, err)]
+        for lab in (best_label, *close):
+            worth.setdefault(lab, []).append(name)
+        if close and len(close) == len(vals) - 1:
+            out.append(f"{name}: nothing separates the {len(vals)} set-ups: all are within the ±{err:.0%} error of "
+                       f"the best ({best_label}, {best * 1e3:.0f} ms); only real runs can order them")
+        elif close:
             out.append(f"{name}: {best_label} predicts best ({best * 1e3:.0f} ms) but {', '.join(close)} "
-                       f"{'is' if len(close) == 1 else 'are'} within the ±{err:.0%} error: measure "
+                       f"{'overlaps' if len(close) == 1 else 'overlap'} its ±{err:.0%} error band: measure "
                        f"{', '.join([best_label, *close])} for real")
         else:
             out.append(f"{name}: {best_label} predicts best ({best * 1e3:.0f} ms), clear of the others by more "
                        f"than the ±{err:.0%} error")
     recorded = next((p.setup.name for p in predictions if p.setup.recorded), None)
-    runs = ", ".join(f"{lab} ({', '.join(figs)})" for lab, figs in worth.items())
-    head = f"Real runs worth making next: {runs}" + (f", against the recorded {recorded}" if recorded else "")
+    if worth and all(len(figs) == len(COMPARED) for figs in worth.values()) and len(worth) == len(entries) > 1:
+        head = "Nothing separates the set-ups within the stated error on any figure: a real run of each is needed"
+    else:
+        runs = ", ".join(f"{lab} ({', '.join(figs)})" for lab, figs in worth.items())
+        head = f"Real runs worth making next: {runs}" + (f", against the recorded {recorded}" if recorded else "")
     return [head, *out]
-
-

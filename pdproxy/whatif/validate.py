@@ -13,18 +13,10 @@ from typing import Any
 
 from pdproxy.bench import records, report as bench_report, traces
 from pdproxy.sim.presets import PRESETS
-from pdproxy.whatif import predict, setups, workload
+from pdproxy.whatif import predict, recorded as recorded_run, setups, workload
 from pdproxy.whatif.model import ModelParams
 
-# (name, how to read it from a report run entry)
-FIGURES: tuple[tuple[str, Any], ...] = (
-    ("TTFT p50", lambda e: e["stats"]["ttft"].get("p50")),
-    ("TTFT p99", lambda e: e["stats"]["ttft"].get("p99")),
-    ("tail ITL p50", lambda e: e["stats"]["tail_itl"]["per_request_max"].get("p50")),
-    ("tail ITL p99", lambda e: e["stats"]["tail_itl"]["per_request_max"].get("p99")),
-    ("KV wait p50", lambda e: ((e.get("kv_transfer") or {}).get("upper_bound") or {}).get("p50")),
-    ("KV wait p99", lambda e: ((e.get("kv_transfer") or {}).get("upper_bound") or {}).get("p99")),
-)
+FIGURES = predict.FIGURES
 
 
 @dataclass(frozen=True)
@@ -37,6 +29,7 @@ class Case:
     overrides: tuple[tuple[str, Any], ...] = ()  # preset fields as the recorded instances had them
     setup: str | None = None  # the target's set-up (default: from its conditions)
     source_traces: tuple[str, ...] = ()  # the source run's traces with vLLM's spans (for --calibrate)
+    outside: str = ""  # why the case is outside what the model claims (left out of the stated error), if it is
 
 
 @dataclass
@@ -74,14 +67,34 @@ def calibrated(case: Case, preset: Any) -> Any:
     return calibrate.fit(infos, preset).preset
 
 
-def run_case(case: Case, calibrate: bool = False) -> list[Row]:
+def recorded_entry(bench: str, trace_files: tuple[str, ...]) -> dict[str, Any]:
+    found = recorded_run.entry(bench, traces.read_traces(list(trace_files)) if trace_files else None)
+    assert found is not None
+    return found
+
+
+def fitted(case: Case, params: ModelParams) -> ModelParams:
+    """The model fitted to the source run as a whole (`pdproxy whatif --fit-run`), never to the target."""
+    from pdproxy.whatif import fitrun
+
+    wl = workload.from_bench(case.source)
+    own = setups.recorded(wl.conditions)
+    if own is None:
+        raise ValueError(f"{case.source}: its conditions do not say its set-up")
+    proxy_traces = tuple(t for t in case.source_traces if "vllm-spans" not in t)
+    return fitrun.fit_run(wl, own, params, recorded_entry(case.source, proxy_traces)).params
+
+
+def run_case(case: Case, calibrate: bool = False, fit: bool = False) -> list[Row]:
     wl = workload.from_bench(case.source)
     target = records.read_run(case.target)
     preset = replace(PRESETS[case.preset], **dict(case.overrides))
     if calibrate:
         preset = calibrated(case, preset)
-    pred = predict.run_setup(wl, target_setup(case, target), ModelParams(preset))
-    idx = traces.read_traces(list(case.target_traces)) if case.target_traces else None
-    recorded = bench_report.build([target], idx, verdict=False)["runs"][0]
+    params = ModelParams(preset)
+    if fit:
+        params = fitted(case, params)
+    pred = predict.run_setup(wl, target_setup(case, target), params)
+    recorded = recorded_entry(case.target, case.target_traces)
     predicted = predict.build_report(wl, [pred])["runs"][0]
     return [Row(case.name, name, get(recorded), get(predicted)) for name, get in FIGURES]

@@ -1,0 +1,42 @@
+"""The recording's own figures, as `pdproxy report` computes them: what the self-replay is checked against.
+
+From the bench record when there is one (TTFT and token gaps as the client saw them; the proxy's traces
+beside it add the KV wait), else from the proxy's traces alone: each root span's time to first chunk,
+end-to-end time and per-request ITL summary (`pd.itl.*`), its KV wait from `pd.kv_transfer`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdproxy.bench import records, report as bench_report, traces
+
+
+def from_traces(idx: traces.TraceIndex) -> dict[str, Any] | None:
+    infos = sorted((i for i in idx.by_request.values() if i.deployment == "primary"), key=lambda i: i.start)
+    if not infos:
+        return None
+    t0 = infos[0].start
+    recs = []
+    for n, info in enumerate(infos):
+        a = info.attrs
+        ttft = a.get("gen_ai.response.time_to_first_chunk")
+        ok = info.status != "ERROR" and isinstance(ttft, (int, float))
+        summary = {"count": a.get("pd.itl.count"), "p99": a.get("pd.itl.p99"), "max": a.get("pd.itl.max")}
+        recs.append({"type": "request", "run_id": "recorded", "request_id": info.request_id, "class": "traced",
+                     "index": n, "seq": n, "warmup": False, "start_time": info.start - t0,
+                     "start_offset": info.start - t0, "status": 200 if ok else 500, "ok": ok,
+                     "error": None if ok else "error", "ttft": ttft if ok else None,
+                     "e2e": info.duration if ok else None, "end": info.duration, "itl": [], "itl_summary": summary,
+                     "output_tokens": a.get("gen_ai.usage.output_tokens"),
+                     "prompt_tokens": a.get("gen_ai.usage.input_tokens")})
+    run = records.Run(header={"type": "run", "run_id": "recorded", "label": "recorded", "tool": "pdproxy traces",
+                              "conditions": {}}, requests=recs, source="traces")
+    return bench_report.build([run], idx, unit="chunk", verdict=False)["runs"][0]
+
+
+def entry(bench: str | None, idx: traces.TraceIndex | None) -> dict[str, Any] | None:
+    """The recording's report entry; None when there is neither a bench record nor a request trace."""
+    if bench:
+        return bench_report.build([records.read_run(bench)], idx, verdict=False)["runs"][0]
+    return from_traces(idx) if idx is not None else None
