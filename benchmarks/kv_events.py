@@ -37,6 +37,7 @@ from pdproxy import policies  # noqa: E402
 from pdproxy.kvevents import BlockIndex, BlockStored  # noqa: E402
 from pdproxy.kvevents.subscriber import KVEvents, Source  # noqa: E402
 from pdproxy.policies.request import RequestView  # noqa: E402
+from pdproxy.routing.tokens import LocalTokenizer  # noqa: E402
 
 INSTANCES = 16
 PUBLISHER = r"""
@@ -176,7 +177,8 @@ def measure_decisions(n: int, rounds: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         path, text = tokenizer_file(Path(d))
         instances = [Inst(k) for k in range(INSTANCES)]
-        precise = policies.create("precise_prefix", {"tokenizer_file": str(path)})
+        precise = policies.create("precise_prefix")
+        local = LocalTokenizer(str(path))  # what the router does for a text prompt before the policy chooses
         events = Events(instances)
         precise.use_events(events)
         from tokenizers import Tokenizer
@@ -197,7 +199,10 @@ def measure_decisions(n: int, rounds: int) -> dict:
                 times = []
                 for _ in range(n):
                     start = time.perf_counter()
-                    chosen, decision = policy.choose(instances, RequestView(body))
+                    view = RequestView(body)
+                    if policy is precise:
+                        local.tokenize(view)
+                    chosen, decision = policy.choose(instances, view)
                     times.append(time.perf_counter() - start)
                 assert label == "text, cache_aware" or decision.reason == "prefix_match", decision
                 found = percentiles(times)
@@ -212,7 +217,7 @@ async def measure_remote_tokenize(n: int, text_words: int = 620) -> tuple[float,
     import aiohttp
     import urllib.request
 
-    from pdproxy.kvevents.tokenize import RemoteTokenizer
+    from pdproxy.routing.tokens import RemoteTokenizer
 
     port = free_ports(1)[0]
     proc = subprocess.Popen([sys.executable, "-m", "pdproxy", "sim", "--role", "single", "--preset", "instant",
@@ -229,12 +234,12 @@ async def measure_remote_tokenize(n: int, text_words: int = 620) -> tuple[float,
         rng = random.Random(5)
         text = " ".join(f"word{rng.randrange(50000)}" for _ in range(text_words))
         async with aiohttp.ClientSession() as session:
-            tokenizer = RemoteTokenizer(session, [url], {}, timeout=5.0)
+            tokenizer = RemoteTokenizer(session, [(url, url.removeprefix("http://"))], {}, timeout=5.0)
             times, count = [], 0
             for _ in range(n):
                 view = RequestView({"model": "sim-model", "prompt": text})
                 start = time.perf_counter()
-                await tokenizer.prepare(view)
+                await tokenizer.fill(view)
                 times.append(time.perf_counter() - start)
                 count = len(view.token_ids or [])
         p50, p99 = percentiles(times)

@@ -9,8 +9,10 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from pdproxy import policies
-from pdproxy.kvevents import BlockIndex, BlockStored, chain_hashes
+from pdproxy.blocks import chain_hashes
+from pdproxy.kvevents import BlockIndex, BlockStored
 from pdproxy.policies.request import RequestView
+from pdproxy.routing.tokens import LocalTokenizer
 
 
 @dataclass(eq=False)
@@ -65,12 +67,13 @@ def test_longest_held_prefix_wins_then_load_then_fallback(tmp_path):
     b.inflight = 0
     events.subs["b:1"].flowing = False
     chosen, decision = policy.choose([a, b], RequestView({"prompt": prompt}))
-    assert decision.reason == "approximate" and policy.fallbacks == 1
+    assert decision.reason == "approximate" and decision.fallback == "events_not_flowing"
+    assert policy.fallbacks == {"b:1": 1}  # counted at the instance whose events stopped
     assert decision.matched and decision.unit == "tokens"  # the approximate index learnt where this prompt went
     # chat has no token ids here: approximate
     events.subs["b:1"].flowing = True
-    assert policy.choose([a, b], RequestView({"messages": [{"role": "user", "content": "hi"}]}, chat=True))[
-        1].reason == "approximate"
+    chosen, decision = policy.choose([a, b], RequestView({"messages": [{"role": "user", "content": "hi"}]}, chat=True))
+    assert (decision.reason, decision.fallback, decision.fallback_at) == ("approximate", "no_token_ids", [chosen.address])
 
 
 def test_text_prompts_through_a_local_tokenizer_file(tmp_path):
@@ -79,11 +82,13 @@ def test_text_prompts_through_a_local_tokenizer_file(tmp_path):
     tok.pre_tokenizer = Whitespace()
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
-    policy = policies.create("precise_prefix", {"tokenizer_file": str(path)})
+    policy = policies.create("precise_prefix")
     events = Events(["a:1", "b:1"])
     policy.use_events(events)
     text = " ".join(words[:100])
     store(events.subs["b:1"], tok.encode(text).ids)
-    chosen, decision = policy.choose([Inst("a:1"), Inst("b:1")], RequestView({"prompt": text + " w7 w9"}))
+    view = RequestView({"prompt": text + " w7 w9"})
+    LocalTokenizer(str(path)).tokenize(view)  # as the router does before the policy chooses
+    chosen, decision = policy.choose([Inst("a:1"), Inst("b:1")], view)
     assert chosen.address == "b:1" and decision.reason == "prefix_match" and decision.matched == 96
     assert chain_hashes(tok.encode(text).ids, 16)[:6] == chain_hashes(tok.encode(text + " w7").ids, 16)[:6]

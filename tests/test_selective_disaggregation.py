@@ -100,13 +100,15 @@ def test_short_uncached_prompts_skip_the_prefill(tmp_path):
 
 
 def test_without_token_ids_the_request_is_disaggregated():
-    from pdproxy.kvevents.selective import SelectiveDisaggregation
+    from pdproxy.routing.selective import SelectiveDisaggregation
     from pdproxy.policies.request import RequestView
 
     rule = SelectiveDisaggregation(32)
     chat = RequestView({"messages": [{"role": "user", "content": "hi"}]}, chat=True)
     assert (rule.decide(chat, "d:1").decision, rule.decide(chat, "d:1").reason) == ("disaggregated", "no_token_ids")
-    chat.token_ids = [1, 2, 3]  # as an instance's /tokenize gives them
+    chat.token_ids = [1, 2, 3]  # as an instance's /tokenize gives them for a chat with a media part
+    assert (rule.decide(chat, "d:1").decision, rule.decide(chat, "d:1").reason) == ("disaggregated", "not_countable")
+    chat.whole = True  # ... and for a chat of text alone
     assert rule.decide(chat, "d:1").decode_only
     assert not rule.decide(RequestView({"prompt": list(range(40))}), "d:1").decode_only  # 40 > 32, none held
 
