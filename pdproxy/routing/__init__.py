@@ -41,7 +41,7 @@ def build(settings: Any, session: Any, prefill: Any, decode: Any, events: Any, m
     by_events = [p.role for p in pools if p.policy.name in EVENT_POLICIES]
     tokens: Any = None
     source = "none needed"
-    if selective is not None or by_events:
+    if selective is not None or by_events and events is not None:
         from pdproxy.routing import tokens as t
 
         if settings.tokenizer_file:

@@ -9,7 +9,7 @@ one the engine will compute; parts /tokenize cannot count (media content parts, 
 usable for a prefix match but not for a count (`RequestView.whole` false).
 
 /tokenize costs one round trip before routing (benchmarks/kv_events.py), within TIMEOUT for all tries of a
-request. An instance whose /tokenize times out, cannot be reached or answers 5xx is backed off (1 s, doubling up
+request (at most TRIES instances, each given its share). An instance whose /tokenize times out, cannot be reached or answers 5xx is backed off (1 s, doubling up
 to MAX_BACKOFF while it keeps failing; one request probes it when the back-off ends) and the next one is tried;
 when every instance is backed off, requests route without token ids until one is due again, at no cost. An
 answer whose length cannot be the prompt's (`plausible`) is rejected. Every failure is counted
@@ -35,6 +35,7 @@ log = logging.getLogger("pdproxy.routing")
 MAX_PROMPT_CHARS = MAX_KEY_CHARS  # text sent to /tokenize at most; a longer prompt routes without ids
 MAX_LOCAL_CHARS = MAX_KEY_TOKENS * 8  # text tokenized locally at most (a longer one is counted as not whole)
 TIMEOUT = 0.5  # s: what routing may wait for token ids, all tries together, before it goes without
+TRIES = 2  # instances asked at most per request, each within TIMEOUT / TRIES (a hanging one leaves time for another)
 MAX_ANSWER_BYTES = 8 * 1024 * 1024
 FIRST_BACKOFF, MAX_BACKOFF = 1.0, 60.0  # s
 # vLLM 0.23's TokenizeChatRequest, beside `messages`: what changes the ids when a chat request carries it
@@ -165,8 +166,8 @@ class RemoteTokenizer:
         view.no_ids = "tokenize_failed"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
-        for target in self._ready():
-            left = deadline - loop.time()
+        for target in self._ready()[:TRIES]:
+            left = min(deadline - loop.time(), self.timeout / TRIES)
             if left <= 0:
                 return
             if not target.ready(time.monotonic()):
