@@ -12,7 +12,7 @@ from pdproxy import policies
 from pdproxy.blocks import chain_hashes
 from pdproxy.kvevents import BlockIndex, BlockStored
 from pdproxy.policies.request import RequestView
-from pdproxy.routing.tokens import LocalTokenizer
+from pdproxy.routing.tokens import LocalTokenizer, given
 
 
 @dataclass(eq=False)
@@ -44,6 +44,13 @@ def store(sub: Sub, tokens: list[int]) -> None:
     sub.index.apply(BlockStored([hash(("engine", k, tokens[0])) for k in range(n)], None, tokens[:16 * n], 16))
 
 
+def ids(prompt: list[int]) -> RequestView:
+    """A token-id prompt's view, its ids taken as the router takes them before a policy chooses."""
+    view = RequestView({"prompt": prompt})
+    assert given(view)
+    return view
+
+
 def test_longest_held_prefix_wins_then_load_then_fallback(tmp_path):
     a, b = Inst("a:1"), Inst("b:1")
     policy = policies.create("precise_prefix")
@@ -52,21 +59,21 @@ def test_longest_held_prefix_wins_then_load_then_fallback(tmp_path):
     prompt = list(range(1, 200))
     store(events.subs["a:1"], prompt[:64])  # a holds 4 blocks
     store(events.subs["b:1"], prompt[:128])  # b holds 8
-    chosen, decision = policy.choose([a, b], RequestView({"prompt": prompt}))
+    chosen, decision = policy.choose([a, b], ids(prompt))
     assert chosen is b and (decision.reason, decision.matched, decision.unit) == ("prefix_match", 128, "tokens")
     assert decision.scores() == {"a:1": 64.0, "b:1": 128.0}
     # nobody holds it: the least loaded
     b.inflight = 3
-    chosen, decision = policy.choose([a, b], RequestView({"prompt": [7] * 100}))
+    chosen, decision = policy.choose([a, b], ids([7] * 100))
     assert chosen is a and decision.reason == "cache_miss"
     # far more load on the holder: balanced
     b.inflight = 200
-    chosen, decision = policy.choose([a, b], RequestView({"prompt": prompt}))
+    chosen, decision = policy.choose([a, b], ids(prompt))
     assert chosen is a and decision.reason == "imbalanced"
     # b's events stop flowing: the approximate index, which learnt the earlier choices
     b.inflight = 0
     events.subs["b:1"].flowing = False
-    chosen, decision = policy.choose([a, b], RequestView({"prompt": prompt}))
+    chosen, decision = policy.choose([a, b], ids(prompt))
     assert decision.reason == "approximate" and decision.fallback == "events_not_flowing"
     assert policy.fallbacks == {"b:1": 1}  # counted at the instance whose events stopped
     assert decision.matched and decision.unit == "tokens"  # the approximate index learnt where this prompt went

@@ -75,7 +75,7 @@ class PrecisePrefix:
         tokens = None
         block_size = 0
         if reason is None:
-            tokens = request.prompt_ids()
+            tokens = request.token_ids
             # the engines' block size, from their events (none stored anything yet: nothing to match either)
             sizes = {s.index.block_size for s in subs if s.index.block_size}
             if tokens is None:
@@ -103,7 +103,7 @@ class PrecisePrefix:
                 chosen, reason = self.rotation.least(instances, load), "cache_miss"
             decision = Decision(self.name, reason, best * block_size, "tokens", instances,
                                 [m * block_size for m in matched])
-        self.approximate.choose([chosen], request)  # the approximate index learns it too
+        self.approximate.learn(chosen, request.prefix)  # the approximate index learns it too
         return chosen, decision
 
     def _events(self, instances: Sequence[Instance]) -> tuple[str | None, Sequence[Instance], list[Any]]:

@@ -58,9 +58,9 @@ class RequestView:
         self.chat = chat
         self._prefix: PrefixKey | None = None
         self._done = False
-        # the prompt's token ids, set by pdproxy/routing before a policy chooses (from a local tokenizer.json or an
-        # instance's /tokenize); `whole`: they count the whole request (no media part, nothing cut off);
-        # `no_ids`: why there are none, a routing fallback reason (pdproxy.routing.FALLBACK_REASONS)
+        # the prompt's token ids, set by pdproxy/routing before a policy chooses (as given, from a local
+        # tokenizer.json or an instance's /tokenize); `whole`: they count the whole request (no media part,
+        # nothing cut off); `no_ids`: why there are none, a routing fallback reason (routing.FALLBACK_REASONS)
         self.token_ids: list[int] | None = None
         self.whole = False
         self.no_ids = "no_token_ids"
@@ -75,14 +75,6 @@ class RequestView:
                 self._prefix = None  # unhashable or odd parts: not indexed, routed by load
         return self._prefix
 
-    def prompt_ids(self) -> list[int] | None:
-        """The prompt's token ids: as routing found them, else a completion's token-id prompt as given."""
-        if self.token_ids is None and not self.chat:
-            ids = token_id_prompt(self.body)
-            if ids is not None:
-                self.token_ids, self.whole = ids, True
-        return self.token_ids
-
     def header(self, name: str) -> str | None:
         value = self.headers.get(name)
         return value[:MAX_FIELD_CHARS] if isinstance(value, str) and value else None
@@ -92,16 +84,6 @@ class RequestView:
         if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
             return None
         return str(value)[:MAX_FIELD_CHARS]
-
-
-def token_id_prompt(body: Mapping[str, Any]) -> list[int] | None:
-    """A completion's prompt given as token ids (alone or as a batch of one), whole; None for any other."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt[:MAX_KEY_TOKENS]):
-        return prompt
-    return None
 
 
 def _prefix_key(body: Mapping[str, Any], chat: bool) -> PrefixKey | None:

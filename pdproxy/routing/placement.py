@@ -1,14 +1,14 @@
 """Where one request goes: its token ids, decode-only or not, the decode, then the prefill, decided in one place.
 
 `Proxy.forward` asks `Router.place` once and reads the `Placement`; a retried or migrated leg asks `Router` for
-its next instance. The pools (pdproxy/pool.py) keep which instances are in rotation and their policies pick
-among those; selective disaggregation (selective.py) needs the decode chosen first, since what the decode
+its next instance. The pools (pdproxy/pool.py) say which instances are in rotation, their policies
+(pdproxy/policies) pick among those, given the request; selective disaggregation (selective.py) needs the decode chosen first, since what the decode
 already holds decides whether a prefill is worth it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from pdproxy.errors import DECODE, PREFILL
 from pdproxy.policies import Decision, RequestView
@@ -38,11 +38,12 @@ class Router:
     async def place(self, view: RequestView) -> Placement:
         if self.tokens is not None:
             await self.tokens.fill(view)
-        decode, decision = self.decode.pick(view)
+        decode, decision = self.decode.policy.choose(self.decode.candidates(), view)
         verdict = self.selective.decide(view, decode.address) if self.selective is not None else None
-        placement = Placement(decode, None, {DECODE: decision}, verdict)
+        placement = Placement(cast(Instance, decode), None, {DECODE: decision}, verdict)
         if self.prefill is not None and (verdict is None or not verdict.decode_only):
-            placement.prefill, placement.decisions[PREFILL] = self.prefill.pick(view)
+            prefill, placement.decisions[PREFILL] = self.prefill.policy.choose(self.prefill.candidates(), view)
+            placement.prefill = cast(Instance, prefill)
         return placement
 
     def next_prefill(self, exclude: Instance | None = None) -> Instance:

@@ -46,7 +46,7 @@ class SelectiveDisaggregation:
         self.events = events  # pdproxy.kvevents.KVEvents or None
 
     def decide(self, request: RequestView, decode_address: str) -> Verdict:
-        tokens = request.prompt_ids()
+        tokens = request.token_ids
         if tokens is None:
             return Verdict(DISAGGREGATED, "no_token_ids")
         if not request.whole:

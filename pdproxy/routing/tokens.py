@@ -1,7 +1,7 @@
 """A prompt's token ids for routing: given in the request, from a local tokenizer.json, or an instance's /tokenize.
 
-Precise-prefix routing and selective disaggregation both need them. A completion's token-id prompt has them
-(`RequestView.prompt_ids`); a text prompt gets them from `--tokenizer-file` (the served model's tokenizer.json)
+Precise-prefix routing and selective disaggregation both need them, and find them on the request view
+(`RequestView.token_ids`), set here. A completion's token-id prompt has them (`given`); a text prompt gets them from `--tokenizer-file` (the served model's tokenizer.json)
 when one is given; otherwise text and chat go to an instance's own `POST /tokenize`, which applies the served
 model's tokenizer and chat template and answers the ids the engine will hash. A chat asks with every field of
 vLLM's chat tokenize request the client sent (tools, chat template and its arguments, ...), so the count is the
@@ -108,6 +108,24 @@ def _chat_text_size(messages: list[Any]) -> tuple[int, bool]:
     return chars, whole
 
 
+def token_id_prompt(body: Mapping[str, Any]) -> list[int] | None:
+    """A completion's prompt given as token ids (alone or as a batch of one), whole; None for any other."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt[:MAX_KEY_TOKENS]):
+        return prompt
+    return None
+
+
+def given(view: RequestView) -> bool:
+    """Take a completion's token-id prompt as the request's ids; whether it had one."""
+    ids = None if view.chat else token_id_prompt(view.body)
+    if ids is not None:
+        view.token_ids, view.whole = ids, True
+    return ids is not None
+
+
 class LocalTokenizer:
     """Text prompts through the served model's tokenizer.json (`--tokenizer-file`); chat has no template here."""
 
@@ -120,7 +138,7 @@ class LocalTokenizer:
         self.tokenize(view)
 
     def tokenize(self, view: RequestView) -> None:
-        if view.chat or view.prompt_ids() is not None:
+        if given(view) or view.chat:
             return
         prompt = view.body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -158,7 +176,7 @@ class RemoteTokenizer:
 
     async def fill(self, view: RequestView) -> None:
         """Set `view.token_ids` for a text or chat prompt; on failure leave them None and say why (`view.no_ids`)."""
-        if view.prompt_ids() is not None:
+        if given(view):
             return
         ask = tokenize_body(view)
         if ask is None:
