@@ -3,10 +3,11 @@
     client ─► pdproxy ─► prefill instance   (max_tokens=1, stream=false, kv_transfer_params{do_remote_decode})
                      └─► decode instance    (client's body + prefill's kv_transfer_params, streamed back)
 
-Where the request goes (its decode, and its prefill unless there is no prefill pool or it is sent decode-only)
-is `pdproxy/routing/`'s one decision, asked for once. Without prefill instances the request goes straight
-to a decode instance: the single-instance baseline. Every step reports to the request's `RequestTrace`; errors become `ProxyError`s that
-say which stage failed, answered as JSON before the response starts and as an SSE error event after.
+Where the request goes (its decode, and its prefill unless there is no prefill pool or it is sent
+decode-only) is `pdproxy/routing/`'s one decision, asked for once. Without prefill instances the request
+goes straight to a decode instance: the single-instance baseline. Every step reports to the request's
+`RequestTrace`; errors become `ProxyError`s that say which stage failed, answered as JSON before the
+response starts and as an SSE error event after.
 Every request ends in exactly one `trace.fail(...)` (when it failed) and always one `trace.finish()`.
 
 Retries happen only where the client cannot see them: the prefill leg, and the decode leg before

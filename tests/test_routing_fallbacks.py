@@ -8,30 +8,32 @@ names each pool's policy."""
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
+
+import httpx
 
 from procs import HOST, free_port, start_proxy, start_sim
 from real_traces import otlp_spans
 from waits import scaled
 
 
-def call(url: str, body: dict | None = None):
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=scaled(20)) as r:
-        text = r.read().decode()
-        return json.loads(text) if r.headers.get("Content-Type", "").startswith("application/json") else text
+def get(url: str) -> httpx.Response:
+    r = httpx.get(url, timeout=scaled(20))
+    r.raise_for_status()
+    return r
+
+
+def complete(url: str, path: str, body: dict) -> None:
+    httpx.post(url + path, json={"model": "sim-model", "max_tokens": 2, **body}, timeout=scaled(20)).raise_for_status()
 
 
 def fallbacks(url: str) -> dict[str, float]:
     return {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
-            for line in call(url + "/metrics").splitlines() if line.startswith("pdproxy_route_fallbacks_total{")}
+            for line in get(url + "/metrics").text.splitlines() if line.startswith("pdproxy_route_fallbacks_total{")}
 
 
 def status_fallbacks(url: str) -> dict[str, int]:
-    return {i["url"][7:]: i["scores"]["approximate_fallbacks"] for i in call(url + "/status")["instances"]["decode"]}
+    return {i["url"][7:]: i["scores"]["approximate_fallbacks"] for i in get(url + "/status").json()["instances"]["decode"]}
 
 
 def leg_reasons(trace_file, count: int) -> list[str | None]:
@@ -65,7 +67,7 @@ def test_fallbacks_have_a_reason_counted_per_instance(tmp_path):
         proxy, url = start_proxy(*common, "--trace-file", str(trace_file))
         procs.append(proxy)
         for k in range(3):
-            call(url + "/v1/completions", {"model": "sim-model", "max_tokens": 2, "prompt": f"a prompt {k}"})
+            complete(url, "/v1/completions", {"prompt": f"a prompt {k}"})
         expected = {f'reason="events_off",role="decode",server_address="{address}"': 3.0 for address in (a, b)}
         assert fallbacks(url) == expected
         assert status_fallbacks(url) == {a: 3, b: 3}
@@ -81,8 +83,7 @@ def test_fallbacks_have_a_reason_counted_per_instance(tmp_path):
                                  f"tcp://{HOST}:{free_port()}")
         procs.append(proxy)
         for k in range(2):
-            call(url + "/v1/chat/completions", {"model": "sim-model", "max_tokens": 2,
-                                                "messages": [{"role": "user", "content": f"hi {k}"}]})
+            complete(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": f"hi {k}"}]})
         expected = {f'reason="events_not_flowing",role="decode",server_address="{address}"': 2.0 for address in (a, b)}
         assert fallbacks(url) == expected
         assert status_fallbacks(url) == {a: 2, b: 2}

@@ -9,32 +9,18 @@ impossible count is not believed, and every failure is counted per instance."""
 
 from __future__ import annotations
 
-import json
-import sys
 import time
-import urllib.request
-from pathlib import Path
 
-from procs import HOST, Proc, free_port, start_proxy, start_sim
+import httpx
+
+from procs import Proc, start_proxy, start_sim, start_tokenize_backend
 from waits import scaled
-
-BACKEND = str(Path(__file__).with_name("tokenize_backend.py"))
-
-
-def start_backend(upstream: str) -> tuple[Proc, str]:
-    port = free_port()
-    proc = Proc([sys.executable, BACKEND, "--port", str(port), "--upstream", upstream], name="tokenize-backend")
-    url = f"http://{HOST}:{port}"
-    proc.wait_http(url + "/health")
-    return proc, url
 
 
 def call(url: str, body: dict | None = None):
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=scaled(20)) as r:
-        text = r.read().decode()
-        return json.loads(text) if r.headers.get("Content-Type", "").startswith("application/json") else text
+    r = httpx.post(url, json=body, timeout=scaled(20)) if body is not None else httpx.get(url, timeout=scaled(20))
+    r.raise_for_status()
+    return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
 
 
 def complete(url: str, path: str, body: dict) -> None:
@@ -59,7 +45,7 @@ def stack(n_decodes: int, *flags: str) -> tuple[list[Proc], str, str, list[str]]
     for _ in range(n_decodes):
         decode, d_url = start_sim("decode", "--preset", "instant")
         procs.append(decode)
-        backend, b_url = start_backend(d_url)
+        backend, b_url = start_tokenize_backend(d_url)
         procs.append(backend)
         fronts.append(b_url)
     args = ["--prefill", p_url, "--health-check-interval", "0", "--pd-min-prefill-tokens", "64", *flags]

@@ -15,8 +15,9 @@ import argparse
 import asyncio
 import json
 
-import aiohttp
 from aiohttp import web
+
+from no_tokenize_backend import SESSION, passthrough
 
 
 def main() -> None:
@@ -24,17 +25,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--upstream", required=True)
     args = ap.parse_args()
-    state: dict = {"mode": {"mode": "forward"}, "calls": [], "session": None}
-
-    async def forward(request: web.Request) -> web.StreamResponse:
-        async with state["session"].request(request.method, args.upstream + request.path, data=await request.read(),
-                                            headers={"Content-Type": "application/json"}) as up:
-            resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers.get("Content-Type", "")})
-            await resp.prepare(request)
-            async for chunk in up.content.iter_any():
-                await resp.write(chunk)
-            await resp.write_eof()
-            return resp
+    state: dict = {"mode": {"mode": "forward"}, "calls": []}
 
     async def tokenize(request: web.Request) -> web.Response:
         body = await request.json()
@@ -49,12 +40,11 @@ def main() -> None:
             return web.json_response({"count": len(ids), "max_model_len": 1 << 20, "tokens": ids})
         sim = {k: v for k, v in body.items() if k in ("model", "prompt", "messages", "add_special_tokens",
                                                         "add_generation_prompt")}
-        async with state["session"].post(args.upstream + "/tokenize", json=sim) as up:
+        async with request.app[SESSION].post(args.upstream + "/tokenize", json=sim) as up:
             answer = await up.json()
             if up.status != 200:
                 return web.json_response(answer, status=up.status)
-        extra = len(json.dumps(body["tools"])) // 4 if body.get("tools") else 0
-        answer["tokens"] += [7] * extra
+        answer["tokens"] += [7] * (len(json.dumps(body["tools"])) // 4 if body.get("tools") else 0)
         answer["count"] = len(answer["tokens"])
         return web.json_response(answer)
 
@@ -65,23 +55,10 @@ def main() -> None:
     async def journal(request: web.Request) -> web.Response:
         return web.json_response({"calls": state["calls"]})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def start(app: web.Application) -> None:
-        state["session"] = aiohttp.ClientSession()
-
-    async def stop(app: web.Application) -> None:
-        await state["session"].close()
-
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.router.add_route("*", "/v1/{tail:.*}", forward)
+    app = passthrough(args.upstream)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/_tokenize", set_mode)
     app.router.add_get("/_tokenize", journal)
-    app.router.add_get("/health", health)
-    app.on_startup.append(start)
-    app.on_cleanup.append(stop)
     web.run_app(app, host="127.0.0.1", port=args.port, print=None)
 
 

@@ -1,9 +1,10 @@
 """Where one request goes: its token ids, decode-only or not, the decode, then the prefill, decided in one place.
 
-`Proxy.forward` asks `Router.place` once and reads the `Placement`; a retried or migrated leg asks `Router` for
-its next instance. The pools (pdproxy/pool.py) say which instances are in rotation, their policies
-(pdproxy/policies) pick among those, given the request; selective disaggregation (selective.py) needs the decode chosen first, since what the decode
-already holds decides whether a prefill is worth it.
+`Proxy.forward` asks `Router.place` once and reads the `Placement`; a retried or migrated leg asks `Router` for its
+next instance. The pools (pdproxy/pool.py) say which instances are in rotation, their policies (pdproxy/policies)
+pick among those, given the request; selective disaggregation (selective.py) needs the decode chosen first, since
+what the decode already holds decides whether a prefill is worth it.
+
 """
 
 from __future__ import annotations

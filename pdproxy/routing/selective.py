@@ -55,7 +55,8 @@ class SelectiveDisaggregation:
         held = None
         if sub is not None and sub.flowing:
             size = sub.index.block_size
-            held = sub.index.matched_blocks(chain_hashes(tokens, size, limit=MAX_KEY_TOKENS // size)) * size if size else 0
+            keys = chain_hashes(tokens, size, limit=MAX_KEY_TOKENS // size) if size else []
+            held = sub.index.matched_blocks(keys) * size if size else 0
         uncached = len(tokens) - (held or 0)
         if uncached <= self.min_prefill_tokens:
             return Verdict(DECODE_ONLY, "short_uncached", uncached, held)

@@ -1,20 +1,22 @@
 """A prompt's token ids for routing: given in the request, from a local tokenizer.json, or an instance's /tokenize.
 
 Precise-prefix routing and selective disaggregation both need them, and find them on the request view
-(`RequestView.token_ids`), set here. A completion's token-id prompt has them (`given`); a text prompt gets them from `--tokenizer-file` (the served model's tokenizer.json)
-when one is given; otherwise text and chat go to an instance's own `POST /tokenize`, which applies the served
-model's tokenizer and chat template and answers the ids the engine will hash. A chat asks with every field of
-vLLM's chat tokenize request the client sent (tools, chat template and its arguments, ...), so the count is the
-one the engine will compute; parts /tokenize cannot count (media content parts, `documents`) leave the ids
-usable for a prefix match but not for a count (`RequestView.whole` false).
+(`RequestView.token_ids`), set here. A completion's token-id prompt has them (`given`); a text prompt gets them
+from `--tokenizer-file` (the served model's tokenizer.json) when one is given; otherwise text and chat go to an
+instance's own `POST /tokenize`, which applies the served model's tokenizer and chat template and answers the ids
+the engine will hash. A chat asks with every field of vLLM's chat tokenize request the client sent (tools, chat
+template and its arguments, ...), so the count is the one the engine will compute; parts /tokenize cannot count
+(media content parts, `documents`) leave the ids usable for a prefix match but not for a count (`RequestView.whole`
+false).
 
-/tokenize costs one round trip before routing (benchmarks/kv_events.py), within TIMEOUT for all tries of a
-request (at most TRIES instances, each given its share). An instance whose /tokenize times out, cannot be reached or answers 5xx is backed off (1 s, doubling up
-to MAX_BACKOFF while it keeps failing; one request probes it when the back-off ends) and the next one is tried;
-when every instance is backed off, requests route without token ids until one is due again, at no cost. An
-answer whose length cannot be the prompt's (`plausible`) is rejected. Every failure is counted
-(`pdproxy_tokenize_failures_total{server_address, reason}`) and logged when an instance goes into back-off or
-comes back; a failure never fails the request, which then routes by the approximate index, disaggregated.
+/tokenize costs one round trip before routing (benchmarks/kv_events.py), within TIMEOUT for all tries of a request
+(at most TRIES instances, each given an equal share). An instance whose /tokenize times out, cannot be reached or
+answers 5xx is backed off (1 s, doubling up to MAX_BACKOFF while it keeps failing; one request probes it when the
+back-off ends) and the next one is tried; when every instance is backed off, requests route without token ids until
+one is due again, at no cost. An answer whose length cannot be the prompt's (`plausible`) is rejected. Every
+failure is counted (`pdproxy_tokenize_failures_total{server_address, reason}`) and logged when an instance goes
+into back-off or comes back; a failure never fails the request, which then routes by the approximate index,
+disaggregated.
 """
 
 from __future__ import annotations
@@ -184,8 +186,9 @@ class RemoteTokenizer:
         view.no_ids = "tokenize_failed"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
-        for target in self._ready()[:TRIES]:
-            left = min(deadline - loop.time(), self.timeout / TRIES)
+        ready = self._ready()[:TRIES]
+        for target in ready:
+            left = min(deadline - loop.time(), self.timeout / len(ready))
             if left <= 0:
                 return
             if not target.ready(time.monotonic()):

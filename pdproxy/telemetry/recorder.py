@@ -157,6 +157,11 @@ class RequestTrace:
         self._activity: tuple[InstanceRecord, Activity] | None = None  # its KV arrival or prefill (stalls.py)
         self.stall_marks: list[tuple[int, str]] = []  # (monotonic ns inside a gap, its cause), e.g. migration
 
+    @property
+    def prefill_leg(self) -> bool:
+        """A prefill instance computes the prompt (P/D, not sent decode-only): the spans have a leg for it."""
+        return self.pd_mode and not self.decode_only
+
     # -- what the flow reports --------------------------------------------------------------
 
     def leg_headers(self, leg: str) -> dict[str, str]:
@@ -164,7 +169,7 @@ class RequestTrace:
         if self.ids is None:
             return self._client_trace_headers  # tracing off: pass the client's context through untouched
         # without a prefill leg, vLLM's one span covers the prompt too: a child of pd.prefill, as in single mode
-        span_id = self.ids.decode if (leg == DECODE and self.pd_mode and not self.decode_only) else self.ids.prefill
+        span_id = self.ids.decode if (leg == DECODE and self.prefill_leg) else self.ids.prefill
         headers = {"traceparent": self.ids.traceparent(span_id)}
         if self.ids.tracestate:
             headers["tracestate"] = self.ids.tracestate
@@ -217,7 +222,7 @@ class RequestTrace:
     def admitted(self, prefill_address: str | None, decode_address: str) -> None:
         self.t.admitted = now()
         self.prefill_instance, self.decode_instance = prefill_address, decode_address
-        if not self.pd_mode or self.decode_only:  # the decode computes the prompt itself
+        if not self.prefill_leg:  # the decode computes the prompt itself
             self._activity_started("prefill", decode_address, self.t.admitted)
 
     def prefill_sent(self, address: str, tries: int) -> None:
@@ -251,7 +256,7 @@ class RequestTrace:
         self.decode_attempts += 1
         if self._counts_attempts:
             self.recorder.metrics.attempts.attempt(DECODE, address)
-        if self.pd_mode and not self.decode_only:
+        if self.prefill_leg:
             self._activity_started("kv_arrival", address, self.t.prefill_done or self.t.decode_sent)
 
     def decode_headers(self, status: int) -> None:
@@ -437,14 +442,14 @@ class RequestTrace:
                  self._root_fields(m, error is not None), status_tail(error, ids.parent_remote))
         context = context_fields(ids.tracestate, ids.root)  # every stage span's: a child of the root
         bounds = m.bounds
-        if self.pd_mode and not self.decode_only and t.decode_sent is not None and DECODE not in bounds:
+        if self.prefill_leg and t.decode_sent is not None and DECODE not in bounds:
             bounds = {**bounds, DECODE: (end, end)}  # the decode leg was sent: keep vLLM's span's parent in the trace
         for stage, (start, stop) in bounds.items():
             span_id, leg = None, None
             if stage == PREFILL:
-                span_id, leg = ids.prefill, PREFILL if self.pd_mode and not self.decode_only else DECODE
+                span_id, leg = ids.prefill, PREFILL if self.prefill_leg else DECODE
             elif stage == DECODE:
-                span_id, leg = ids.decode if self.pd_mode and not self.decode_only else None, DECODE
+                span_id, leg = ids.decode if self.prefill_leg else None, DECODE
             decision = self.routes.get(leg) if leg is not None else None
             measured = self._stage_measurements(stage, m, decision)
             events: list[tuple[int, str, dict[str, Any]]] | None = None
@@ -563,7 +568,7 @@ class RequestTrace:
         attempts: int | None
         if stage == PREFILL:
             address, status, attempts = self.prefill_instance, self.prefill_status, max(self.prefill_attempts, 1)
-            if not self.pd_mode or self.decode_only:  # the decode computed the prompt: its leg, no prefill attempts
+            if not self.prefill_leg:  # the decode computed the prompt: its leg, no prefill attempts
                 address, status, attempts = self.decode_instance, self.decode_status, None
         elif stage == DECODE:
             address, status, attempts = self.decode_instance, self.decode_status, self.decode_attempts
