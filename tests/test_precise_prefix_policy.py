@@ -99,3 +99,32 @@ def test_text_prompts_through_a_local_tokenizer_file(tmp_path):
     chosen, decision = policy.choose([Inst("a:1"), Inst("b:1")], view)
     assert chosen.address == "b:1" and decision.reason == "prefix_match" and decision.matched == 96
     assert chain_hashes(tok.encode(text).ids, 16)[:6] == chain_hashes(tok.encode(text + " w7").ids, 16)[:6]
+
+
+def test_each_fallback_says_why_and_where_it_is_counted():
+    a, b = Inst("a:1"), Inst("b:1")
+    policy = policies.create("precise_prefix")
+    prompt = list(range(1, 100))
+    # no events at all, then one candidate without a stream: counted at the candidates concerned
+    assert policy.choose([a, b], ids(prompt))[1].fallback_at == ["a:1", "b:1"]
+    events = Events(["a:1"])
+    policy.use_events(events)
+    decision = policy.choose([a, b], ids(prompt))[1]
+    assert (decision.fallback, decision.fallback_at) == ("events_off", ["b:1"])
+    # both flowing, nothing stored yet: no block size to cut the prompt with
+    events.subs["b:1"] = Sub()
+    decision = policy.choose([a, b], ids(prompt))[1]
+    assert (decision.fallback, decision.fallback_at) == ("no_block_stored", ["a:1", "b:1"])
+    store(events.subs["a:1"], prompt[:32])
+    events.subs["b:1"].index.apply(BlockStored([9], None, prompt[:32], 32))  # another engine block size
+    assert policy.choose([a, b], ids(prompt))[1].fallback == "block_size_mismatch"
+    # the request's own: its /tokenize failed; counted at the instance chosen
+    events.subs["b:1"] = Sub()
+    text = RequestView({"prompt": "some text"})
+    text.no_ids = "tokenize_failed"
+    chosen, decision = policy.choose([a, b], text)
+    assert (decision.fallback, decision.fallback_at) == ("tokenize_failed", [chosen.address])
+    assert policy.choose([a, b], ids(prompt))[1].fallback is None  # precise again
+    expected = {"a:1": 3, "b:1": 4}  # a: no events, nothing stored, mismatch; b: also without a stream
+    expected[chosen.address] += 1
+    assert policy.fallbacks == expected
