@@ -37,7 +37,7 @@ from pdproxy.errors import CLIENT_CLOSED, DECODE, PREFILL, ProxyError, UpstreamR
 from pdproxy.intake import Intake
 from pdproxy.legs import Deadline, Failure, kv_params, retry, status_failure, transport_failure
 from pdproxy.migration import (BEFORE_FIRST_TOKEN, MID_STREAM, Attempt, Budget, Continuation, Handoff, TokenTap,
-                               MIGRATABLE, first_token_timeout, read_head, read_whole)
+                               MIGRATABLE, arm, first_token_timeout, read_head, read_whole)
 from pdproxy.policies import RequestView
 from pdproxy.pool import Instance
 from pdproxy.protocol import COMPLETIONS, Route, decode_payload, new_uuid4, prefill_body, request_id
@@ -127,7 +127,8 @@ class Proxy:
                 with decode_instance.reserved():
                     kv = await self._prefill(body, route, trace, prefill_instance, headers)
             budget = Budget.start(self.settings.decode_retries, self.settings.decode_deadline)
-            continuation, tap = self._arm(body, route, trace)
+            continuation, tap, trace.migration_refusal = (arm(body, route.chat) if self.settings.migrate_mid_stream
+                                                          else (None, None, None))
             if tap is not None:
                 body, raw = {**body, "return_token_ids": True}, None  # the ids a continuation needs
             attempt = await self._decode(body, raw, Handoff(kv, prefill_instance), route, trace, decode_instance,
@@ -274,16 +275,6 @@ class Proxy:
         """Fresh KV coordinates for the next decode: the prefill again, on another instance where there is one."""
         instance = self.router.next_prefill(exclude=spent.prefill)
         return Handoff(await self._prefill(body, route, trace, instance, headers, rerun=True), instance)
-
-    def _arm(self, body: dict[str, Any], route: Route,
-             trace: RequestTrace) -> tuple[Continuation | None, TokenTap | None]:
-        """With --migrate-mid-stream, a stream that can be continued exactly elsewhere gets its token ids
-        read as it goes; any other says why not (on its trace), and stays a plain relay."""
-        if not self.settings.migrate_mid_stream or not body.get("stream"):
-            return None, None
-        continuation = Continuation(body, route.chat)
-        trace.migration_refusal = continuation.refusal()
-        return (None, None) if trace.migration_refusal else (continuation, continuation.tap())
 
     async def _migrate(self, continuation: Continuation | None, broken: Attempt, failure: ProxyError,
                        trace: RequestTrace, headers: dict[str, str], budget: Budget) -> Attempt:

@@ -23,7 +23,7 @@ The rules (docs/protocol.md, "Retries and migration", says what a client may obs
 from pdproxy.migration.attempts import (BEFORE_FIRST_TOKEN, MAX_HEAD_BYTES, MAX_HEAD_EVENTS, MID_STREAM, MIGRATABLE,
                                         Attempt, Budget, Handoff, first_token_timeout, read_head,
                                         read_whole)
-from pdproxy.migration.continuation import Continuation, TokenTap
+from pdproxy.migration.continuation import Continuation, TokenTap, arm
 
 __all__ = ["BEFORE_FIRST_TOKEN", "MAX_HEAD_BYTES", "MAX_HEAD_EVENTS", "MID_STREAM", "MIGRATABLE", "Attempt", "Budget",
-           "Continuation", "Handoff", "TokenTap", "first_token_timeout", "read_head", "read_whole"]
+           "Continuation", "Handoff", "TokenTap", "arm", "first_token_timeout", "read_head", "read_whole"]
