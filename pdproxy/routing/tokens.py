@@ -94,20 +94,24 @@ def tokenize_body(view: RequestView) -> Ask | None:
 
 
 def _chat_text_size(messages: list[Any]) -> tuple[int, bool]:
-    """The characters of the messages' text, and whether text is all they hold (no image, audio, file parts)."""
-    chars, whole = 0, len(messages) <= MAX_KEY_PARTS
-    for message in messages[:MAX_KEY_PARTS]:
+    """The characters of the messages' text, and whether text is all they hold (no image, audio, file parts); at
+    most MAX_KEY_PARTS messages and parts are looked at (a chat of more is not counted whole)."""
+    chars, visited = 0, 0
+    for message in messages:
+        visited += 1
         content = message.get("content") if isinstance(message, Mapping) else None
         if isinstance(content, str):
             chars += len(content)
         elif isinstance(content, list):
-            for part in content[:MAX_KEY_PARTS]:
+            for part in content:
+                visited += 1
                 text = part.get("text") if isinstance(part, Mapping) else None
-                if isinstance(text, str) and part.get("type", "text") == "text":
-                    chars += len(text)
-                else:
-                    whole = False  # a media part: /tokenize does not count what the engine makes of it
-    return chars, whole
+                if not isinstance(text, str) or part.get("type", "text") != "text" or visited > MAX_KEY_PARTS:
+                    return chars, False  # a media part: /tokenize does not count what the engine makes of it
+                chars += len(text)
+        if visited > MAX_KEY_PARTS:
+            return chars, False
+    return chars, True
 
 
 def token_id_prompt(body: Mapping[str, Any]) -> list[int] | None:
