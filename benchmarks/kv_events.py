@@ -39,6 +39,7 @@ from pdproxy import policies  # noqa: E402
 from pdproxy.kvevents import BlockIndex, BlockStored  # noqa: E402
 from pdproxy.kvevents.subscriber import KVEvents, Source  # noqa: E402
 from pdproxy.policies.request import RequestView  # noqa: E402
+from pdproxy.routing.tokens import LocalTokenizer, given  # noqa: E402
 
 INSTANCES = 16
 PUBLISHER = r"""
@@ -166,7 +167,8 @@ def measure_decisions(n: int, rounds: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         path, text = tokenizer_file(Path(d))
         instances = [Inst(k) for k in range(INSTANCES)]
-        precise = policies.create("precise_prefix", {"tokenizer_file": str(path)})
+        precise = policies.create("precise_prefix")
+        local = LocalTokenizer(str(path))
         events = Events(instances)
         precise.use_events(events)
         from tokenizers import Tokenizer
@@ -187,7 +189,10 @@ def measure_decisions(n: int, rounds: int) -> dict:
                 times = []
                 for _ in range(n):
                     start = time.perf_counter()
-                    chosen, decision = policy.choose(instances, RequestView(body))
+                    view = RequestView(body)
+                    if policy is precise:  # what the router does before the policy chooses
+                        given(view) or local.tokenize(view)
+                    chosen, decision = policy.choose(instances, view)
                     times.append(time.perf_counter() - start)
                 assert label == "text, cache_aware" or decision.reason == "prefix_match", decision
                 found = percentiles(times)
@@ -201,19 +206,19 @@ async def measure_remote_tokenize(n: int, text_words: int = 620) -> tuple[float,
     loopback; the simulator's tokenizer is pure Python, vLLM's a Rust one), and the ids' count."""
     import aiohttp
 
-    from pdproxy.kvevents.tokenize import RemoteTokenizer
+    from pdproxy.routing.tokens import RemoteTokenizer
 
     with harness.Procs() as procs:
         url = procs.pdproxy("sim", "--role", "single", "--preset", "instant", cwd=str(ROOT)).url
         rng = random.Random(5)
         text = " ".join(f"word{rng.randrange(50000)}" for _ in range(text_words))
         async with aiohttp.ClientSession() as session:
-            tokenizer = RemoteTokenizer(session, [url], {}, timeout=5.0)
+            tokenizer = RemoteTokenizer(session, [(url, url.removeprefix("http://"))], {}, timeout=5.0)
             times, count = [], 0
             for _ in range(n):
                 view = RequestView({"model": "sim-model", "prompt": text})
                 start = time.perf_counter()
-                await tokenizer.prepare(view)
+                await tokenizer.fill(view)
                 times.append(time.perf_counter() - start)
                 count = len(view.token_ids or [])
         p50, p99 = percentiles(times)

@@ -46,8 +46,11 @@ MODULES = (
     "pdproxy.policies.load_aware",
     "pdproxy.policies.precise_prefix",
     "pdproxy.migration.continuation",
-    # the request flow, its legs' retries and the decode's first token
+    # the request flow, its intake and routing, its legs' retries and the decode's first token
     "pdproxy.pd",
+    "pdproxy.intake",
+    "pdproxy.routing.placement",
+    "pdproxy.blocks",
     "pdproxy.legs",
     "pdproxy.migration.attempts",
     # the server of the inference routes

@@ -3,9 +3,11 @@
     client ─► pdproxy ─► prefill instance   (max_tokens=1, stream=false, kv_transfer_params{do_remote_decode})
                      └─► decode instance    (client's body + prefill's kv_transfer_params, streamed back)
 
-Without prefill instances the request goes straight to a decode instance: the single-instance
-baseline. Every step reports to the request's `RequestTrace`; errors become `ProxyError`s that
-say which stage failed, answered as JSON before the response starts and as an SSE error event after.
+Where the request goes (its decode, and its prefill unless there is no prefill pool or it is sent
+decode-only) is `pdproxy/routing/`'s one decision, asked for once. Without prefill instances the request
+goes straight to a decode instance: the single-instance baseline. Every step reports to the request's
+`RequestTrace`; errors become `ProxyError`s that say which stage failed, answered as JSON before the
+response starts and as an SSE error event after.
 Every request ends in exactly one `trace.fail(...)` (when it failed) and always one `trace.finish()`.
 
 Retries happen only where the client cannot see them: the prefill leg, and the decode leg before
@@ -22,65 +24,51 @@ pays for none of that: every coroutine on this path is resumed at each wake-up o
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
-import re
-from collections.abc import Mapping
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
 from pdproxy import jsonio
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
-from pdproxy.errors import CLIENT_CLOSED, DECODE, PREFILL, ProxyError, UpstreamResponse, bad_request, too_large
+from pdproxy.errors import CLIENT_CLOSED, DECODE, PREFILL, ProxyError, UpstreamResponse
+from pdproxy.intake import Intake
 from pdproxy.legs import Deadline, Failure, kv_params, retry, status_failure, transport_failure
 from pdproxy.migration import (BEFORE_FIRST_TOKEN, MID_STREAM, Attempt, Budget, Continuation, Handoff, TokenTap,
-                               MIGRATABLE, first_token_timeout, read_head)
+                               MIGRATABLE, arm, first_token_timeout, read_head, read_whole)
 from pdproxy.policies import RequestView
-from pdproxy.pool import Instance, Pool
-from pdproxy.protocol import (COMPLETIONS, Route, check_body_encoding, decode_payload, new_uuid4, parse_body,
-                              prefill_body, request_id, valid_traceparent, validate)
+from pdproxy.pool import Instance
+from pdproxy.protocol import COMPLETIONS, Route, decode_payload, new_uuid4, prefill_body, request_id
+from pdproxy.routing import Router
 from pdproxy.serving.exchange import Exchange
 from pdproxy.stream import ClientGone, ResponseScan, SlowReaders, WholeEventWriter, relay
 from pdproxy.telemetry import Recorder, RequestTrace
-from pdproxy.telemetry.clock import now
-from pdproxy.upstream import Response, UpstreamClient, UpstreamError
-
-if TYPE_CHECKING:
-    from pdproxy.kvevents.selective import SelectiveDisaggregation
-    from pdproxy.kvevents.tokenize import RemoteTokenizer
+from pdproxy.upstream import UpstreamClient, UpstreamError
 
 log = logging.getLogger("pdproxy.pd")
-_DP_RANK = re.compile(r"\d{1,6}")
 
 
 class Proxy:
-    """What every request needs: settings, pools, the legs' pooled client, admission and the recorder.
-
-    `session` (aiohttp) serves the rest: /v1/models and health checks."""
+    """What every request needs: settings, the router and its pools, the legs' pooled client, admission and the
+    recorder. `session` (aiohttp) serves the rest: /v1/models and health checks."""
 
     def __init__(self, settings: Settings, session: aiohttp.ClientSession, upstream: UpstreamClient,
-                 prefill: Pool | None, decode: Pool, admission: Admission, recorder: Recorder,
-                 shadow: Any = None) -> None:
+                 router: Router, admission: Admission, recorder: Recorder, shadow: Any = None) -> None:
         self.settings = settings
         self.session = session
         self.upstream = upstream
-        self.prefill = prefill if prefill and len(prefill) else None
-        self.decode = decode
+        self.router = router
+        self.prefill, self.decode = router.prefill, router.decode
         self.admission = admission
         self.recorder = recorder
+        self.intake = Intake(settings, admission, recorder)
         self.shadow = shadow  # pdproxy.shadow.Shadow (which imports this module) when --shadow-url
-        self.selective: SelectiveDisaggregation | None = None  # when --pd-min-prefill-tokens
-        self.tokens: RemoteTokenizer | None = None  # text prompts' ids for routing by events
         self.slow_readers = SlowReaders(settings.write_timeout)  # started by the server for client traffic
         self._too_slow = f"client left streamed data unread for {settings.write_timeout:g}s"
         self.timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout,
                                              sock_connect=settings.connect_timeout, sock_read=settings.read_timeout)
-        # compared as digests: equal lengths, so the comparison time says nothing about the key
-        self._key_digest = hashlib.sha256(f"Bearer {settings.api_key}".encode()).digest() if settings.api_key else None
 
     async def handle(self, client: Exchange, route: Route) -> None:
         """Serve one client request: check it, mirror it if asked, forward it, answer."""
@@ -90,16 +78,16 @@ class Proxy:
         except ProxyError as err:
             rid, id_error = new_uuid4(), err
         trace = self.recorder.begin(route=route.name, operation=route.operation, chat=route.chat,
-                                    headers=self._trace_context(headers), request_id=rid,
+                                    headers=self.intake.trace_context(headers), request_id=rid,
                                     pd_mode=self.prefill is not None)
         reply_headers = {"X-Request-Id": rid}
         try:
             if id_error:
                 raise id_error
-            self.check_head(headers, client.content_length)
-            body, raw = await self._read_body(client, route)
+            self.intake.check_head(headers, client.content_length)
+            body, raw = await self.intake.read_body(client, route)
             trace.set_request(body)
-            leg_headers = self._leg_headers(headers, trace)
+            leg_headers = self.intake.leg_headers(headers, trace)
             if self.shadow is not None:
                 self.shadow.mirror(body, route, trace, leg_headers)
             view = RequestView(body, headers, route.chat)
@@ -131,24 +119,16 @@ class Proxy:
         """
         view = view or RequestView(body, None, route.chat)
         with self.admission.take() or await self.admission.queue():  # no coroutine unless it queues
-            prefill_instance: Instance | None = None
-            if self.tokens is not None:
-                await self.tokens.prepare(view)
-            decode_instance, decode_decision = self.decode.pick(view)
-            verdict = self.selective.decide(view, decode_instance.address) if self.prefill and self.selective else None
-            if verdict is not None:
-                trace.disaggregation(verdict)
-            if self.prefill and (verdict is None or not verdict.decode_only):
-                prefill_instance, decision = self.prefill.pick(view)
-                trace.routed(PREFILL, decision)
-            trace.routed(DECODE, decode_decision)
-            trace.admitted(prefill_instance.address if prefill_instance else None, decode_instance.address)
+            placement = await self.router.place(view)
+            trace.placed(placement)
+            prefill_instance, decode_instance = placement.prefill, placement.decode
             kv: dict[str, Any] | None = None
             if prefill_instance is not None:
                 with decode_instance.reserved():
                     kv = await self._prefill(body, route, trace, prefill_instance, headers)
             budget = Budget.start(self.settings.decode_retries, self.settings.decode_deadline)
-            continuation, tap = self._arm(body, route, trace)
+            continuation, tap, trace.migration_refusal = (arm(body, route.chat) if self.settings.migrate_mid_stream
+                                                          else (None, None, None))
             if tap is not None:
                 body, raw = {**body, "return_token_ids": True}, None  # the ids a continuation needs
             attempt = await self._decode(body, raw, Handoff(kv, prefill_instance), route, trace, decode_instance,
@@ -169,7 +149,7 @@ class Proxy:
                        headers: dict[str, str], rerun: bool = False) -> dict[str, Any] | None:
         """Run the prefill leg (retried elsewhere: nothing of it reaches the client); return its KV coordinates.
         `rerun`: fresh coordinates for a migrated decode (the request's first prefill keeps its span)."""
-        pool = self.prefill
+        pool = self.router.prefill
         assert pool is not None
         payload = jsonio.dumps(prefill_body(body))
         headers = {**headers, **trace.leg_headers(PREFILL)}
@@ -274,7 +254,7 @@ class Proxy:
                 return status_failure(DECODE, inst, upstream.status, upstream.headers, answer, kv_sent=kv is not None)
             streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
             try:
-                head = await (read_head(upstream, trace.scan, tap) if streamed else self._whole(upstream, trace))
+                head = await (read_head(upstream, trace.scan, tap) if streamed else read_whole(upstream, trace.scan))
             except ProxyError as err:
                 upstream.close()  # vLLM aborts the request and frees its KV
                 return Failure(err, charged=err.error_type != "timeout")  # silence: as transport_failure says
@@ -293,19 +273,8 @@ class Proxy:
     async def _reprefill(self, body: dict[str, Any], route: Route, trace: RequestTrace, spent: Handoff,
                          headers: dict[str, str]) -> Handoff:
         """Fresh KV coordinates for the next decode: the prefill again, on another instance where there is one."""
-        assert self.prefill is not None
-        instance = self.prefill.choose(exclude=spent.prefill)
+        instance = self.router.next_prefill(exclude=spent.prefill)
         return Handoff(await self._prefill(body, route, trace, instance, headers, rerun=True), instance)
-
-    def _arm(self, body: dict[str, Any], route: Route,
-             trace: RequestTrace) -> tuple[Continuation | None, TokenTap | None]:
-        """With --migrate-mid-stream, a stream that can be continued exactly elsewhere gets its token ids
-        read as it goes; any other says why not (on its trace), and stays a plain relay."""
-        if not self.settings.migrate_mid_stream or not body.get("stream"):
-            return None, None
-        continuation = Continuation(body, route.chat)
-        trace.migration_refusal = continuation.refusal()
-        return (None, None) if trace.migration_refusal else (continuation, continuation.tap())
 
     async def _migrate(self, continuation: Continuation | None, broken: Attempt, failure: ProxyError,
                        trace: RequestTrace, headers: dict[str, str], budget: Budget) -> Attempt:
@@ -325,28 +294,12 @@ class Proxy:
         try:
             handoff = Handoff(None, None)
             if self.prefill:  # the prompt and the tokens delivered, prefilled anew
-                prefill = self.prefill.choose()
+                prefill = self.router.next_prefill()
                 handoff = Handoff(await self._prefill(body, COMPLETIONS, trace, prefill, headers, rerun=True), prefill)
-            instance = self.decode.choose(exclude=broken.instance)
+            instance = self.router.next_decode(exclude=broken.instance)
             return await self._decode(body, None, handoff, COMPLETIONS, trace, instance, headers, budget, tap)
         except UpstreamResponse as answer:
             raise answer.in_stream() from None
-
-    async def _whole(self, upstream: Response, trace: RequestTrace) -> bytes:
-        """An unstreamed answer, read whole and checked before the client gets any of it."""
-        try:
-            raw = await upstream.read()
-        except TimeoutError:
-            raise ProxyError(504, "decode instance timed out sending its response", error_type="timeout",
-                             stage=DECODE) from None
-        except UpstreamError as exc:
-            raise ProxyError(502, f"decode instance broke its response ({type(exc).__name__})",
-                             error_type="stream_broken", stage=DECODE) from None
-        trace.scan.feed_whole(raw, now())
-        if trace.scan.malformed:
-            raise ProxyError(502, "decode instance sent a response that is not valid JSON",
-                             error_type="invalid_response", stage=DECODE)
-        return raw
 
     async def _respond(self, client: Exchange, attempt: Attempt, trace: RequestTrace,
                        reply_headers: dict[str, str], continuation: Continuation | None, headers: dict[str, str],
@@ -385,57 +338,3 @@ class Proxy:
                 self.slow_readers.writers.discard(writer)
         finally:
             attempt.close()
-
-    # -- helpers ----------------------------------------------------------------------------
-
-    def check_head(self, headers: Mapping[str, str], content_length: int | None) -> None:
-        """Everything decided from the request head, before a byte of the body is read or invited
-        (`100 Continue`, pdproxy/server.py): its encoding, the API key, capacity, the declared size."""
-        check_body_encoding(headers)
-        self.authenticate(headers)
-        self.admission.check()  # saturated: refuse before spending anything on the body
-        limit = self.settings.max_body_bytes
-        if content_length is not None and content_length > limit:
-            raise too_large(limit)  # said so up front: not one byte of it is read
-
-    def _trace_context(self, headers: Mapping[str, str]) -> Any:
-        """The headers the request's trace continues from: none when `traceparent` is invalid (W3C
-        Trace Context: ignore it and start a new trace), which is counted."""
-        if valid_traceparent(headers):
-            return headers
-        self.recorder.metrics.invalid_traceparent.inc()
-        return {}
-
-    def authenticate(self, headers: Mapping[str, str]) -> None:
-        """Check the client's API key (when --api-key is set); also guards the debug endpoint."""
-        if self._key_digest is None:
-            return
-        given = headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(hashlib.sha256(given).digest(), self._key_digest):
-            raise ProxyError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                             error_type="unauthorized")
-
-    async def _read_body(self, client: Exchange, route: Route) -> tuple[dict[str, Any], bytes | None]:
-        """The body as a checked JSON object, read within --body-timeout and --max-body-bytes; and its
-        bytes when the decode leg may get them as they are."""
-        raw = await client.read_body(self.settings.max_body_bytes, self.settings.body_timeout)
-        if not raw.strip():
-            raise bad_request("request body is empty; send a JSON object")
-        body, forward = parse_body(raw)
-        return validate(body, route, self.settings.client_kv_params), forward
-
-    def _leg_headers(self, client_headers: Mapping[str, str], trace: RequestTrace) -> dict[str, str]:
-        """Headers both legs share. Authorization: the configured upstream key if any, else the
-        client's own header, unless the client authenticated to pdproxy itself (never forwarded)."""
-        headers = {"Content-Type": "application/json", "X-Request-Id": trace.request_id}
-        if self.settings.upstream_api_key:
-            headers["Authorization"] = f"Bearer {self.settings.upstream_api_key}"
-        elif not self.settings.api_key and "Authorization" in client_headers:
-            headers["Authorization"] = client_headers["Authorization"]
-        rank = client_headers.get("X-data-parallel-rank")
-        if rank is not None:
-            if not _DP_RANK.fullmatch(rank.strip()):
-                raise bad_request("X-data-parallel-rank must be a non-negative integer", param="X-data-parallel-rank")
-            headers["X-data-parallel-rank"] = rank.strip()
-        return headers
-

@@ -111,6 +111,14 @@ class Pool:
 
     def pick(self, request: RequestView | None, exclude: Instance | None = None) -> tuple[Instance, Decision]:
         """Pick an instance in rotation for `request` (None: nothing known of it) and say why."""
+        instance, decision = self.policy.choose(self.candidates(exclude), request)
+        if exclude is not None:
+            decision.reason = REASON_RETRY
+        return cast(Instance, instance), decision  # one of the candidates
+
+    def candidates(self, exclude: Instance | None = None) -> list[Instance]:
+        """The instances a policy may choose from: those in rotation, else (panic routing) those that pass their
+        health check; `exclude` only when nothing else is left."""
         now = time.monotonic()
         others = [i for i in self.instances if i is not exclude]
         candidates = [i for i in others if i.available(now)]
@@ -121,10 +129,7 @@ class Pool:
         if not candidates:
             raise ProxyError(503, f"no healthy {self.role} instance available (all fail their health checks)",
                              error_type="no_healthy_instance", stage=self.role, retry_after=1)
-        instance, decision = self.policy.choose(candidates, request)
-        if exclude is not None:
-            decision.reason = REASON_RETRY
-        return cast(Instance, instance), decision  # one of `candidates`
+        return candidates
 
     def start(self, session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
         """Start what the policy runs in the background (load_aware's engine readings)."""

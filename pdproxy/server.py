@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from pdproxy import __version__, compiled, kvevents, policies, workers
+from pdproxy import __version__, compiled, kvevents, policies, routing, workers
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
 from pdproxy.errors import ProxyError, error_body
@@ -79,36 +79,27 @@ async def _lifecycle(app: web.Application, settings: Settings):
     recorder.metrics.watch_engine_reads(
         lambda: [(p.role, i.address, p.policy.failures.get(i.url, 0)) for p in pools
                  if hasattr(p.policy, "failures") for i in p.instances])
+    auth = {"Authorization": f"Bearer {settings.upstream_api_key}"} if settings.upstream_api_key else {}
+    kv_events = app[KV_EVENTS_KEY] = kvevents.start(settings, recorder.metrics.registry, pools, recorder.stalls,
+                                                    [i.address for i in decode.instances])
+    router = routing.build(settings, session, prefill, decode, kv_events, recorder.metrics, auth)
     shadow = None
     if settings.shadow_url:
         from pdproxy.shadow import Shadow
 
         shadow = Shadow(settings, session, upstream, recorder)
-    proxy = app[PROXY_KEY] = Proxy(settings, session, upstream, prefill, decode, admission, recorder, shadow)
+    proxy = app[PROXY_KEY] = Proxy(settings, session, upstream, router, admission, recorder, shadow)
     proxy.slow_readers.start()
     lag = app[LOOP_LAG_KEY] = LoopLag()
     if settings.debug_endpoints:
         lag.start()
     checker = None
-    auth = {"Authorization": f"Bearer {settings.upstream_api_key}"} if settings.upstream_api_key else {}
     if settings.health_check_interval > 0:
         checker = HealthChecker(pools, session, settings.health_check_path, settings.health_check_interval,
                                 settings.health_check_timeout, auth)
         checker.start()
     for pool in pools:
         pool.start(session, auth)  # load_aware reads the engines' /metrics
-    kv_events = app[KV_EVENTS_KEY] = kvevents.start(settings, recorder.metrics.registry, pools, recorder.stalls,
-                                                    [i.address for i in decode.instances])
-    selective = settings.pd_min_prefill_tokens > 0 and prefill is not None
-    if selective:
-        from pdproxy.kvevents.selective import SelectiveDisaggregation
-
-        proxy.selective = SelectiveDisaggregation(settings.pd_min_prefill_tokens, kv_events, settings.tokenizer_file)
-    precise = "precise_prefix" in (settings.prefill_policy, settings.decode_policy) and kv_events is not None
-    if (selective or precise) and not settings.tokenizer_file:  # text and chat through the served model's own
-        from pdproxy.kvevents.tokenize import RemoteTokenizer
-
-        proxy.tokens = RemoteTokenizer(session, [i.url for i in decode.instances], auth)
     # the model names that may label telemetry: what the instances serve (pdproxy/telemetry/models.py)
     learning = asyncio.create_task(recorder.models.watch(
         session, [i.url for p in pools for i in p.instances], auth, settings.health_check_interval,
@@ -147,7 +138,7 @@ def _inference(route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     return handler
 
 
-_TRACED_HANDLERS: set[Callable] = set()  # they check the request head themselves (Proxy.check_head), traced
+_TRACED_HANDLERS: set[Callable] = set()  # they check the request head themselves (Intake.check_head), traced
 INFERENCE_ROUTES = {COMPLETIONS.path.encode(): COMPLETIONS, CHAT.path.encode(): CHAT}
 
 
@@ -158,7 +149,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     if request.headers.get("Expect", "").lower() != "100-continue":
         return web.json_response(error_body("only 'Expect: 100-continue' is understood", 417), status=417)
     try:
-        request.app[PROXY_KEY].check_head(request.headers, request.content_length)
+        request.app[PROXY_KEY].intake.check_head(request.headers, request.content_length)
     except ProxyError:
         return None
     if request.version >= aiohttp.HttpVersion11:
@@ -239,7 +230,7 @@ async def models(request: web.Request) -> web.Response:
     """Forwarded to a decode instance, so clients see the served model names."""
     proxy = request.app[PROXY_KEY]
     try:
-        proxy.authenticate(request.headers)  # as vLLM guards all of /v1 with its --api-key
+        proxy.intake.authenticate(request.headers)  # as vLLM guards all of /v1 with its --api-key
         instance = proxy.decode.choose()
         headers = {}
         if proxy.settings.upstream_api_key:
@@ -274,7 +265,7 @@ async def tokenizer(request: web.Request) -> web.Response:
     address = None
     admitted = False
     try:
-        proxy.check_head(request.headers, request.content_length)  # encoding, API key, capacity, declared size
+        proxy.intake.check_head(request.headers, request.content_length)  # encoding, API key, capacity, declared size
         try:
             async with asyncio.timeout(proxy.settings.body_timeout):
                 raw = await request.read()
@@ -314,7 +305,7 @@ async def debug_runtime(request: web.Request) -> web.Response:
 
     proxy = request.app[PROXY_KEY]
     try:
-        proxy.authenticate(request.headers)
+        proxy.intake.authenticate(request.headers)
     except ProxyError as err:
         return err.response()
     return web.json_response({**snapshot(proxy), "loop_lag_max_seconds": request.app[LOOP_LAG_KEY].take()})

@@ -22,6 +22,7 @@ from pdproxy.errors import ProxyError, UpstreamResponse
 from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, Pool
 from pdproxy.protocol import Route
+from pdproxy.routing import Router
 from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.upstream import UpstreamClient
 
@@ -33,7 +34,7 @@ class Shadow:
                  recorder: Recorder) -> None:
         prefill = Pool(PREFILL, settings.shadow_prefill_urls) if settings.shadow_prefill_urls else None
         decode = Pool(DECODE, [settings.shadow_url])
-        self.proxy = Proxy(settings, session, upstream, prefill, decode, Admission(0, 0, 1.0), recorder)
+        self.proxy = Proxy(settings, session, upstream, Router(prefill, decode), Admission(0, 0, 1.0), recorder)
         self.rate = settings.shadow_sample_rate
         self.limit = settings.shadow_max_inflight
         self.timeout = settings.shadow_timeout

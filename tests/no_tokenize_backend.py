@@ -8,18 +8,15 @@ import argparse
 import aiohttp
 from aiohttp import web
 
+SESSION = web.AppKey("session", aiohttp.ClientSession)
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--upstream", required=True)
-    args = ap.parse_args()
-    session: aiohttp.ClientSession | None = None
+
+def passthrough(upstream: str) -> web.Application:
+    """The app: /v1/* passed to `upstream` as it is, /health; `app[SESSION]` is its client (for added routes)."""
 
     async def forward(request: web.Request) -> web.StreamResponse:
-        assert session is not None
-        async with session.request(request.method, args.upstream + request.path, data=await request.read(),
-                                   headers={"Content-Type": "application/json"}) as up:
+        async with request.app[SESSION].request(request.method, upstream + request.path, data=await request.read(),
+                                                headers={"Content-Type": "application/json"}) as up:
             resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers.get("Content-Type", "")})
             await resp.prepare(request)
             async for chunk in up.content.iter_any():
@@ -30,20 +27,24 @@ def main() -> None:
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    async def start(app: web.Application) -> None:
-        nonlocal session
-        session = aiohttp.ClientSession()
+    async def session(app: web.Application):
+        app[SESSION] = aiohttp.ClientSession()
+        yield
+        await app[SESSION].close()
 
-    async def stop(app: web.Application) -> None:
-        if session is not None:
-            await session.close()
-
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)
     app.router.add_route("*", "/v1/{tail:.*}", forward)
     app.router.add_get("/health", health)
-    app.on_startup.append(start)
-    app.on_cleanup.append(stop)
-    web.run_app(app, host="127.0.0.1", port=args.port, print=None)
+    app.cleanup_ctx.append(session)
+    return app
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--upstream", required=True)
+    args = ap.parse_args()
+    web.run_app(passthrough(args.upstream), host="127.0.0.1", port=args.port, print=None)
 
 
 if __name__ == "__main__":

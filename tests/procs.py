@@ -148,6 +148,16 @@ def start_scripted(role: str, *extra: str, port: int | None = None) -> tuple[Pro
     return proc, url
 
 
+def start_tokenize_backend(upstream: str) -> tuple[Proc, str]:
+    """A passthrough to `upstream` whose /tokenize a test controls (tests/tokenize_backend.py)."""
+    port = free_port()
+    script = str(Path(__file__).with_name("tokenize_backend.py"))
+    proc = Proc([sys.executable, script, "--port", str(port), "--upstream", upstream], name="tokenize-backend")
+    url = f"http://{HOST}:{port}"
+    proc.wait_http(url + "/health")
+    return proc, url
+
+
 def raw_post(body: dict, request_id: str | None = None, path: str = "/v1/completions") -> bytes:
     """The bytes of a POST, for tests that drive a socket by hand (hang up, stop reading, ...)."""
     data = json.dumps(body).encode()

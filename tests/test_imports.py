@@ -92,3 +92,28 @@ def test_settings_module_is_a_leaf() -> None:
 def test_find_cycle_reports_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def package_graph() -> dict[str, set[str]]:
+    """The graph between pdproxy's subpackages (and top-level modules): `pdproxy.a.b` counts as `pdproxy.a`."""
+    def top(name: str) -> str:
+        return ".".join(name.split(".")[:2])
+
+    out: dict[str, set[str]] = {}
+    for mod, targets in import_graph().items():
+        out.setdefault(top(mod), set()).update(top(t) for t in targets if top(t) != top(mod))
+    return out
+
+
+def test_routing_policies_and_kv_events_do_not_import_each_other() -> None:
+    """The block hashing they share lives below them (pdproxy.blocks); routing is above both."""
+    graph = package_graph()
+    assert "pdproxy.policies" not in graph["pdproxy.kvevents"] and "pdproxy.routing" not in graph["pdproxy.kvevents"]
+    assert "pdproxy.kvevents" not in graph["pdproxy.policies"] and "pdproxy.routing" not in graph["pdproxy.policies"]
+    assert graph["pdproxy.blocks"] == set()
+
+
+def test_no_import_cycle_among_pdproxy_packages() -> None:
+    """A subsystem is a package with one face: no two packages reach into each other, even through a third."""
+    cycle = find_cycle(package_graph())
+    assert cycle is None, "package import cycle: " + " -> ".join(cycle)

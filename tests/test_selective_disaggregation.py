@@ -99,14 +99,78 @@ def test_short_uncached_prompts_skip_the_prefill(tmp_path):
             proc.stop()
 
 
+def metric_values(text: str, name: str) -> dict[str, float]:
+    return {line.split("{")[1].split("}")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(name + "{")}
+
+
+def traces_by_request(trace_file, count: int) -> dict[str, list[dict]]:
+    """request id -> its spans (name and attributes), once `count` root spans are in the file."""
+    deadline = time.monotonic() + scaled(10)
+    while True:
+        spans = [sp for _, _, sp in otlp_spans(trace_file)] if trace_file.exists() else []
+        roots = {sp["traceId"]: attrs(sp)["pd.request_id"] for sp in spans if not sp.get("parentSpanId")}
+        if len(roots) >= count or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    out: dict[str, list[dict]] = {}
+    for sp in spans:
+        out.setdefault(roots.get(sp["traceId"], "?"), []).append({"name": sp["name"], **attrs(sp)})
+    return out
+
+
+def test_decode_only_counts_the_whole_prompt_and_is_traced_as_it_ran(tmp_path):
+    """A prompt longer than the hashed key (65,536 tokens) is counted whole: 70,000 tokens are not "at most
+    66,000 to compute". A short prompt sent decode-only shows what ran: its prompt computed on the decode, no
+    prefill leg (no prefill attempts, no kv_transfer) and no prefill-stage observation."""
+    procs = []
+    try:
+        prefill, p_url = start_sim("prefill", "--preset", "instant", "--max-model-len", "131072")
+        procs.append(prefill)
+        decode, d_url = start_sim("decode", "--preset", "instant", "--max-model-len", "131072")
+        procs.append(decode)
+        trace_file = tmp_path / "proxy.jsonl"
+        proxy, url = start_proxy("--prefill", p_url, "--decode", d_url, "--pd-min-prefill-tokens", "66000",
+                                 "--trace-file", str(trace_file))
+        procs.append(proxy)
+        post(url, "/v1/completions", {"prompt": [1000 + k % 5000 for k in range(70_000)], "id": "long"})
+        post(url, "/v1/completions", {"prompt": list(range(7000, 7020)), "id": "short"})
+        prefilled = [e["body"] for e in get(p_url + "/sim/requests")["requests"] if e["path"].startswith("/v1/")]
+        assert [len(b["prompt"]) for b in prefilled] == [70_000]
+        metrics = get(url + "/metrics")
+        assert metric_values(metrics, "pdproxy_disaggregation_decisions_total") == {
+            'decision="disaggregated",reason="long_uncached"': 1.0,
+            'decision="decode_only",reason="short_uncached"': 1.0}
+        stages = {k: v for k, v in metric_values(metrics, "pdproxy_stage_duration_seconds_count").items()}
+        counts = {stage: sum(v for k, v in stages.items() if f'stage="{stage}"' in k) for stage in
+                  ("prefill", "kv_transfer", "decode")}
+        assert counts == {"prefill": 1.0, "kv_transfer": 1.0, "decode": 2.0}, counts
+
+        traces = traces_by_request(trace_file, 2)
+        long, short = {s["name"]: s for s in traces["long"]}, {s["name"]: s for s in traces["short"]}
+        root = next(s for s in traces["long"] if "pd.disaggregation" in s)
+        assert root["pd.disaggregation.uncached_tokens"] == "70000", root
+        assert long["pd.prefill"]["pd.prefill.attempts"] == "1" and "pd.kv_transfer" in long
+        assert f'{long["pd.prefill"]["server.address"]}:{long["pd.prefill"]["server.port"]}' == p_url[7:]
+        assert "pd.kv_transfer" not in short and "pd.prefill.attempts" not in short["pd.prefill"], short
+        assert f'{short["pd.prefill"]["server.address"]}:{short["pd.prefill"]["server.port"]}' == d_url[7:]
+        assert short["pd.prefill"]["pd.prefill.on_decode"] is True
+        assert short["pd.prefill"]["vllm.request_phase"] == "prefill"
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
 def test_without_token_ids_the_request_is_disaggregated():
-    from pdproxy.kvevents.selective import SelectiveDisaggregation
+    from pdproxy.routing.selective import SelectiveDisaggregation
     from pdproxy.policies.request import RequestView
 
     rule = SelectiveDisaggregation(32)
     chat = RequestView({"messages": [{"role": "user", "content": "hi"}]}, chat=True)
     assert (rule.decide(chat, "d:1").decision, rule.decide(chat, "d:1").reason) == ("disaggregated", "no_token_ids")
-    chat.token_ids = [1, 2, 3]  # as an instance's /tokenize gives them
+    chat.token_ids = [1, 2, 3]  # as an instance's /tokenize gives them for a chat with a media part
+    assert (rule.decide(chat, "d:1").decision, rule.decide(chat, "d:1").reason) == ("disaggregated", "not_countable")
+    chat.whole = True  # ... and for a chat of text alone
     assert rule.decide(chat, "d:1").decode_only
     assert not rule.decide(RequestView({"prompt": list(range(40))}), "d:1").decode_only  # 40 > 32, none held
 

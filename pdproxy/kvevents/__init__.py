@@ -7,9 +7,10 @@ replicas and workers agree on where a prompt's KV sits (llm-d's precise prefix-c
 router work the same way).
 
 Public face: `start` (subscribe to every configured instance, for the server), `decode_batch` (one message's
-payload), `BlockIndex` + `chain_hashes` (one instance's cached blocks, keyed by pdproxy's hash of their tokens).
-Inside: decode, index, subscriber (+ sources, metrics), publisher (the simulator's), arrivals (live stall
-attribution), selective (selective disaggregation), tokenize (an instance's /tokenize).
+payload), `BlockIndex` (one instance's cached blocks, keyed by pdproxy's hash of their tokens,
+`pdproxy.blocks.chain_hashes`, re-exported here). Inside: decode, index, subscriber (+ sources, metrics),
+publisher (the simulator's), arrivals (live stall attribution). What routes by the index (precise_prefix,
+selective disaggregation) is pdproxy/policies and pdproxy/routing: this package imports neither.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from typing import TYPE_CHECKING
 
 from pdproxy.kvevents.decode import (AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, Event, EventBatch,
                                      decode_batch, parse_seq)
-from pdproxy.kvevents.index import BlockIndex, chain_hashes
+from pdproxy.blocks import chain_hashes
+from pdproxy.kvevents.index import BlockIndex
 
 if TYPE_CHECKING:
     from pdproxy.kvevents.subscriber import KVEvents

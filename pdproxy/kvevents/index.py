@@ -17,23 +17,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from pdproxy.blocks import ROOT, chain_hashes
 from pdproxy.kvevents.decode import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
-ROOT = 0  # the key a chain starts from (as pdproxy/sim/prefix_cache.py)
 DEFAULT_MAX_BLOCKS = 1 << 18  # 4M tokens of 16: above a GPU's cache; ~230 bytes each (benchmarks/kv_events.py)
-
-
-def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT, limit: int | None = None) -> list[int]:
-    """The chained key of every full block of `token_ids` (at most `limit` blocks), chained from `parent`."""
-    count = len(token_ids) // block_size
-    if limit is not None:
-        count = min(count, limit)
-    out: list[int] = []
-    h = parent
-    for start in range(0, count * block_size, block_size):
-        h = hash((h, tuple(token_ids[start:start + block_size])))
-        out.append(h)
-    return out
 
 
 class BlockIndex:

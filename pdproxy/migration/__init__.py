@@ -21,8 +21,9 @@ The rules (docs/protocol.md, "Retries and migration", says what a client may obs
 """
 
 from pdproxy.migration.attempts import (BEFORE_FIRST_TOKEN, MAX_HEAD_BYTES, MAX_HEAD_EVENTS, MID_STREAM, MIGRATABLE,
-                                        Attempt, Budget, Handoff, first_token_timeout, read_head)
-from pdproxy.migration.continuation import Continuation, TokenTap
+                                        Attempt, Budget, Handoff, first_token_timeout, read_head,
+                                        read_whole)
+from pdproxy.migration.continuation import Continuation, TokenTap, arm
 
 __all__ = ["BEFORE_FIRST_TOKEN", "MAX_HEAD_BYTES", "MAX_HEAD_EVENTS", "MID_STREAM", "MIGRATABLE", "Attempt", "Budget",
-           "Continuation", "Handoff", "TokenTap", "first_token_timeout", "read_head"]
+           "Continuation", "Handoff", "TokenTap", "arm", "first_token_timeout", "read_head", "read_whole"]

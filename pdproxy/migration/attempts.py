@@ -126,6 +126,23 @@ async def read_head(response: Response, scan: ResponseScan, tap: TokenTap | None
                              error_type="stream_error", stage=DECODE)
 
 
+async def read_whole(response: Response, scan: ResponseScan) -> bytes:
+    """An unstreamed answer, read whole and checked before the client gets any of it."""
+    try:
+        raw = await response.read()
+    except TimeoutError:
+        raise ProxyError(504, "decode instance timed out sending its response", error_type="timeout",
+                         stage=DECODE) from None
+    except UpstreamError as exc:
+        raise ProxyError(502, f"decode instance broke its response ({type(exc).__name__})",
+                         error_type="stream_broken", stage=DECODE) from None
+    scan.feed_whole(raw, time.monotonic_ns())
+    if scan.malformed:
+        raise ProxyError(502, "decode instance sent a response that is not valid JSON",
+                         error_type="invalid_response", stage=DECODE)
+    return raw
+
+
 def first_token_timeout(seconds: float) -> ProxyError:
     return ProxyError(504, f"decode instance sent no token within {seconds:g}s (--first-token-timeout)",
                       error_type="first_token_timeout", stage=DECODE)

@@ -20,6 +20,16 @@ _CONTINUED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "seed", 
                      "logit_bias", "allowed_token_ids", "bad_words", "priority", "user", "include_stop_str_in_output")
 
 
+def arm(body: dict[str, Any], chat: bool) -> tuple[Continuation | None, TokenTap | None, str | None]:
+    """With --migrate-mid-stream, a stream that can be continued exactly elsewhere gets its token ids read as it
+    goes (its continuation and tap); any other says why not (the refusal), and stays a plain relay."""
+    if not body.get("stream"):
+        return None, None, None
+    continuation = Continuation(body, chat)
+    refusal = continuation.refusal()
+    return (None, None, refusal) if refusal else (continuation, continuation.tap(), None)
+
+
 @dataclass
 class Continuation:
     """What a stream armed for mid-stream migration needs: the client's body and its shape."""

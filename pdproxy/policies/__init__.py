@@ -28,7 +28,7 @@ PARAMETERS: dict[str, tuple[str, ...]] = {
     "cache_aware": ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold", "max_tree_size"),
     "load_aware": ("load_metrics_interval",),
     "precise_prefix": ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold", "max_tree_size",
-                       "load_metrics_interval", "tokenizer_file"),
+                       "load_metrics_interval"),
 }
 ALL_PARAMETERS = tuple(sorted({p for names in PARAMETERS.values() for p in names}))
 

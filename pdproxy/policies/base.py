@@ -28,7 +28,7 @@ class Decision:
     A plain class, not a dataclass: compiled, a dataclass's `__init__` runs interpreted, and every
     request makes one or two."""
 
-    __slots__ = ("policy", "reason", "matched", "unit", "compared", "values")
+    __slots__ = ("policy", "reason", "matched", "unit", "compared", "values", "fallback", "fallback_at")
 
     def __init__(self, policy: str, reason: str, matched: int | None = None, unit: str | None = None,
                  compared: Sequence[Instance] = (),
@@ -39,6 +39,8 @@ class Decision:
         self.unit = unit  # "tokens" or "chars" for `matched`
         self.compared = compared
         self.values = values  # or how to compute them, if that costs
+        self.fallback: str | None = None  # why an event-based decision fell back to the approximate index
+        self.fallback_at: Sequence[str] = ()  # the addresses it is counted at (whose state, or the chosen one)
 
     def scores(self) -> dict[str, float]:
         values = self.values() if callable(self.values) else self.values

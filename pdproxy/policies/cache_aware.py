@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from pdproxy.policies.base import Decision, Instance, Rotation, loads
 from pdproxy.policies.prefix_index import PrefixIndex
-from pdproxy.policies.request import RequestView
+from pdproxy.policies.request import PrefixKey, RequestView
 
 LOAD_SCALE = 1 << 32  # above any in-flight count
 
@@ -86,6 +86,11 @@ class CacheAware:
         if key is not None:  # even when balancing: that instance now has the prompt
             self.index.insert(key, owners if owners is not None else self.index.owners(key), self._bit(chosen))
         return chosen, decision
+
+    def learn(self, instance: Instance, key: PrefixKey | None) -> None:
+        """`instance` got a prompt of this key, chosen by another rule (precise_prefix): it holds it now."""
+        if key is not None:
+            self.index.insert(key, self.index.owners(key), self._bit(instance))
 
     def status(self, instances: Sequence[Instance]) -> dict[str, dict[str, Any]]:
         sizes = self.index.sizes

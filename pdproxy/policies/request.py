@@ -49,7 +49,7 @@ class PrefixKey:
 class RequestView:
     """A request as policies see it; every property is computed on first use and kept."""
 
-    __slots__ = ("body", "headers", "chat", "_prefix", "_done", "token_ids")
+    __slots__ = ("body", "headers", "chat", "_prefix", "_done", "token_ids", "whole", "no_ids")
 
     def __init__(self, body: Mapping[str, Any] | None = None, headers: Mapping[str, str] | None = None,
                  chat: bool = False) -> None:
@@ -58,7 +58,12 @@ class RequestView:
         self.chat = chat
         self._prefix: PrefixKey | None = None
         self._done = False
-        self.token_ids: list[int] | None = None  # a text or chat prompt's, when an instance tokenized it
+        # the prompt's token ids, set by pdproxy/routing before a policy chooses (as given, from a local
+        # tokenizer.json or an instance's /tokenize); `whole`: they count the whole request (no media part,
+        # nothing cut off); `no_ids`: why there are none, a routing fallback reason (routing.FALLBACK_REASONS)
+        self.token_ids: list[int] | None = None
+        self.whole = False
+        self.no_ids = "no_token_ids"
 
     @property
     def prefix(self) -> PrefixKey | None:

@@ -264,6 +264,13 @@ class Metrics:
         self.route_decisions = LoopCounter("pdproxy_route_decisions", "Routing decisions by leg, policy and reason "
                                            "(reasons: docs/telemetry.md)", ("role", "policy", "reason"), r)
         self._route_series: dict[tuple[str, str, str], CounterSeries] = {}
+        self.route_fallbacks = Counter("pdproxy_route_fallbacks", "Event-based routing decisions that fell back to the "
+                                       "approximate index, by leg, the instance whose state caused it (or the one "
+                                       "chosen, when the request did) and why (docs/telemetry.md)",
+                                       ("role", "server_address", "reason"), registry=r)
+        self.tokenize_failures = Counter("pdproxy_tokenize_failures", "Calls to an instance's /tokenize for routing "
+                                         "that gave no usable token ids, by instance and why (timeout, http_status, "
+                                         "bad_answer, connection)", ("server_address", "reason"), registry=r)
         self.disaggregations = Counter("pdproxy_disaggregation_decisions", "Selective disaggregation: requests "
                                        "sent through a prefill (disaggregated) or straight to their decode "
                                        "(decode_only), and why", ("decision", "reason"), registry=r)
@@ -296,7 +303,13 @@ class Metrics:
         series.inc()
 
     def disaggregation(self, decision: str, reason: str) -> None:
-        self.disaggregations.labels(decision, reason).inc()  # both from fixed sets (kvevents.selective)
+        self.disaggregations.labels(decision, reason).inc()  # both from fixed sets (routing.selective)
+
+    def route_fallback(self, role: str, address: str, reason: str) -> None:
+        self.route_fallbacks.labels(role, address, reason).inc()  # configured instances, routing.FALLBACK_REASONS
+
+    def tokenize_failure(self, address: str, reason: str) -> None:
+        self.tokenize_failures.labels(address, reason).inc()  # configured instances, routing.tokens.FAILURE_REASONS
 
     def watch_engine_reads(self, failures: EngineReadFailures) -> None:
         """load_aware's failed reads of the instances' /metrics, counted at scrape time."""

@@ -55,6 +55,10 @@ ROUTE_REASON: Final = "pd.route.reason"
 ROUTE_MATCHED: Final = "pd.route.matched_prefix"
 ROUTE_MATCHED_UNIT: Final = "pd.route.matched_prefix.unit"
 ROUTE_SCORES: Final = "pd.route.scores"  # ["host:port=score", ...] of the instances the policy compared
+# why an event-based decision fell back to the approximate index (pdproxy.routing.FALLBACK_REASONS)
+ROUTE_FALLBACK_REASON: Final = "pd.route.fallback_reason"
+# pd.prefill of a request sent decode-only (selective disaggregation): its prompt was computed on the decode
+PREFILL_ON_DECODE: Final = "pd.prefill.on_decode"
 
 # pd.decode span events: each stall (a gap above the stall threshold), at the gap's start
 STALL_EVENT: Final = "pd.stall"

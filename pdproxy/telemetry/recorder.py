@@ -157,13 +157,19 @@ class RequestTrace:
         self._activity: tuple[InstanceRecord, Activity] | None = None  # its KV arrival or prefill (stalls.py)
         self.stall_marks: list[tuple[int, str]] = []  # (monotonic ns inside a gap, its cause), e.g. migration
 
+    @property
+    def prefill_leg(self) -> bool:
+        """A prefill instance computes the prompt (P/D, not sent decode-only): the spans have a leg for it."""
+        return self.pd_mode and not self.decode_only
+
     # -- what the flow reports --------------------------------------------------------------
 
     def leg_headers(self, leg: str) -> dict[str, str]:
         """Trace context for a leg: the leg span's own id, so vLLM's spans become its children."""
         if self.ids is None:
             return self._client_trace_headers  # tracing off: pass the client's context through untouched
-        span_id = self.ids.decode if (leg == DECODE and self.pd_mode) else self.ids.prefill
+        # without a prefill leg, vLLM's one span covers the prompt too: a child of pd.prefill, as in single mode
+        span_id = self.ids.decode if (leg == DECODE and self.prefill_leg) else self.ids.prefill
         headers = {"traceparent": self.ids.traceparent(span_id)}
         if self.ids.tracestate:
             headers["tracestate"] = self.ids.tracestate
@@ -188,10 +194,22 @@ class RequestTrace:
     def routed(self, leg: str, decision: Decision) -> None:
         """A policy chose the instance for `leg`: on its span and counted."""
         self.routes[leg] = decision
-        self.recorder.metrics.route_decision(leg, decision.policy, decision.reason)
+        metrics = self.recorder.metrics
+        metrics.route_decision(leg, decision.policy, decision.reason)
+        if decision.fallback is not None:
+            for address in decision.fallback_at:
+                metrics.route_fallback(leg, address, decision.fallback)
+
+    def placed(self, placement: Any) -> None:
+        """Where the request goes (pdproxy.routing.Placement): each leg's decision and the verdict, then admitted."""
+        if placement.verdict is not None:
+            self.disaggregation(placement.verdict)
+        for leg, decision in placement.decisions.items():
+            self.routed(leg, decision)
+        self.admitted(placement.prefill.address if placement.prefill is not None else None, placement.decode.address)
 
     def disaggregation(self, verdict: Any) -> None:
-        """Selective disaggregation's verdict (pdproxy.kvevents.selective.Verdict): on the root span and counted."""
+        """Selective disaggregation's verdict (pdproxy.routing.Verdict): on the root span and counted."""
         self.decode_only = verdict.decode_only
         attrs = self.request_attrs
         attrs["pd.disaggregation"], attrs["pd.disaggregation.reason"] = verdict.decision, verdict.reason
@@ -204,7 +222,7 @@ class RequestTrace:
     def admitted(self, prefill_address: str | None, decode_address: str) -> None:
         self.t.admitted = now()
         self.prefill_instance, self.decode_instance = prefill_address, decode_address
-        if not self.pd_mode or self.decode_only:  # the decode computes the prompt itself
+        if not self.prefill_leg:  # the decode computes the prompt itself
             self._activity_started("prefill", decode_address, self.t.admitted)
 
     def prefill_sent(self, address: str, tries: int) -> None:
@@ -238,7 +256,7 @@ class RequestTrace:
         self.decode_attempts += 1
         if self._counts_attempts:
             self.recorder.metrics.attempts.attempt(DECODE, address)
-        if self.pd_mode:
+        if self.prefill_leg:
             self._activity_started("kv_arrival", address, self.t.prefill_done or self.t.decode_sent)
 
     def decode_headers(self, status: int) -> None:
@@ -326,6 +344,8 @@ class RequestTrace:
         traced = self.ids is not None and self.ids.sampled and self._trace_allowed(m)
         trace_id = self.ids.trace_hex if traced and self.ids is not None else None
         mode = "pd" if self.pd_mode else "single"
+        if self.decode_only:  # its prompt was computed on the decode: not a prefill leg's duration
+            m.stages = {k: v for k, v in m.stages.items() if k != PREFILL}
         self.recorder.metrics.record(m, self.route, self.model_label, mode, self.deployment, trace_id)
         if self.migrations or self.abandoned_handoffs:
             self.recorder.metrics.migrated(self.migrations, self.abandoned_handoffs)
@@ -422,14 +442,14 @@ class RequestTrace:
                  self._root_fields(m, error is not None), status_tail(error, ids.parent_remote))
         context = context_fields(ids.tracestate, ids.root)  # every stage span's: a child of the root
         bounds = m.bounds
-        if self.pd_mode and t.decode_sent is not None and DECODE not in bounds:
+        if self.prefill_leg and t.decode_sent is not None and DECODE not in bounds:
             bounds = {**bounds, DECODE: (end, end)}  # the decode leg was sent: keep vLLM's span's parent in the trace
         for stage, (start, stop) in bounds.items():
             span_id, leg = None, None
             if stage == PREFILL:
-                span_id, leg = ids.prefill, PREFILL if self.pd_mode else DECODE
+                span_id, leg = ids.prefill, PREFILL if self.prefill_leg else DECODE
             elif stage == DECODE:
-                span_id, leg = ids.decode if self.pd_mode else None, DECODE
+                span_id, leg = ids.decode if self.prefill_leg else None, DECODE
             decision = self.routes.get(leg) if leg is not None else None
             measured = self._stage_measurements(stage, m, decision)
             events: list[tuple[int, str, dict[str, Any]]] | None = None
@@ -548,17 +568,24 @@ class RequestTrace:
         attempts: int | None
         if stage == PREFILL:
             address, status, attempts = self.prefill_instance, self.prefill_status, max(self.prefill_attempts, 1)
-            if not self.pd_mode:
+            if not self.prefill_leg:  # the decode computed the prompt: its leg, no prefill attempts
                 address, status, attempts = self.decode_instance, self.decode_status, None
         elif stage == DECODE:
             address, status, attempts = self.decode_instance, self.decode_status, self.decode_attempts
         else:
             address = status = attempts = None
         policy, reason = (decision.policy, decision.reason) if decision is not None else (None, None)
-        key = (stage, self.model_label, self.deployment, address, status, attempts, policy, reason)
+        fallback = decision.fallback if decision is not None else None
+        on_decode = stage == PREFILL and self.pd_mode and self.decode_only
+        key = (stage, self.model_label, self.deployment, address, status, attempts, policy, reason, fallback, on_decode)
         block = known_block(key)
         if block is None:
-            block = new_block(key, self._stage_attributes(stage, address, status, attempts, policy, reason).items())
+            attrs = self._stage_attributes(stage, address, status, attempts, policy, reason)
+            if fallback is not None:
+                attrs[n.ROUTE_FALLBACK_REASON] = fallback
+            if on_decode:
+                attrs[n.PREFILL_ON_DECODE] = True
+            block = new_block(key, attrs.items())
         return block
 
     def _stage_attributes(self, stage: str, address: str | None, status: int | None, attempts: int | None,

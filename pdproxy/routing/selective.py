@@ -5,8 +5,14 @@ decode's own KV events, pdproxy/kvevents), leaves at most `--pd-min-prefill-toke
 straight to the decode: no prefill leg, no KV transfer, the decode computes the rest itself (as vLLM's P/D
 routers do for short prompts: a transfer costs more than computing a few tokens). Off by default (0).
 
-Without flowing events for the decode, nothing is known to be held there and the rule reads the whole prompt;
-without token ids for the prompt (chat; text without --tokenizer-file) the request is disaggregated.
+The prompt is counted in token ids (pdproxy/routing/tokens.py): a token-id prompt as given; a text prompt
+through `--tokenizer-file`; else text and chat through an instance's `/tokenize` (the served model's own
+tokenizer and chat template). The count is the whole prompt's length less what the decode holds; only the
+key hashed to look it up is capped (`MAX_KEY_TOKENS`). Without flowing events for the decode nothing is known
+to be held there and the whole prompt counts. A request is disaggregated when it has no token ids (chat with
+a local tokenizer.json, which has no chat template; /tokenize failed or is backed off: `no_token_ids`) or
+when its ids leave part of it out (media content parts, `documents`, a text cut before tokenizing:
+`not_countable`): a decode must never be handed a long prompt it was told was short.
 """
 
 from __future__ import annotations
@@ -14,13 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdproxy.kvevents.index import chain_hashes
-from pdproxy.policies.precise_prefix import load_tokenizer, prompt_token_ids
-from pdproxy.policies.request import RequestView
+from pdproxy.blocks import chain_hashes
+from pdproxy.policies.request import MAX_KEY_TOKENS, RequestView
 
 DISAGGREGATED, DECODE_ONLY = "disaggregated", "decode_only"
-# why: few tokens left to compute / too many / no token ids to count them with
-REASONS = ("short_uncached", "long_uncached", "no_token_ids")
+# why: few tokens left to compute / too many / no token ids to count them with / ids that leave part of it out
+REASONS = ("short_uncached", "long_uncached", "no_token_ids", "not_countable")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,20 +41,22 @@ class Verdict:
 
 
 class SelectiveDisaggregation:
-    def __init__(self, min_prefill_tokens: int, events: Any = None, tokenizer_file: str | None = None) -> None:
+    def __init__(self, min_prefill_tokens: int, events: Any = None) -> None:
         self.min_prefill_tokens = min_prefill_tokens
         self.events = events  # pdproxy.kvevents.KVEvents or None
-        self.tokenizer = load_tokenizer(tokenizer_file)
 
     def decide(self, request: RequestView, decode_address: str) -> Verdict:
-        tokens = prompt_token_ids(request, self.tokenizer)
+        tokens = request.token_ids
         if tokens is None:
             return Verdict(DISAGGREGATED, "no_token_ids")
+        if not request.whole:
+            return Verdict(DISAGGREGATED, "not_countable")
         sub = self.events.get(decode_address) if self.events is not None else None
         held = None
         if sub is not None and sub.flowing:
             size = sub.index.block_size
-            held = sub.index.matched_blocks(chain_hashes(tokens, size)) * size if size else 0
+            keys = chain_hashes(tokens, size, limit=MAX_KEY_TOKENS // size) if size else []
+            held = sub.index.matched_blocks(keys) * size if size else 0
         uncached = len(tokens) - (held or 0)
         if uncached <= self.min_prefill_tokens:
             return Verdict(DECODE_ONLY, "short_uncached", uncached, held)
