@@ -116,15 +116,33 @@ def test_map_encoding_of_later_releases_decodes_to_the_same_events():
 
 
 @pytest.mark.parametrize("payload", [
-    b"", b"\xc1", msgspec.msgpack.encode([1.0]), msgspec.msgpack.encode("x"),
-    msgspec.msgpack.encode([1.0, [["BlockStored", [1, 2], None, [1] * 16, 16, None, "GPU", None]], 0]),
-    msgspec.msgpack.encode([1.0, [["BlockStored", ["x"], None, [1] * 16, 16]], 0]),
-    msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1] * 16, 0]], 0]),
-    msgspec.msgpack.encode([1.0, [[1, 2]], 0]), msgspec.msgpack.encode({"ts": "now", "events": []}),
+    b"", b"\xc1", msgspec.msgpack.encode([1.0]), msgspec.msgpack.encode("x"), msgspec.msgpack.encode([True, []]),
+    msgspec.msgpack.encode([1.0, "events"]), msgspec.msgpack.encode({"ts": "now", "events": []}),
+    msgspec.msgpack.encode({"events": []}),
 ])
-def test_malformed_payloads_raise_decode_error(payload):
+def test_payloads_that_are_not_batches_raise_decode_error(payload):
     with pytest.raises(DecodeError):
         decode_batch(payload)
+
+
+GOOD = ["BlockStored", [7], None, list(range(16)), 16, None, "GPU", None]
+
+
+@pytest.mark.parametrize("event", [
+    ["BlockStored", [1, 2], None, [1] * 16, 16, None, "GPU", None],  # token ids do not fill the blocks
+    ["BlockStored", ["x"], None, [1] * 16, 16],  # a hash that is a string
+    ["BlockStored", [1], None, [1] * 16, 0],  # block size 0
+    ["BlockStored", [1], None, [[1, 2]] * 16, 16],  # token ids that are lists (crashed the subscriber: issue 39)
+    ["BlockStored", [1], None, [True] * 16, 16],  # booleans are not token ids
+    ["BlockStored", [1], [1], [1] * 16, 16],  # a parent that is a list
+    ["BlockRemoved", [{"h": 1}]], ["BlockRemoved"], [1, 2], [], "BlockStored", {"type": 3},
+    {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": ["a"] * 16,
+     "block_size": 16},
+])
+def test_a_malformed_event_is_skipped_and_counted_alone(event):
+    batch = decode_batch(msgspec.msgpack.encode([1.0, [event, GOOD, ["AllBlocksCleared"]], 0]))
+    assert batch.malformed == 1 and batch.unknown == 0
+    assert batch.events == [BlockStored([7], None, list(range(16)), 16, "GPU"), AllBlocksCleared()]
 
 
 def test_unknown_event_types_are_skipped_and_counted():
