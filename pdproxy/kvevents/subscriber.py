@@ -9,8 +9,9 @@ One task per instance, on the proxy's event loop (pyzmq's asyncio API). The stre
 * one below it, not explained by a replay that just overlapped the live stream, is an engine restarted
   (sequence back to 0, cache empty): the index is rebuilt the same way;
 * a sequence more than `MAX_SEQ_JUMP` (vLLM's replay buffer) away from the next expected one, either way, is
-  not believed: no replay could repair such a gap and no overlap explains it, so the index is rebuilt
-  (counted in `sequence_jumps`) rather than frozen behind a number the engine will never reach;
+  not believed (counted in `sequence_jumps`) rather than let freeze the index behind a number the engine will
+  never reach: on the live stream the index is rebuilt (no replay could repair such a gap, no overlap explains
+  it); in a replay's answers it is skipped, as is an answer out of order;
 * when nothing arrives for `probe_interval` (and every `BUSY_PROBE_INTERVALS` probe intervals even while
   batches flow), a replay from the next sequence checks that the replay socket answers and repairs a lost tail.
 
@@ -32,8 +33,8 @@ refused by ZMQ (`zmq.MAXMSGSIZE`: it drops the connection without retrying, seen
 `oversized_messages`, and the socket is made anew), and at most `receive_hwm` of them wait in each socket,
 so what waits is bounded in bytes; work is counted in `TURN_BUDGET` units (a token id, a block hash, an
 event, a message, a replay answer, applied or skipped) and the loop is yielded to after each budget, a huge
-batch's blocks being stored a part at a time; a replay gives up after `replay_timeout` per message, on an
-answer out of order, or past `MAX_REPLAY_ANSWERS`.
+batch's blocks being stored a part at a time; a replay gives up after `replay_timeout` per message, or past
+`MAX_REPLAY_ANSWERS` answers.
 """
 
 from __future__ import annotations
@@ -80,10 +81,6 @@ def receive_hwm(max_message: int) -> int:
     """Messages that may wait in a socket (beyond, ZMQ pushes back on the engine's socket, whose own
     high-water mark then drops, and the gap is replayed)."""
     return min(1000, max(16, QUEUE_BYTES // max_message))
-
-
-class _Unbelievable(Exception):
-    """A replay answer whose sequence is out of order or too far ahead."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,34 +391,33 @@ class Subscription:
         if dealer is None:
             dealer = self._dealer = self._socket(zmq.DEALER)
             dealer.connect(self.source.replay_endpoint)
-        applied, previous = 0, start - 1
+        applied = answers = 0
+        previous = start - 1
         try:
             await asyncio.wait_for(dealer.send_multipart((b"", start.to_bytes(8, "big"))), self.replay_timeout)
             while True:
                 frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout)
                 await self._spend(1)
+                answers += 1
                 if len(frames) != 3:
                     raise DecodeError(f"replay answer of {len(frames)} frames")
                 seq = parse_seq(frames[1])
                 if seq < 0:
                     break
+                if answers > MAX_REPLAY_ANSWERS:
+                    raise DecodeError(f"more than {MAX_REPLAY_ANSWERS} replay answers")
                 expected = self.next_seq
-                if seq <= previous or applied >= MAX_REPLAY_ANSWERS or \
-                        (expected is not None and seq - expected > MAX_SEQ_JUMP):
-                    raise _Unbelievable(f"replay answer {seq} after {previous} (asked from {start})")
+                if seq <= previous or (expected is not None and seq - expected > MAX_SEQ_JUMP):
+                    self.counts["sequence_jumps"] += 1  # out of order, or far ahead: skipped, not believed
+                    continue
                 if expected is not None and seq > expected:
-                    self.counts["gaps_unrepaired"] += seq - expected
+                    self.counts["gaps_unrepaired"] += seq - expected  # the engine no longer had them
                 previous = seq
                 await self._apply(seq, frames[2], live=False)
                 applied += 1
-        except (TimeoutError, DecodeError, zmq.ZMQError, _Unbelievable) as exc:
+        except (TimeoutError, DecodeError, zmq.ZMQError) as exc:
             self.counts["replay_failures"] += 1
-            if isinstance(exc, _Unbelievable):
-                self.counts["sequence_jumps"] += 1
-                self._resync = True
-                log.warning("kv events: %s: %s; not believed, rebuilding its index", self.source.address, exc)
-            else:
-                log.debug("kv events: replay from %s failed: %s", self.source.address, exc)
+            log.debug("kv events: replay from %s failed: %s", self.source.address, exc)
             dealer.close(0)  # a late answer must not be read as the next replay's
             self._dealer = None
             self.replay_answering = False
