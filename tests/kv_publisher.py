@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import zmq
 
 from pdproxy.kvevents import chain_hashes
 from pdproxy.kvevents.publisher import END_SEQ, AllBlocksCleared, Publisher, removed, stored
@@ -64,15 +65,20 @@ class PublisherProcess:
 class ScriptedPublisher(Publisher):
     old_answers = 0
 
+    def start(self) -> None:
+        super().start()
+        if self._replay is not None:
+            self._replay.setsockopt(zmq.SNDHWM, 0)  # every old answer queued, none dropped
+
     async def _serve_replay(self) -> None:
         assert self._replay is not None
         while True:
             frames = await self._replay.recv_multipart()
             client, _, start = frames
-            if self.old_answers:
-                first = self._buffer[0][1]
+            if self.old_answers:  # sent at once, from a blocking loop (as vLLM's replay thread sends)
+                sync = zmq.Socket.shadow(self._replay.underlying)
                 for _ in range(self.old_answers):
-                    await self._replay.send_multipart((client, b"", (0).to_bytes(8, "big"), first))
+                    sync.send_multipart((client, b"", (0).to_bytes(8, "big"), b""))
                 self.old_answers = 0
             for seq, payload in list(self._buffer):
                 if seq >= int.from_bytes(start, "big"):

@@ -32,7 +32,7 @@ Nothing an engine sends ends the task or stalls the loop: every event's types ar
 refused by ZMQ (`zmq.MAXMSGSIZE`: it drops the connection without retrying, seen here as
 `oversized_messages`, and the socket is made anew), and at most `receive_hwm` of them wait in each socket,
 so what waits is bounded in bytes; work is counted in `TURN_BUDGET` units (a token id, a block hash, an
-event, a message, a replay answer, applied or skipped) and the loop is yielded to after each budget, a huge
+event; a message or a replay answer, applied or skipped, `MESSAGE_UNITS`) and the loop is yielded to after each budget, a huge
 batch's blocks being stored a part at a time; a replay gives up after `replay_timeout` per message, or past
 `MAX_REPLAY_ANSWERS` answers.
 """
@@ -56,6 +56,7 @@ from pdproxy.kvevents.index import DEFAULT_MAX_BLOCKS, BlockIndex
 log = logging.getLogger("pdproxy.kvevents")
 
 TURN_BUDGET = 16_384  # work units (~0.1 µs each: a token id hashed and indexed) between two yields to the loop
+MESSAGE_UNITS = 128  # what receiving one message or replay answer costs, applied or skipped
 MAX_SEQ_JUMP = 10_000  # vLLM's replay buffer (buffer_steps): a sequence further away is not believed
 MAX_REPLAY_ANSWERS = 10 * MAX_SEQ_JUMP  # more than any engine's buffer holds: the replay is not believed
 BUSY_PROBE_INTERVALS = 5  # a busy stream's replay socket is probed every 5 probe intervals
@@ -256,7 +257,7 @@ class Subscription:
             await asyncio.sleep(0)
 
     async def _live(self, frames: list[bytes]) -> None:
-        await self._spend(1)
+        await self._spend(MESSAGE_UNITS)
         try:
             if len(frames) != 3:
                 raise DecodeError(f"{len(frames)} frames")
@@ -397,7 +398,7 @@ class Subscription:
             await asyncio.wait_for(dealer.send_multipart((b"", start.to_bytes(8, "big"))), self.replay_timeout)
             while True:
                 frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout)
-                await self._spend(1)
+                await self._spend(MESSAGE_UNITS)
                 answers += 1
                 if len(frames) != 3:
                     raise DecodeError(f"replay answer of {len(frames)} frames")
