@@ -126,7 +126,7 @@ async def main() -> None:
             task.add_done_callback(background.discard)
         elif "flood" in command:
             for _ in range(command["flood"]):
-                seq = pub.publish(store([next(fresh) for _ in range(command["blocks"] * BLOCK)]))
+                seq = pub.publish(store([next(fresh) for _ in range(command["blocks"] * BLOCK)]), send=send)
         elif "big" in command:
             for _ in range(command["big"]):
                 seq = pub.publish(store([next(fresh) for _ in range(command["bytes"] // 5 // BLOCK * BLOCK)]))

@@ -132,6 +132,7 @@ GOOD = ["BlockStored", [7], None, list(range(16)), 16, None, "GPU", None]
     ["BlockStored", [1, 2], None, [1] * 16, 16, None, "GPU", None],  # token ids do not fill the blocks
     ["BlockStored", ["x"], None, [1] * 16, 16],  # a hash that is a string
     ["BlockStored", [1], None, [1] * 16, 0],  # block size 0
+    ["BlockStored", [], None, [], 1 << 40],  # no blocks (its block size would have emptied the index)
     ["BlockStored", [1], None, [[1, 2]] * 16, 16],  # token ids that are lists (crashed the subscriber: issue 39)
     ["BlockStored", [1], None, [True] * 16, 16],  # booleans are not token ids
     ["BlockStored", [1], [1], [1] * 16, 16],  # a parent that is a list

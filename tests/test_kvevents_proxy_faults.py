@@ -138,6 +138,7 @@ def test_a_flood_of_large_batches_does_not_stall_the_proxy(cluster):
     finally:
         latencies = timer.stop()
     assert len(latencies) >= 20
+    print(f"flood of large batches: /health worst {max(latencies):.3f} s over {len(latencies)}")
     assert max(latencies) < STALL_BOUND, f"/health took {max(latencies):.3f} s during the flood"
     status = c.status()
     assert status["flowing"] and status["blocks"] == 262_144 and status["evicted_blocks"] > 0
@@ -160,6 +161,7 @@ def test_messages_over_the_size_bound_are_refused_and_memory_stays_bounded(clust
     finally:
         latencies = timer.stop()
     grown = rss_peak_mib(c.proxy.popen.pid) - before
+    print(f"oversized messages: peak RSS +{grown:.0f} MiB, /health worst {max(latencies):.3f} s")
     assert grown < 100, f"the proxy's peak RSS grew {grown:.0f} MiB"
     assert max(latencies) < STALL_BOUND
     # refused, counted, said: the replay buffer still holds them, so no rebuild can complete (fail-safe)
@@ -185,6 +187,7 @@ def test_a_flood_of_old_replay_answers_does_not_stall_the_proxy(cluster):
         wait_until(lambda: c.status()["replays"] >= probes + 2, "two more probes", timeout=60, interval=0.2)
     finally:
         latencies = timer.stop()
+    print(f"old replay answers: /health worst {max(latencies):.3f} s over {len(latencies)}")
     assert max(latencies) < STALL_BOUND, f"/health took {max(latencies):.3f} s during the flood"
     status = c.status()
     assert status["sequence_jumps"] >= 10_000 and status["blocks"] == 4

@@ -6,10 +6,13 @@ that subscribes to every instance builds the same per-instance prefix index with
 replicas and workers agree on where a prompt's KV sits (llm-d's precise prefix-cache scorer and Dynamo's KV
 router work the same way).
 
-Public face: `start` (subscribe to every configured instance, for the server), `decode_batch` (one message's
-payload), `BlockIndex` + `chain_hashes` (one instance's cached blocks, keyed by pdproxy's hash of their tokens).
-Inside: decode, index, subscriber (+ sources, metrics), publisher (the simulator's), arrivals (live stall
-attribution), selective (selective disaggregation), tokenize (an instance's /tokenize).
+Public face: `start` (from the server's lifecycle: subscribe to every configured instance, count it in
+/metrics, hand it to the policies that route by it and to live stall attribution; `KVEvents.stop` at
+shutdown), `KVEvents.get(address)` (an instance's subscription: its `index`, `flowing` and
+`not_flowing_reason`), `decode_batch` (one message's payload), `BlockIndex` + `chain_hashes` (one instance's
+cached blocks, keyed by pdproxy's hash of their tokens). Inside: decode, index, subscriber (+ sources,
+metrics), publisher (the simulator's), arrivals (live stall attribution), selective (selective
+disaggregation), tokenize (an instance's /tokenize).
 """
 
 from __future__ import annotations
@@ -24,7 +27,15 @@ if TYPE_CHECKING:
     from pdproxy.kvevents.subscriber import KVEvents
 
 __all__ = ["AllBlocksCleared", "BlockIndex", "BlockRemoved", "BlockStored", "DecodeError", "Event", "EventBatch",
-           "chain_hashes", "decode_batch", "parse_seq"]
+           "KVEvents", "chain_hashes", "decode_batch", "parse_seq", "start"]
+
+
+def __getattr__(name: str):
+    if name == "KVEvents":  # zmq is imported only where events are on
+        from pdproxy.kvevents.subscriber import KVEvents
+
+        return KVEvents
+    raise AttributeError(name)
 
 
 def start(settings, registry, pools=(), stalls=None, decodes=()) -> KVEvents | None:

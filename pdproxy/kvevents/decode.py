@@ -130,17 +130,18 @@ def _event(raw: msgspec.Raw) -> Event | None:
         raise DecodeError("malformed event") from None
     except msgspec.DecodeError as exc:
         raise DecodeError(f"malformed event: {exc}") from None
+    medium = getattr(wire, "medium", None)
+    medium = medium if isinstance(medium, str) else None
     if isinstance(wire, (_StoredArray, _StoredMap)):
         size, hashes, tokens = wire.block_size, wire.block_hashes, wire.token_ids
-        if size < 1:
-            raise DecodeError(f"block_size {size}")
+        if size < 1 or not hashes:  # (a store of no blocks changing the block size would empty the index)
+            raise DecodeError(f"{len(hashes)} blocks of size {size}")
         if len(tokens) != size * len(hashes):
             raise DecodeError(f"{len(tokens)} token ids for {len(hashes)} blocks of {size}")
         parent = wire.parent_block_hash
-        return BlockStored([_hash(h) for h in hashes], None if parent is None else _hash(parent), tokens, size,
-                           wire.medium if isinstance(wire.medium, str) else None)
+        return BlockStored([_hash(h) for h in hashes], None if parent is None else _hash(parent), tokens, size, medium)
     if isinstance(wire, (_RemovedArray, _RemovedMap)):
-        return BlockRemoved([_hash(h) for h in wire.block_hashes], wire.medium if isinstance(wire.medium, str) else None)
+        return BlockRemoved([_hash(h) for h in wire.block_hashes], medium)
     return AllBlocksCleared()
 
 

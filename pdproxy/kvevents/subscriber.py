@@ -30,11 +30,12 @@ replay socket before it costs anything, and routing never trusts an index that i
 Nothing an engine sends ends the task or stalls the loop: every event's types are checked as it is decoded
 (a malformed event is skipped and counted alone); a message above `message_bound(max_blocks)` bytes is
 refused by ZMQ (`zmq.MAXMSGSIZE`: it drops the connection without retrying, seen here as
-`oversized_messages`, and the socket is made anew), and at most `receive_hwm` of them wait in each socket,
-so what waits is bounded in bytes; work is counted in `TURN_BUDGET` units (a token id, a block hash, an
-event; a message or a replay answer, applied or skipped, `MESSAGE_UNITS`) and the loop is yielded to after each budget, a huge
-batch's blocks being stored a part at a time; a replay gives up after `replay_timeout` per message, or past
-`MAX_REPLAY_ANSWERS` answers.
+`oversized_messages`, and the socket is made anew; while the engine's replay buffer still holds that
+message no rebuild can complete, so the instance stays untrusted, `rebuild_failed`), and at most
+`receive_hwm` messages wait in each socket, so what waits is bounded in bytes. Work is counted in
+`TURN_BUDGET` units (a token id, a block hash, an event; `MESSAGE_UNITS` for a message or a replay answer,
+applied or skipped) and the loop is yielded to after each budget, a huge batch's blocks being stored a
+part at a time; a replay gives up after `replay_timeout` per message, or past `MAX_REPLAY_ANSWERS` answers.
 """
 
 from __future__ import annotations
@@ -382,47 +383,62 @@ class Subscription:
         return ok
 
     async def _replay(self, start: int) -> bool:
-        """Apply the engine's buffered batches from `start`; False when it did not answer in time, in full,
-        in order."""
+        """Apply the engine's buffered batches from `start`; False when it did not answer in time and in full.
+
+        The engine's ROUTER socket drops answers while its queue to us is full (a long replay read more slowly
+        than it is sent), the end marker included: a replay that breaks off after some progress (an answer
+        missing in the middle, or silence) is resumed from the next sequence on a new socket, so nothing the
+        engine still holds is lost, and a long buffer comes in rounds."""
         if not self.source.replay_endpoint:
             return False
-        self.counts["replays"] += 1
-        self.last_replay_at = time.monotonic()
-        dealer = self._dealer
-        if dealer is None:
-            dealer = self._dealer = self._socket(zmq.DEALER)
-            dealer.connect(self.source.replay_endpoint)
         applied = answers = 0
-        previous = start - 1
-        try:
-            await asyncio.wait_for(dealer.send_multipart((b"", start.to_bytes(8, "big"))), self.replay_timeout)
-            while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout)
-                await self._spend(MESSAGE_UNITS)
-                answers += 1
-                if len(frames) != 3:
-                    raise DecodeError(f"replay answer of {len(frames)} frames")
-                seq = parse_seq(frames[1])
-                if seq < 0:
-                    break
-                if answers > MAX_REPLAY_ANSWERS:
-                    raise DecodeError(f"more than {MAX_REPLAY_ANSWERS} replay answers")
-                expected = self.next_seq
-                if seq <= previous or (expected is not None and seq - expected > MAX_SEQ_JUMP):
-                    self.counts["sequence_jumps"] += 1  # out of order, or far ahead: skipped, not believed
+        since = start
+        while True:
+            self.counts["replays"] += 1
+            self.last_replay_at = time.monotonic()
+            dealer = self._dealer
+            if dealer is None:
+                dealer = self._dealer = self._socket(zmq.DEALER)
+                dealer.connect(self.source.replay_endpoint)
+            in_round, previous = 0, since - 1
+            try:
+                await asyncio.wait_for(dealer.send_multipart((b"", since.to_bytes(8, "big"))), self.replay_timeout)
+                while True:
+                    frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout)
+                    await self._spend(MESSAGE_UNITS)
+                    answers += 1
+                    if len(frames) != 3:
+                        raise DecodeError(f"replay answer of {len(frames)} frames")
+                    seq = parse_seq(frames[1])
+                    if seq < 0:
+                        break
+                    if answers > MAX_REPLAY_ANSWERS:
+                        raise DecodeError(f"more than {MAX_REPLAY_ANSWERS} replay answers")
+                    expected = self.next_seq
+                    if seq <= previous or (expected is not None and seq - expected > MAX_SEQ_JUMP):
+                        self.counts["sequence_jumps"] += 1  # out of order, or far ahead: skipped, not believed
+                        continue
+                    if expected is not None and seq > expected:
+                        if in_round:
+                            raise _BrokenOff(f"answer {seq} after {expected - 1}")
+                        self.counts["gaps_unrepaired"] += seq - expected  # the engine no longer had them
+                    previous = seq
+                    await self._apply(seq, frames[2], live=False)
+                    applied += 1
+                    in_round += 1
+            except (TimeoutError, _BrokenOff, DecodeError, zmq.ZMQError) as exc:
+                dealer.close(0)  # a late answer must not be read as the next replay's
+                self._dealer = None
+                if in_round and self.next_seq is not None and not isinstance(exc, (DecodeError, zmq.ZMQError)):
+                    log.debug("kv events: replay from %s broke off (%s); resuming", self.source.address, exc)
+                    since = self.next_seq
                     continue
-                if expected is not None and seq > expected:
-                    self.counts["gaps_unrepaired"] += seq - expected  # the engine no longer had them
-                previous = seq
-                await self._apply(seq, frames[2], live=False)
-                applied += 1
-        except (TimeoutError, DecodeError, zmq.ZMQError) as exc:
-            self.counts["replay_failures"] += 1
-            log.debug("kv events: replay from %s failed: %s", self.source.address, exc)
-            dealer.close(0)  # a late answer must not be read as the next replay's
-            self._dealer = None
-            self.replay_answering = False
-            return False
+                self.counts["replay_failures"] += 1
+                self.counts["replayed_batches"] += applied
+                log.debug("kv events: replay from %s failed: %s", self.source.address, exc)
+                self.replay_answering = False
+                return False
+            break
         if self.next_seq is None and start == 0:
             self.next_seq = 0  # an engine that has published nothing yet
         self.counts["replayed_batches"] += applied
@@ -431,6 +447,10 @@ class Subscription:
         self.last_replay_ok = self.last_heard = time.monotonic()
         self.replay_answering = True
         return True
+
+
+class _BrokenOff(Exception):
+    """A replay whose answers stopped following each other: the engine dropped some on the way."""
 
 
 class KVEvents:
