@@ -162,3 +162,12 @@ def test_index_bound_forgets_the_oldest_blocks():
     assert index.orphans == 1 and len(index) == 9
     index.apply(AllBlocksCleared())
     assert len(index) == 0 and index.matched_blocks(chain_hashes(tokens, 16)) == 0
+
+
+def test_block_hashes_sent_as_bytes_are_kept_as_ints():
+    digest = bytes(range(32))  # vLLM's sha256 block hash, when not converted to an int
+    batch = decode_batch(msgspec.msgpack.encode(
+        [1.0, [["BlockStored", [digest], digest, [5] * 16, 16, None, "GPU", None], ["BlockRemoved", [digest, 9]]], 0]))
+    assert batch.malformed == 0
+    assert batch.events == [BlockStored([int.from_bytes(digest, "big")], int.from_bytes(digest, "big"), [5] * 16, 16,
+                                        "GPU"), BlockRemoved([int.from_bytes(digest, "big"), 9])]

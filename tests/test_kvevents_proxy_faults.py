@@ -18,7 +18,7 @@ from procs import HOST, free_port, start_proxy, start_scripted
 from test_kvevents_subscriber import prompt
 from waits import scaled, wait_until
 
-STALL_BOUND = 0.25  # seconds: /health on a shared 2-core machine, while the proxy takes a flood
+STALL_BOUND = 0.5  # seconds: /health on a shared, loaded 2-core machine while the proxy takes a flood (main: 2-17 s)
 
 
 def get(url: str, timeout: float = 10):

@@ -115,7 +115,11 @@ _MAP_MARKERS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))  # msgpack fixmap, ma
 
 def _hash(value: _Hash) -> int:
     # ExternalBlockHash: an int in 0.23; bytes in some releases (kept as an int either way)
-    return value if isinstance(value, int) else int.from_bytes(value, "big")
+    return value if type(value) is int else int.from_bytes(value, "big")  # type: ignore[arg-type]
+
+
+def _hashes(values: list[_Hash]) -> list[int]:
+    return [h if type(h) is int else int.from_bytes(h, "big") for h in values]  # type: ignore[misc]
 
 
 def _event(raw: msgspec.Raw) -> Event | None:
@@ -139,9 +143,9 @@ def _event(raw: msgspec.Raw) -> Event | None:
         if len(tokens) != size * len(hashes):
             raise DecodeError(f"{len(tokens)} token ids for {len(hashes)} blocks of {size}")
         parent = wire.parent_block_hash
-        return BlockStored([_hash(h) for h in hashes], None if parent is None else _hash(parent), tokens, size, medium)
+        return BlockStored(_hashes(hashes), None if parent is None else _hash(parent), tokens, size, medium)
     if isinstance(wire, (_RemovedArray, _RemovedMap)):
-        return BlockRemoved([_hash(h) for h in wire.block_hashes], medium)
+        return BlockRemoved(_hashes(wire.block_hashes), medium)
     return AllBlocksCleared()
 
 

@@ -56,7 +56,7 @@ from pdproxy.kvevents.index import DEFAULT_MAX_BLOCKS, BlockIndex
 
 log = logging.getLogger("pdproxy.kvevents")
 
-TURN_BUDGET = 16_384  # work units (~0.1 µs each: a token id hashed and indexed) between two yields to the loop
+TURN_BUDGET = 4_096  # work units (~0.1 µs each: a token id hashed and indexed) between two yields to the loop
 MESSAGE_UNITS = 128  # what receiving one message or replay answer costs, applied or skipped
 MAX_SEQ_JUMP = 10_000  # vLLM's replay buffer (buffer_steps): a sequence further away is not believed
 MAX_REPLAY_ANSWERS = 10 * MAX_SEQ_JUMP  # more than any engine's buffer holds: the replay is not believed
