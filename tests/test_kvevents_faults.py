@@ -5,6 +5,7 @@ The subscriber runs on this test's event loop as on a proxy's (issue 39, items 1
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -26,10 +27,17 @@ def publisher():
     process.stop()
 
 
-def subscribe(publisher, probe_interval: float = 0.5, replay_timeout: float = 1.0) -> KVEvents:
+@contextlib.asynccontextmanager
+async def following(publisher, probe_interval: float = 0.5, replay_timeout: float = 1.0):
+    """The subscriber following `publisher` as instance d0, started, and stopped on the way out."""
     pub_port, replay_port = publisher.ports
-    return KVEvents([Source("d0", f"tcp://{HOST}:{pub_port}", f"tcp://{HOST}:{replay_port}", "kv@")],
-                    probe_interval=probe_interval, replay_timeout=replay_timeout)
+    events = KVEvents([Source("d0", f"tcp://{HOST}:{pub_port}", f"tcp://{HOST}:{replay_port}", "kv@")],
+                      probe_interval=probe_interval, replay_timeout=replay_timeout)
+    events.start()
+    try:
+        yield events
+    finally:
+        await events.stop()
 
 
 async def always(what: str, condition, seconds: float) -> None:
@@ -44,10 +52,8 @@ def test_a_malformed_event_is_skipped_alone_and_the_subscription_goes_on(publish
     async def scenario():
         publisher.send(store=prompt(0))
         publisher.send(malformed=prompt(1))  # token ids that are lists (a TypeError on main), then a good store
-        events = subscribe(publisher)
-        sub = events.get("d0")
-        events.start()
-        try:
+        async with following(publisher) as events:
+            sub = events.get("d0")
             await until("the catch-up", lambda: sub.flowing and held(sub, prompt(0)) == held(sub, prompt(1)) == 4)
             publisher.send(malformed=prompt(2))
             publisher.send(store=prompt(3))
@@ -55,8 +61,6 @@ def test_a_malformed_event_is_skipped_alone_and_the_subscription_goes_on(publish
             await always("flowing", lambda: sub.flowing, 1.5)  # probes replay from the next batch: no crash loop
             assert sub.counts["malformed_events"] == 2 and sub.counts["resyncs"] == 1
             assert sub.counts["batches"] == 4 and len(sub.index) == 16
-        finally:
-            await events.stop()
 
     asyncio.run(scenario())
 
@@ -66,10 +70,8 @@ def test_a_failed_rebuild_is_not_trusted_and_is_retried(publisher):
         publisher.send(store=prompt(0))
         publisher.send(store=prompt(1))
         publisher.send(replay=False)
-        events = subscribe(publisher)
-        sub = events.get("d0")
-        events.start()
-        try:
+        async with following(publisher) as events:
+            sub = events.get("d0")
             await until("the failed rebuild", lambda: sub.connected and sub.counts["replay_failures"] >= 1)
             publisher.send(store=prompt(2))  # live, but nothing before it is known: still not trusted
             reasons = set()
@@ -88,8 +90,6 @@ def test_a_failed_rebuild_is_not_trusted_and_is_retried(publisher):
             publisher.send(store=prompt(4))
             await until("the rebuild after the restart",
                         lambda: sub.flowing and [held(sub, prompt(n)) for n in range(5)] == [4] * 5)
-        finally:
-            await events.stop()
 
     asyncio.run(scenario())
 
@@ -97,10 +97,8 @@ def test_a_failed_rebuild_is_not_trusted_and_is_retried(publisher):
 def test_a_sequence_far_ahead_is_not_believed(publisher):
     async def scenario():
         publisher.send(store=prompt(0))
-        events = subscribe(publisher)
-        sub = events.get("d0")
-        events.start()
-        try:
+        async with following(publisher) as events:
+            sub = events.get("d0")
             await until("the catch-up", lambda: sub.flowing and held(sub, prompt(0)) == 4)
             # a replay answer 2^62 ahead (only in the replay buffer: the idle probe brings it)
             publisher.send(seq=sub.next_seq + (1 << 62), store=prompt(1), send=False)
@@ -115,8 +113,6 @@ def test_a_sequence_far_ahead_is_not_believed(publisher):
             publisher.send(store=prompt(5))
             await until("in sequence again", lambda: held(sub, prompt(5)) == 4)
             assert [held(sub, prompt(n)) for n in range(6)] == [4, 0, 4, 4, 0, 4] and sub.next_seq == 4
-        finally:
-            await events.stop()
 
     asyncio.run(scenario())
 
@@ -124,10 +120,8 @@ def test_a_sequence_far_ahead_is_not_believed(publisher):
 def test_a_busy_stream_stays_trusted_without_its_replay_socket_until_a_batch_is_lost(publisher):
     async def scenario():
         publisher.send(store=prompt(0))
-        events = subscribe(publisher, probe_interval=0.3, replay_timeout=0.5)  # silence allowed: 1.4 s
-        sub = events.get("d0")
-        events.start()
-        try:
+        async with following(publisher, probe_interval=0.3, replay_timeout=0.5) as events:  # silence allowed: 1.4 s
+            sub = events.get("d0")
             await until("the catch-up", lambda: sub.flowing and held(sub, prompt(0)) == 4)
             publisher.send(replay=False)
             publisher.send(every=0.1, seconds=scaled(6))
@@ -144,8 +138,6 @@ def test_a_busy_stream_stays_trusted_without_its_replay_socket_until_a_batch_is_
             publisher.send(replay=False)
             await until("silence", lambda: sub.not_flowing_reason == "replay_unanswered", timeout=5)
             assert sub.connected
-        finally:
-            await events.stop()
 
     asyncio.run(scenario())
 
@@ -155,14 +147,10 @@ def test_a_full_replay_buffer_is_taken_whole_though_the_engine_drops_answers_on_
     reader (the end marker too); the replay resumes where the answers broke off, so nothing is lost."""
     async def scenario():
         publisher.send(flood=10_000, blocks=4, send=False)
-        events = subscribe(publisher, replay_timeout=1.0)
-        sub = events.get("d0")
-        events.start()
-        try:
+        async with following(publisher, replay_timeout=1.0) as events:
+            sub = events.get("d0")
             await until("the rebuild", lambda: sub.flowing, timeout=60)
             assert sub.counts["replayed_batches"] == 10_000 and sub.counts["gaps_unrepaired"] == 0
             assert len(sub.index) == 40_000 and sub.next_seq == 10_000 and sub.counts["rebuild_failures"] == 0
-        finally:
-            await events.stop()
 
     asyncio.run(scenario())
