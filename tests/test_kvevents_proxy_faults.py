@@ -18,6 +18,8 @@ from procs import HOST, free_port, start_proxy, start_scripted
 from test_kvevents_subscriber import prompt
 from waits import scaled, wait_until
 
+from pdproxy.config import Settings, kv_event_endpoints
+
 STALL_BOUND = 0.5  # seconds: /health on a shared, loaded 2-core machine while the proxy takes a flood (main: 2-17 s)
 
 
@@ -213,3 +215,12 @@ def test_an_engine_on_ipv6_is_followed_through_the_host_template(cluster):
             proxy.stop()
     finally:
         publisher.stop()
+
+
+def test_an_ipv6_instance_may_be_named_with_or_without_brackets_in_an_override():
+    s = Settings(prefill_urls=["http://[::1]:8100"], decode_urls=["http://[fd00::2]:8200"],
+                 kv_events_endpoint="tcp://{host}:5557", kv_events_replay_endpoint="tcp://{host}:{port}",
+                 kv_events_instances={"[::1]:8100": "tcp://[::1]:6000"},
+                 kv_events_replay_instances={"fd00::2:8200": "tcp://[fd00::2]:6001"})
+    assert kv_event_endpoints(s) == [("::1:8100", "tcp://[::1]:6000", "tcp://[::1]:8100"),
+                                     ("fd00::2:8200", "tcp://[fd00::2]:5557", "tcp://[fd00::2]:6001")]
