@@ -557,16 +557,18 @@ def kv_event_endpoints(s: Settings) -> list[tuple[str, str, str | None]]:
         if all(a[0] != f"{parts.hostname}:{port}" for a in addresses):
             addresses.append((f"{parts.hostname}:{port}", parts.hostname or "", port))
     known = {a[0] for a in addresses}
-    overrides: list[dict[str, str]] = []
-    for given in (s.kv_events_instances, s.kv_events_replay_instances):
-        overrides.append({})
+
+    def by_instance(given: dict[str, str]) -> dict[str, str]:
+        named = {}
         for address, endpoint in given.items():
             bare = re.sub(r"^\[([^\]]*)\]", r"\1", address)  # [::1]:8200 names the instance ::1:8200
             if bare not in known:
                 raise ValueError(f"kv-events override for {address}, which is not an instance "
                                  f"({', '.join(sorted(known))})")
-            overrides[-1][bare] = endpoint
-    pub_overrides, replay_overrides = overrides
+            named[bare] = endpoint
+        return named
+
+    pub_overrides, replay_overrides = by_instance(s.kv_events_instances), by_instance(s.kv_events_replay_instances)
 
     def fill(template: str, host: str, port: int, what: str) -> str:
         try:  # an IPv6 literal keeps its brackets in an endpoint: tcp://[::1]:5557

@@ -24,8 +24,8 @@ _COUNTERS = (
 _SERVER_COUNTERS = (
     ("pdproxy_kv_event_malformed_events", "Events of a known type with fields of the wrong type or shape "
      "(skipped)", "malformed_events"),
-    ("pdproxy_kv_event_sequence_jumps", "Sequence numbers too far from the expected one to be believed (the "
-     "index is rebuilt)", "sequence_jumps"),
+    ("pdproxy_kv_event_sequence_jumps", "Sequence numbers not believed: too far from the expected one (live: the "
+     "index is rebuilt) or out of order in a replay (skipped)", "sequence_jumps"),
     ("pdproxy_kv_event_rebuild_failures", "Index rebuilds whose replay did not answer in full (retried with "
      "back-off; not flowing meanwhile)", "rebuild_failures"),
     ("pdproxy_kv_event_oversized_messages", "Connections ZMQ dropped for a message over the size bound (or "
