@@ -557,15 +557,22 @@ def kv_event_endpoints(s: Settings) -> list[tuple[str, str, str | None]]:
         if all(a[0] != f"{parts.hostname}:{port}" for a in addresses):
             addresses.append((f"{parts.hostname}:{port}", parts.hostname or "", port))
     known = {a[0] for a in addresses}
-    for given in (s.kv_events_instances, s.kv_events_replay_instances):
-        for address in given:
-            if address not in known:
+
+    def by_instance(given: dict[str, str]) -> dict[str, str]:
+        named = {}
+        for address, endpoint in given.items():
+            bare = re.sub(r"^\[([^\]]*)\]", r"\1", address)  # [::1]:8200 names the instance ::1:8200
+            if bare not in known:
                 raise ValueError(f"kv-events override for {address}, which is not an instance "
                                  f"({', '.join(sorted(known))})")
+            named[bare] = endpoint
+        return named
+
+    pub_overrides, replay_overrides = by_instance(s.kv_events_instances), by_instance(s.kv_events_replay_instances)
 
     def fill(template: str, host: str, port: int, what: str) -> str:
-        try:
-            endpoint = template.format(host=host, port=port)
+        try:  # an IPv6 literal keeps its brackets in an endpoint: tcp://[::1]:5557
+            endpoint = template.format(host=f"[{host}]" if ":" in host else host, port=port)
         except (KeyError, IndexError, ValueError) as exc:
             raise ValueError(f"{what} {template!r}: only {{host}} and {{port}} may be used ({exc})") from None
         if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
@@ -574,9 +581,9 @@ def kv_event_endpoints(s: Settings) -> list[tuple[str, str, str | None]]:
 
     out = []
     for address, host, port in addresses:
-        endpoint = s.kv_events_instances.get(address) or s.kv_events_endpoint
+        endpoint = pub_overrides.get(address) or s.kv_events_endpoint
         if endpoint:
-            replay = s.kv_events_replay_instances.get(address) or s.kv_events_replay_endpoint
+            replay = replay_overrides.get(address) or s.kv_events_replay_endpoint
             out.append((address, fill(endpoint, host, port, "kv-events endpoint"),
                         fill(replay, host, port, "kv-events replay endpoint") if replay else None))
     return out

@@ -116,15 +116,34 @@ def test_map_encoding_of_later_releases_decodes_to_the_same_events():
 
 
 @pytest.mark.parametrize("payload", [
-    b"", b"\xc1", msgspec.msgpack.encode([1.0]), msgspec.msgpack.encode("x"),
-    msgspec.msgpack.encode([1.0, [["BlockStored", [1, 2], None, [1] * 16, 16, None, "GPU", None]], 0]),
-    msgspec.msgpack.encode([1.0, [["BlockStored", ["x"], None, [1] * 16, 16]], 0]),
-    msgspec.msgpack.encode([1.0, [["BlockStored", [1], None, [1] * 16, 0]], 0]),
-    msgspec.msgpack.encode([1.0, [[1, 2]], 0]), msgspec.msgpack.encode({"ts": "now", "events": []}),
+    b"", b"\xc1", msgspec.msgpack.encode([1.0]), msgspec.msgpack.encode("x"), msgspec.msgpack.encode([True, []]),
+    msgspec.msgpack.encode([1.0, "events"]), msgspec.msgpack.encode({"ts": "now", "events": []}),
+    msgspec.msgpack.encode({"events": []}),
 ])
-def test_malformed_payloads_raise_decode_error(payload):
+def test_payloads_that_are_not_batches_raise_decode_error(payload):
     with pytest.raises(DecodeError):
         decode_batch(payload)
+
+
+GOOD = ["BlockStored", [7], None, list(range(16)), 16, None, "GPU", None]
+
+
+@pytest.mark.parametrize("event", [
+    ["BlockStored", [1, 2], None, [1] * 16, 16, None, "GPU", None],  # token ids do not fill the blocks
+    ["BlockStored", ["x"], None, [1] * 16, 16],  # a hash that is a string
+    ["BlockStored", [1], None, [1] * 16, 0],  # block size 0
+    ["BlockStored", [], None, [], 1 << 40],  # no blocks (its block size would have emptied the index)
+    ["BlockStored", [1], None, [[1, 2]] * 16, 16],  # token ids that are lists (crashed the subscriber: issue 39)
+    ["BlockStored", [1], None, [True] * 16, 16],  # booleans are not token ids
+    ["BlockStored", [1], [1], [1] * 16, 16],  # a parent that is a list
+    ["BlockRemoved", [{"h": 1}]], ["BlockRemoved"], [1, 2], [], "BlockStored", {"type": 3},
+    {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": ["a"] * 16,
+     "block_size": 16},
+])
+def test_a_malformed_event_is_skipped_and_counted_alone(event):
+    batch = decode_batch(msgspec.msgpack.encode([1.0, [event, GOOD, ["AllBlocksCleared"]], 0]))
+    assert batch.malformed == 1 and batch.unknown == 0
+    assert batch.events == [BlockStored([7], None, list(range(16)), 16, "GPU"), AllBlocksCleared()]
 
 
 def test_unknown_event_types_are_skipped_and_counted():
@@ -143,3 +162,12 @@ def test_index_bound_forgets_the_oldest_blocks():
     assert index.orphans == 1 and len(index) == 9
     index.apply(AllBlocksCleared())
     assert len(index) == 0 and index.matched_blocks(chain_hashes(tokens, 16)) == 0
+
+
+def test_block_hashes_sent_as_bytes_are_kept_as_ints():
+    digest = bytes(range(32))  # vLLM's sha256 block hash, when not converted to an int
+    batch = decode_batch(msgspec.msgpack.encode(
+        [1.0, [["BlockStored", [digest], digest, [5] * 16, 16, None, "GPU", None], ["BlockRemoved", [digest, 9]]], 0]))
+    assert batch.malformed == 0
+    assert batch.events == [BlockStored([int.from_bytes(digest, "big")], int.from_bytes(digest, "big"), [5] * 16, 16,
+                                        "GPU"), BlockRemoved([int.from_bytes(digest, "big"), 9])]

@@ -7,42 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from kv_publisher import PublisherProcess
 from procs import HOST, free_port
 from waits import scaled
 
 from pdproxy.kvevents import chain_hashes
 from pdproxy.kvevents.subscriber import KVEvents, Source
 
-SCRIPT = str(Path(__file__).with_name("kv_publisher.py"))
-ROOT = str(Path(__file__).resolve().parents[1])
 
-
-class Publisher:
-    def __init__(self, pub: int, replay: int) -> None:
-        self.popen = subprocess.Popen(
-            [sys.executable, SCRIPT, "--endpoint", f"tcp://{HOST}:{pub}", "--replay", f"tcp://{HOST}:{replay}"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
-            env={**os.environ, "PYTHONPATH": ROOT})
-        assert self.popen.stdout.readline().strip() == "ready"
-
-    def send(self, **command) -> int:
-        self.popen.stdin.write(json.dumps(command) + "\n")
-        self.popen.stdin.flush()
-        return int(self.popen.stdout.readline().split()[1])
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait()
+def Publisher(pub: int, replay: int) -> PublisherProcess:
+    return PublisherProcess(pub, replay)
 
 
 def prompt(n: int, blocks: int = 4) -> list[int]:

@@ -6,27 +6,38 @@ that subscribes to every instance builds the same per-instance prefix index with
 replicas and workers agree on where a prompt's KV sits (llm-d's precise prefix-cache scorer and Dynamo's KV
 router work the same way).
 
-Public face: `start` (subscribe to every configured instance, for the server), `decode_batch` (one message's
-payload), `BlockIndex` (one instance's cached blocks, keyed by pdproxy's hash of their tokens,
-`pdproxy.blocks.chain_hashes`, re-exported here). Inside: decode, index, subscriber (+ sources, metrics),
-publisher (the simulator's), arrivals (live stall attribution). What routes by the index (precise_prefix,
-selective disaggregation) is pdproxy/policies and pdproxy/routing: this package imports neither.
+Public face: `start` (from the server's lifecycle: subscribe to every configured instance, count it in
+/metrics, hand it to the policies that route by it and to live stall attribution; `KVEvents.stop` at
+shutdown), `KVEvents.get(address)` (an instance's subscription: its `index`, `flowing` and
+`not_flowing_reason`), `decode_batch` (one message's payload), `BlockIndex` (one instance's cached blocks,
+keyed by pdproxy's hash of their tokens, `pdproxy.blocks.chain_hashes`, re-exported here). Inside: decode,
+index, subscriber (+ sources, metrics), publisher (the simulator's), arrivals (live stall attribution). What
+routes by the index (precise_prefix, selective disaggregation) is pdproxy/policies and pdproxy/routing: this
+package imports neither.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pdproxy.blocks import chain_hashes
 from pdproxy.kvevents.decode import (AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, Event, EventBatch,
                                      decode_batch, parse_seq)
-from pdproxy.blocks import chain_hashes
 from pdproxy.kvevents.index import BlockIndex
 
 if TYPE_CHECKING:
     from pdproxy.kvevents.subscriber import KVEvents
 
 __all__ = ["AllBlocksCleared", "BlockIndex", "BlockRemoved", "BlockStored", "DecodeError", "Event", "EventBatch",
-           "chain_hashes", "decode_batch", "parse_seq"]
+           "KVEvents", "chain_hashes", "decode_batch", "parse_seq", "start"]
+
+
+def __getattr__(name: str):
+    if name == "KVEvents":  # zmq is imported only where events are on
+        from pdproxy.kvevents.subscriber import KVEvents
+
+        return KVEvents
+    raise AttributeError(name)
 
 
 def start(settings, registry, pools=(), stalls=None, decodes=()) -> KVEvents | None:

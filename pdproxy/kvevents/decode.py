@@ -5,7 +5,10 @@ event a list whose first item is its tag (`["BlockStored", block_hashes, parent_
 block_size, lora_id, medium, lora_name, extra_keys, group_idx, ...]`, `["BlockRemoved", block_hashes,
 medium, group_idx]`, `["AllBlocksCleared"]`). Later releases encode structs as maps with a `"type"` tag
 (vllm-project/vllm#42892). Both decode to the same three small classes here. Only the fields a router
-needs are kept; unknown event types are skipped (counted), a malformed payload raises `DecodeError`.
+needs are kept. The types are checked as msgspec decodes (in C, so a batch of millions of token ids costs
+no Python loop); an event of an unknown type is skipped and counted, a malformed event (a token id that is a
+list, a hash that is a string, token ids not filling its blocks) is skipped and counted alone, and only a
+payload that is not a batch at all raises `DecodeError`: nothing an engine sends gets past here unchecked.
 """
 
 from __future__ import annotations
@@ -51,85 +54,137 @@ class EventBatch:
     events: list[Event]
     data_parallel_rank: int | None = None
     unknown: int = 0  # events of a type this decoder does not know (skipped)
+    malformed: int = 0  # events of a known type with fields of the wrong type or shape (skipped)
 
 
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
-_REMOVED_FIELDS = ("block_hashes", "medium")
+# The wire's own shapes, validated by msgspec as it decodes (a token id must be an int, a hash an int or bytes):
+# vLLM 0.23's positional tagged arrays, later releases' maps tagged by "type". Trailing fields this router does
+# not use (lora_id, medium, lora_name, extra_keys, group_idx, ...) are accepted as anything, or ignored.
+_Hash = int | bytes
 
 
-def _hash(value: Any) -> int:
+class _StoredArray(msgspec.Struct, array_like=True, tag="BlockStored"):
+    block_hashes: list[_Hash]
+    parent_block_hash: _Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: Any = None
+    medium: Any = None
+
+
+class _RemovedArray(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: list[_Hash]
+    medium: Any = None
+
+
+class _ClearedArray(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class _StoredMap(msgspec.Struct, tag="BlockStored"):
+    block_hashes: list[_Hash]
+    parent_block_hash: _Hash | None
+    token_ids: list[int]
+    block_size: int
+    medium: Any = None
+
+
+class _RemovedMap(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list[_Hash]
+    medium: Any = None
+
+
+class _ClearedMap(msgspec.Struct, tag="AllBlocksCleared"):
+    pass
+
+
+class _Batch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: Any = None
+
+
+_batch = msgspec.msgpack.Decoder(_Batch | dict[str, msgspec.Raw])
+_float = msgspec.msgpack.Decoder(float)
+_raw_list = msgspec.msgpack.Decoder(list[msgspec.Raw])
+_as_array = msgspec.msgpack.Decoder(_StoredArray | _RemovedArray | _ClearedArray)
+_as_map = msgspec.msgpack.Decoder(_StoredMap | _RemovedMap | _ClearedMap)
+_any = msgspec.msgpack.Decoder()
+_MAP_MARKERS = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))  # msgpack fixmap, map16, map32
+
+
+def _hash(value: _Hash) -> int:
     # ExternalBlockHash: an int in 0.23; bytes in some releases (kept as an int either way)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, (bytes, bytearray)):
-        return int.from_bytes(value, "big")
-    raise DecodeError(f"block hash of type {type(value).__name__}")
+    return value if type(value) is int else int.from_bytes(value, "big")  # type: ignore[arg-type]
 
 
-def _ints(value: Any, what: str) -> list[int]:
-    if not isinstance(value, list):
-        raise DecodeError(f"{what} is not a list")
-    return value
+def _hashes(values: list[_Hash]) -> list[int]:
+    return [h if type(h) is int else int.from_bytes(h, "big") for h in values]  # type: ignore[misc]
 
 
-def _fields(raw: Any, names: tuple[str, ...]) -> tuple[str, dict[str, Any]]:
-    """(tag, {field: value}) from a positional or a map-encoded event."""
-    if isinstance(raw, list) and raw and isinstance(raw[0], str):
-        return raw[0], dict(zip(names, raw[1:]))
-    if isinstance(raw, dict) and isinstance(raw.get("type"), str):
-        return raw["type"], raw
-    raise DecodeError("event is neither a tagged array nor a map with a 'type'")
-
-
-def _event(raw: Any) -> Event | None:
-    tag = raw[0] if isinstance(raw, list) and raw else raw.get("type") if isinstance(raw, dict) else None
-    if tag == "BlockStored":
-        _, f = _fields(raw, _STORED_FIELDS)
-        hashes = [_hash(h) for h in _ints(f.get("block_hashes"), "block_hashes")]
-        parent = f.get("parent_block_hash")
-        tokens = _ints(f.get("token_ids"), "token_ids")
-        size = f.get("block_size")
-        if not isinstance(size, int) or size < 1:
-            raise DecodeError(f"block_size {size!r}")
+def _event(raw: msgspec.Raw) -> Event | None:
+    """One event; None for a type this decoder does not know; `DecodeError` if it is malformed."""
+    data = memoryview(raw)
+    try:
+        wire = (_as_map if data and data[0] in _MAP_MARKERS else _as_array).decode(data)
+    except msgspec.ValidationError:
+        tag = _tag(data)
+        if isinstance(tag, str) and tag not in ("BlockStored", "BlockRemoved", "AllBlocksCleared"):
+            return None  # a newer event type: skipped
+        raise DecodeError("malformed event") from None
+    except msgspec.DecodeError as exc:
+        raise DecodeError(f"malformed event: {exc}") from None
+    medium = getattr(wire, "medium", None)
+    medium = medium if isinstance(medium, str) else None
+    if isinstance(wire, (_StoredArray, _StoredMap)):
+        size, hashes, tokens = wire.block_size, wire.block_hashes, wire.token_ids
+        if size < 1 or not hashes:  # (a store of no blocks changing the block size would empty the index)
+            raise DecodeError(f"{len(hashes)} blocks of size {size}")
         if len(tokens) != size * len(hashes):
             raise DecodeError(f"{len(tokens)} token ids for {len(hashes)} blocks of {size}")
-        return BlockStored(hashes, None if parent is None else _hash(parent), tokens, size, f.get("medium"))
-    if tag == "BlockRemoved":
-        _, f = _fields(raw, _REMOVED_FIELDS)
-        return BlockRemoved([_hash(h) for h in _ints(f.get("block_hashes"), "block_hashes")], f.get("medium"))
-    if tag == "AllBlocksCleared":
-        return AllBlocksCleared()
-    if isinstance(tag, str):
-        return None  # a newer event type: skipped
-    raise DecodeError("event without a tag")
+        parent = wire.parent_block_hash
+        return BlockStored(_hashes(hashes), None if parent is None else _hash(parent), tokens, size, medium)
+    if isinstance(wire, (_RemovedArray, _RemovedMap)):
+        return BlockRemoved(_hashes(wire.block_hashes), medium)
+    return AllBlocksCleared()
+
+
+def _tag(data: memoryview) -> Any:
+    try:
+        raw = _any.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(raw, list) and raw:
+        return raw[0]
+    return raw.get("type") if isinstance(raw, dict) else None
 
 
 def decode_batch(payload: bytes) -> EventBatch:
-    """One batch from a PUB or replay message's payload frame; `DecodeError` if it is not one."""
+    """One batch from a PUB or replay message's payload frame; `DecodeError` if it is not one. A malformed
+    event inside a well-formed batch is skipped and counted (`malformed`), not the whole batch."""
     try:
-        raw = _decoder.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise DecodeError(f"not msgpack: {exc}") from None
-    if isinstance(raw, list) and len(raw) >= 2:
-        ts, events, rank = raw[0], raw[1], raw[2] if len(raw) > 2 else None
-    elif isinstance(raw, dict):
-        ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")
-    else:
-        raise DecodeError("batch is neither an array nor a map")
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not isinstance(events, list):
-        raise DecodeError("batch without a timestamp and a list of events")
+        raw = _batch.decode(payload)
+        if isinstance(raw, dict):
+            if "ts" not in raw or "events" not in raw:
+                raise DecodeError("batch map without 'ts' and 'events'")
+            raw = _Batch(_float.decode(raw["ts"]), _raw_list.decode(raw["events"]),
+                         _any.decode(raw["data_parallel_rank"]) if "data_parallel_rank" in raw else None)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise DecodeError(f"not a batch: {exc}") from None
     out: list[Event] = []
-    unknown = 0
-    try:
-        for item in events:
+    unknown = malformed = 0
+    for item in raw.events:
+        try:
             event = _event(item)
-            if event is None:
-                unknown += 1
-            else:
-                out.append(event)
-    except (TypeError, AttributeError, OverflowError) as exc:
-        raise DecodeError(f"malformed event: {exc}") from None
-    return EventBatch(float(ts), out, rank if isinstance(rank, int) else None, unknown)
+        except DecodeError:
+            malformed += 1
+            continue
+        if event is None:
+            unknown += 1
+        else:
+            out.append(event)
+    rank = raw.data_parallel_rank
+    return EventBatch(raw.ts, out, rank if type(rank) is int else None, unknown, malformed)
 
 
 def parse_seq(frame: bytes) -> int:

@@ -1,6 +1,7 @@
 """The subscriptions' counters in /metrics, read at scrape time (the stream never touches prometheus_client).
 
-Labels: `instance` (the configured instances: bounded) and, for events, `kind` (a fixed set)."""
+Labels: `instance` (the configured instances: bounded) for the first counters, `server_address` (the same
+values, the label every newer metric has) for those added since."""
 
 from __future__ import annotations
 
@@ -20,6 +21,17 @@ _COUNTERS = (
     ("pdproxy_kv_event_decode_errors", "Messages or batches that could not be decoded", "decode_errors"),
     ("pdproxy_kv_event_resyncs", "Index rebuilds from replay (start, reconnection, engine restart)", "resyncs"),
 )
+_SERVER_COUNTERS = (
+    ("pdproxy_kv_event_malformed_events", "Events of a known type with fields of the wrong type or shape "
+     "(skipped)", "malformed_events"),
+    ("pdproxy_kv_event_sequence_jumps", "Sequence numbers not believed: too far from the expected one (live: the "
+     "index is rebuilt) or out of order in a replay (skipped)", "sequence_jumps"),
+    ("pdproxy_kv_event_rebuild_failures", "Index rebuilds whose replay did not answer in full (retried with "
+     "back-off; not flowing meanwhile)", "rebuild_failures"),
+    ("pdproxy_kv_event_oversized_messages", "Connections ZMQ dropped for a message over the size bound (or "
+     "another protocol error)", "oversized_messages"),
+    ("pdproxy_kv_event_disconnects", "Disconnections of an instance's event stream", "disconnects"),
+)
 
 
 class KVEventsCollector:
@@ -31,11 +43,12 @@ class KVEventsCollector:
 
     def collect(self):
         subs = self.events.subscriptions
-        for name, doc, key in _COUNTERS:
-            family = CounterMetricFamily(name, doc, labels=["instance"])
-            for address, sub in subs.items():
-                family.add_metric([address], sub.counts[key])
-            yield family
+        for counters, label in ((_COUNTERS, "instance"), (_SERVER_COUNTERS, "server_address")):
+            for name, doc, key in counters:
+                family = CounterMetricFamily(name, doc, labels=[label])
+                for address, sub in subs.items():
+                    family.add_metric([address], sub.counts[key])
+                yield family
         flowing = GaugeMetricFamily("pdproxy_kv_events_flowing", "1 while an instance's event index is in sync "
                                     "and used for routing", labels=["instance"])
         blocks = GaugeMetricFamily("pdproxy_kv_event_index_blocks", "Blocks in an instance's event index",

@@ -84,6 +84,7 @@ class Publisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.IPV6, 1)
         (self._pub.bind if (_binds(endpoint) if bind is None else bind) else self._pub.connect)(endpoint)
         self._replay: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
@@ -91,17 +92,33 @@ class Publisher:
 
     def start(self) -> None:
         """Serve replay requests (call on the running loop)."""
-        if self.replay_endpoint:
+        if self.replay_endpoint and self._replay is None:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.setsockopt(zmq.IPV6, 1)
             self._replay.bind(self.replay_endpoint)
             self._task = asyncio.get_running_loop().create_task(self._serve_replay(), name="kv-events-replay")
 
+    async def stop_replay(self) -> None:
+        """Stop answering replay requests (the ROUTER socket goes away; `start` brings it back)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._replay is not None:
+            self._replay.close(0)
+            self._replay = None
+
     def publish(self, events: list, ts: float | None = None, send: bool = True) -> int:
         """One batch, numbered; `send=False` keeps it for replay only (a batch a subscriber missed)."""
-        seq = self._seq
-        self._seq += 1
-        payload = self._encoder.encode(_Batch(time.time() if ts is None else ts, events, 0))
+        return self.publish_payload(self._encoder.encode(_Batch(time.time() if ts is None else ts, events, 0)), send)
+
+    def publish_payload(self, payload: bytes, send: bool = True, seq: int | None = None) -> int:
+        """An encoded batch, numbered (or, for a test of a faulty engine, under the given number)."""
+        if seq is None:
+            seq = self._seq
+            self._seq += 1
         self._buffer.append((seq, payload))
         if send:
             with contextlib.suppress(zmq.Again):  # PUB drops at its high-water mark, as vLLM's does
@@ -124,11 +141,6 @@ class Publisher:
             await self._replay.send_multipart((client, b"", END_SEQ, b""))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self.stop_replay()
         self._pub.close(0)
-        if self._replay is not None:
-            self._replay.close(0)
         self._ctx.term()

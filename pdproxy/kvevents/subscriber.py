@@ -8,20 +8,39 @@ One task per instance, on the proxy's event loop (pyzmq's asyncio API). The stre
 * a sequence number above the next expected one is a gap: the missing batches are asked for by replay;
 * one below it, not explained by a replay that just overlapped the live stream, is an engine restarted
   (sequence back to 0, cache empty): the index is rebuilt the same way;
-* when nothing arrives for `probe_interval`, a replay from the next sequence checks that the engine is
-  still there and repairs a lost tail.
+* a sequence more than `MAX_SEQ_JUMP` (vLLM's replay buffer) away from the next expected one, either way, is
+  not believed (counted in `sequence_jumps`) rather than let freeze the index behind a number the engine will
+  never reach: on the live stream the index is rebuilt (no replay could repair such a gap, no overlap explains
+  it); in a replay's answers it is skipped, as is an answer out of order;
+* when nothing arrives for `probe_interval` (and every `BUSY_PROBE_INTERVALS` probe intervals even while
+  batches flow), a replay from the next sequence checks that the replay socket answers and repairs a lost tail.
 
-Nothing blocks the loop: the socket's receive high-water mark bounds what waits, at most `MAX_PER_TICK`
-batches are applied before yielding, a replay yields every `REPLAY_YIELD` batches and gives up after
-`replay_timeout` per message. An instance's index is "flowing" (trusted for routing) while its SUB socket
-is connected, no rebuild is under way and, where a replay endpoint is given, the engine answered a replay
-within the last three probe intervals.
+When an index is trusted for routing ("flowing"), and why not (`not_flowing_reason`): it is flowing while the
+SUB socket is connected, a rebuild succeeded since the last (re)connection, restart or unrepairable loss,
+and, where a replay endpoint is given, the engine was heard within `3 × probe_interval + replay_timeout`:
+a live batch in sequence or an answered replay. A live batch in sequence proves the engine is there and
+that nothing was missed, so a busy stream stays flowing without any replay. A replay socket that stops
+answering is shown at once (`replay_answering`, `replay_failures`) but does not by itself make a busy
+stream untrusted: while every batch arrives in sequence the index is exact. What it takes away is repair:
+the first gap it cannot repair makes the index not flowing (`rebuild_failed`) until a rebuild from the
+replay buffer succeeds (retried with back-off, `REBUILD_BACKOFF`); an idle engine whose replay socket does
+not answer is not heard from, and stops being trusted (`replay_unanswered`). An operator sees a broken
+replay socket before it costs anything, and routing never trusts an index that is known to be incomplete.
+
+Nothing an engine sends ends the task or stalls the loop: every event's types are checked as it is decoded
+(a malformed event is skipped and counted alone); a message above `message_bound(max_blocks)` bytes is
+refused by ZMQ (`zmq.MAXMSGSIZE`: it drops the connection without retrying, seen here as
+`oversized_messages`, and the socket is made anew; while the engine's replay buffer still holds that
+message no rebuild can complete, so the instance stays untrusted, `rebuild_failed`), and at most
+`receive_hwm` messages wait in each socket, so what waits is bounded in bytes. Work is counted in
+`TURN_BUDGET` units (a token id, a block hash, an event; `MESSAGE_UNITS` for a message or a replay answer,
+applied or skipped) and the loop is yielded to after each budget, a huge batch's blocks being stored a
+part at a time; a replay gives up after `replay_timeout` per message, or past `MAX_REPLAY_ANSWERS` answers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from bisect import bisect_left
@@ -32,18 +51,38 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from pdproxy.kvevents.decode import DecodeError, EventBatch, decode_batch, parse_seq
+from pdproxy.kvevents.decode import BlockRemoved, BlockStored, DecodeError, Event, EventBatch, decode_batch, parse_seq
 from pdproxy.kvevents.index import DEFAULT_MAX_BLOCKS, BlockIndex
 
 log = logging.getLogger("pdproxy.kvevents")
 
-MAX_PER_TICK = 64
-REPLAY_YIELD = 64
-RECEIVE_HWM = 10_000  # batches waiting in the SUB socket; beyond, ZMQ drops and the gap is replayed
+TURN_BUDGET = 4_096  # work units (~0.1 µs each: a token id hashed and indexed) between two yields to the loop
+MESSAGE_UNITS = 128  # what receiving one message or replay answer costs, applied or skipped
+MAX_SEQ_JUMP = 10_000  # vLLM's replay buffer (buffer_steps): a sequence further away is not believed
+MAX_REPLAY_ANSWERS = 10 * MAX_SEQ_JUMP  # more than any engine's buffer holds: the replay is not believed
+BUSY_PROBE_INTERVALS = 5  # a busy stream's replay socket is probed every 5 probe intervals
+REBUILD_BACKOFF = (0.5, 30.0)  # seconds between rebuild attempts: doubling from the first, reset after the last
+BLOCK_BYTES = 96  # a 16-token block at msgpack's widest token ids (5 bytes each) and its 9-byte hash, with slack
+MESSAGE_BYTES = (256 << 10, 4 << 20)  # a message's bound: a full index's worth of blocks, within these
+QUEUE_BYTES = 64 << 20  # what may wait in one socket's receive queue: its high-water mark counts messages
+GAVE_UP_AFTER = 1.0  # a disconnection that ZMQ did not retry within this: it dropped the connection for good
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 # (instance address, batch, live): called for every batch applied, after the index took it
 Listener = Callable[[str, EventBatch, bool], None]
+
+
+def message_bound(max_blocks: int) -> int:
+    """The largest message taken from an engine: more blocks than the index holds are of no use to it, and
+    4 MiB (some 900,000 token ids, far more than one engine step stores) takes ~0.1 s of the loop to decode."""
+    return min(MESSAGE_BYTES[1], max(MESSAGE_BYTES[0], max_blocks * BLOCK_BYTES))
+
+
+def receive_hwm(max_message: int) -> int:
+    """Messages that may wait in a socket (beyond, ZMQ pushes back on the engine's socket, whose own
+    high-water mark then drops, and the gap is replayed)."""
+    return min(1000, max(16, QUEUE_BYTES // max_message))
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,90 +102,163 @@ class Subscription:
         self.source = source
         self.index = BlockIndex(max_blocks)
         self.probe_interval, self.replay_timeout = probe_interval, replay_timeout
+        self.max_message = message_bound(max_blocks)
         self.next_seq: int | None = None
         self.connected = False
         self.rebuilding = False
+        self.rebuild_failed = False
         self._resync = True  # rebuild from replay before trusting anything
         self._floor = 0  # live batches below next_seq but at or above this are replay overlaps, not a restart
+        self._rebuild_at = float("-inf")  # monotonic: no rebuild attempt before then (back-off)
+        self._backoff = 0.0
+        self._budget = TURN_BUDGET
+        self.last_heard = float("-inf")  # monotonic: a live batch in sequence or an answered replay
         self.last_replay_ok = float("-inf")  # monotonic
+        self.last_replay_at = float("-inf")  # monotonic: the last replay asked for
+        self.replay_answering: bool | None = None  # did the last replay answer in full? (None: none asked yet)
         self.last_batch_at: float | None = None  # monotonic
         self.counts = {"batches": 0, "events": 0, "gaps": 0, "gaps_unrepaired": 0, "replays": 0,
                        "replay_failures": 0, "replayed_batches": 0, "decode_errors": 0, "resyncs": 0,
-                       "restarts": 0, "duplicates": 0, "unknown_events": 0}
+                       "restarts": 0, "duplicates": 0, "unknown_events": 0, "malformed_events": 0,
+                       "sequence_jumps": 0, "rebuild_failures": 0, "disconnects": 0, "oversized_messages": 0}
         self.lag_buckets = [0] * (len(LAG_BUCKETS) + 1)
         self.lag_sum = 0.0
         self.listeners: list[Listener] = []
+        self._ctx: zmq.asyncio.Context | None = None
         self._dealer: zmq.asyncio.Socket | None = None
 
     @property
+    def not_flowing_reason(self) -> str | None:
+        """Why the index is not trusted for routing now (None: it is)."""
+        if not self.connected:
+            return "disconnected"
+        if self._resync:
+            return "rebuild_failed" if self.rebuild_failed and not self.rebuilding else "rebuilding"
+        if self.source.replay_endpoint is not None and \
+                time.monotonic() - self.last_heard >= 3 * self.probe_interval + self.replay_timeout:
+            return "replay_unanswered"
+        return None
+
+    @property
     def flowing(self) -> bool:
-        if not self.connected or self.rebuilding or self._resync:
-            return False
-        if self.source.replay_endpoint is None:
-            return True
-        return time.monotonic() - self.last_replay_ok < 3 * self.probe_interval + self.replay_timeout
+        return self.not_flowing_reason is None
 
     def status(self) -> dict:
+        now = time.monotonic()
         return {"endpoint": self.source.endpoint, "replay_endpoint": self.source.replay_endpoint,
-                "connected": self.connected, "flowing": self.flowing, "next_seq": self.next_seq,
-                "blocks": len(self.index), "block_size": self.index.block_size,
-                "orphan_blocks": self.index.orphans, "evicted_blocks": self.index.evicted, **self.counts,
-                "last_batch_age_seconds": None if self.last_batch_at is None
-                else round(time.monotonic() - self.last_batch_at, 3)}
+                "connected": self.connected, "flowing": self.flowing, "not_flowing_reason": self.not_flowing_reason,
+                "next_seq": self.next_seq, "blocks": len(self.index), "block_size": self.index.block_size,
+                "orphan_blocks": self.index.orphans, "evicted_blocks": self.index.evicted,
+                "replay_answering": self.replay_answering, "max_message_bytes": self.max_message, **self.counts,
+                "last_batch_age_seconds": None if self.last_batch_at is None else round(now - self.last_batch_at, 3),
+                "last_replay_ok_age_seconds": None if self.last_replay_ok == float("-inf")
+                else round(now - self.last_replay_ok, 3)}
 
-    # -- the stream ---------------------------------------------------------------------------
+    # -- the sockets ----------------------------------------------------------------------------
 
     async def run(self, ctx: zmq.asyncio.Context) -> None:
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
-        sub.setsockopt(zmq.LINGER, 0)
+        """Follow the stream until cancelled, or until ZMQ dropped the connection for good (then return:
+        the caller makes a new socket)."""
+        self._ctx = ctx
+        sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        monitor = sub.get_monitor_socket(_MONITORED)
         sub.connect(self.source.endpoint)
-        watcher = asyncio.create_task(self._watch(monitor), name=f"kv-events-monitor {self.source.address}")
+        name = self.source.address
+        tasks = (asyncio.create_task(self._stream(sub), name=f"kv-events stream {name}"),
+                 asyncio.create_task(self._watch(monitor), name=f"kv-events monitor {name}"))
         try:
-            while True:
-                if self._resync and self.connected:
-                    await self._rebuild()
-                try:
-                    frames = await asyncio.wait_for(sub.recv_multipart(), self.probe_interval)
-                except TimeoutError:
-                    if self.connected and not self._resync and self.source.replay_endpoint:
-                        await self._replay(self.next_seq or 0)  # still there? and a lost tail repaired
-                    continue
-                await self._live(frames)
-                for _ in range(MAX_PER_TICK - 1):
-                    try:
-                        frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    await self._live(frames)
-                await asyncio.sleep(0)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             sub.disable_monitor()
             monitor.close(0)
             sub.close(0)
             if self._dealer is not None:
                 self._dealer.close(0)
+                self._dealer = None  # a restarted task's replay must not use a closed socket
+            self.connected, self._resync = False, True
+
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        assert self._ctx is not None
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:5557 (IPv4 addresses still work)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message)
+        sock.setsockopt(zmq.RCVHWM, receive_hwm(self.max_message))
+        return sock
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        """Follow the SUB socket's connection; return when ZMQ dropped it without retrying (it does so for a
+        message over MAXMSGSIZE, or another protocol error, and never reconnects that socket)."""
+        retrying = True
         while True:
-            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            try:
+                frames = await asyncio.wait_for(monitor.recv_multipart(), None if retrying else GAVE_UP_AFTER)
+            except TimeoutError:
+                self.counts["oversized_messages"] += 1
+                log.warning("kv events: %s sent a message over %d bytes (or broke the protocol); ZMQ dropped the "
+                            "connection; connecting anew", self.source.address, self.max_message)
+                return
+            event = parse_monitor_message(frames)["event"]
+            retrying = event != zmq.EVENT_DISCONNECTED
             if event == zmq.EVENT_CONNECTED:
                 self.connected, self._resync = True, True
                 log.info("kv events: connected to %s (%s)", self.source.address, self.source.endpoint)
             elif event == zmq.EVENT_DISCONNECTED:
+                self.counts["disconnects"] += 1
                 if self.connected:
                     log.warning("kv events: %s disconnected; routing falls back until it is back and resynced",
                                 self.source.address)
                 self.connected = False
 
+    # -- the stream -----------------------------------------------------------------------------
+
+    async def _stream(self, sub: zmq.asyncio.Socket) -> None:
+        while True:
+            timeout = self.probe_interval
+            if self._resync and self.connected:
+                wait = self._rebuild_at - time.monotonic()
+                if wait <= 0:
+                    await self._try_rebuild()
+                    continue
+                timeout = min(timeout, wait)
+            try:
+                frames = await asyncio.wait_for(sub.recv_multipart(), timeout)
+            except TimeoutError:
+                if self._probe_due(idle=True):
+                    await self._replay(self.next_seq or 0)  # still there? and a lost tail repaired
+                continue
+            await self._live(frames)
+            while self._budget > 0:  # what already waits, within this turn's budget
+                try:
+                    frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                await self._live(frames)
+            if self._probe_due(idle=False):
+                await self._replay(self.next_seq or 0)
+            self._budget = TURN_BUDGET
+            await asyncio.sleep(0)  # a receive that had finished already does not yield (Python 3.12)
+
+    def _probe_due(self, idle: bool) -> bool:
+        if not self.connected or self._resync or not self.source.replay_endpoint:
+            return False
+        return idle or time.monotonic() - self.last_replay_at >= BUSY_PROBE_INTERVALS * self.probe_interval
+
+    async def _spend(self, units: int) -> None:
+        """Count work done; yield to the loop each time a turn's budget is spent."""
+        self._budget -= units
+        if self._budget <= 0:
+            self._budget = TURN_BUDGET
+            await asyncio.sleep(0)
+
     async def _live(self, frames: list[bytes]) -> None:
-        if self._resync and self.connected:
-            await self._rebuild()
+        await self._spend(MESSAGE_UNITS)
         try:
             if len(frames) != 3:
                 raise DecodeError(f"{len(frames)} frames")
@@ -154,30 +266,45 @@ class Subscription:
         except DecodeError:
             self.counts["decode_errors"] += 1
             return
+        if self._resync and not await self._try_rebuild():
+            return  # not trusted before a rebuild; the rebuild's replay will bring this batch
         expected = self.next_seq
-        if expected is not None and seq > expected:
-            self.counts["gaps"] += 1
-            await self._replay(expected)
-            expected = self.next_seq
-            if expected is not None and seq > expected:
-                self.counts["gaps_unrepaired"] += 1  # the engine no longer has them: accepted as lost
-                expected = None
-        elif expected is not None and seq < expected:
-            if seq >= self._floor:
+        if expected is not None and seq != expected:
+            if abs(seq - expected) > MAX_SEQ_JUMP or seq < self._floor:
+                if abs(seq - expected) > MAX_SEQ_JUMP:
+                    self.counts["sequence_jumps"] += 1
+                    log.warning("kv events: %s sent sequence %d, expected %d; not believed, rebuilding its index",
+                                self.source.address, seq, expected)
+                else:
+                    self.counts["restarts"] += 1
+                    log.warning("kv events: %s restarted (sequence %d after %d); rebuilding its index",
+                                self.source.address, seq, expected - 1)
+                self._resync = True
+                if not await self._try_rebuild():
+                    return
+                expected = self.next_seq
+            elif seq > expected:
+                self.counts["gaps"] += 1
+                if not await self._replay(expected):
+                    self.counts["gaps_unrepaired"] += seq - expected
+                    self._resync = True  # batches lost while the replay does not answer: not trusted until rebuilt
+                    log.warning("kv events: %s: batches %d-%d lost and the replay did not answer; rebuilding",
+                                self.source.address, expected, seq - 1)
+                    return
+                expected = self.next_seq
+                if expected is not None and seq > expected:
+                    self.counts["gaps_unrepaired"] += seq - expected  # the engine no longer had them: accepted as lost
+                    expected = seq
+            else:
                 self.counts["duplicates"] += 1
                 return
-            self.counts["restarts"] += 1
-            log.warning("kv events: %s restarted (sequence %d after %d); rebuilding its index",
-                        self.source.address, seq, expected - 1)
-            await self._rebuild()
-            if self.next_seq is not None and seq < self.next_seq:
-                return  # the rebuild's replay already had it
-            expected = None
         if expected is None or seq == expected:
-            self._apply(seq, frames[2], live=True)
+            await self._apply(seq, frames[2], live=True)
             self._floor = seq + 1
+            self.last_heard = time.monotonic()
+        # else a replay just brought it, or (after a rebuild) the next repair will
 
-    def _apply(self, seq: int, payload: bytes, live: bool) -> None:
+    async def _apply(self, seq: int, payload: bytes, live: bool) -> None:
         self.next_seq = seq + 1
         try:
             batch = decode_batch(payload)
@@ -185,13 +312,17 @@ class Subscription:
             self.counts["decode_errors"] += 1
             log.debug("kv events: undecodable batch %d from %s: %s", seq, self.source.address, exc)
             return
-        index = self.index
-        for event in batch.events:
-            index.apply(event)
         counts = self.counts
         counts["batches"] += 1
         counts["events"] += len(batch.events)
         counts["unknown_events"] += batch.unknown
+        if batch.malformed:
+            if not counts["malformed_events"]:
+                log.warning("kv events: %s sent malformed events (skipped, counted in malformed_events)",
+                            self.source.address)
+            counts["malformed_events"] += batch.malformed
+        for event in batch.events:
+            await self._index(event)
         self.last_batch_at = time.monotonic()
         if live:
             lag = max(0.0, time.time() - batch.ts)
@@ -203,61 +334,123 @@ class Subscription:
             except Exception:  # a listener's failure never stops the stream
                 log.exception("kv events listener failed")
 
-    async def _rebuild(self) -> None:
-        """Forget the index and take the engine's whole replay buffer (or, without one, start from now)."""
-        self._resync = False
+    async def _index(self, event: Event) -> None:
+        """Apply one event, a huge store a part at a time (the index may be read between parts: harmless)."""
+        if not isinstance(event, BlockStored):
+            self.index.apply(event)
+            await self._spend(len(event.block_hashes) + 1 if isinstance(event, BlockRemoved) else 1)
+            return
+        size, hashes, tokens = event.block_size, event.block_hashes, event.token_ids
+        step = max(1, TURN_BUDGET // (size + 1))
+        if len(hashes) <= step:
+            self.index.store(event)
+            await self._spend(len(tokens) + len(hashes))
+            return
+        parent = event.parent_block_hash
+        for start in range(0, len(hashes), step):
+            part = hashes[start:start + step]
+            self.index.store(BlockStored(part, parent, tokens[start * size:(start + len(part)) * size], size,
+                                         event.medium))
+            parent = part[-1]
+            await self._spend(len(part) * (size + 1))
+
+    # -- rebuild and replay ---------------------------------------------------------------------
+
+    async def _try_rebuild(self) -> bool:
+        """Rebuild the index from the replay buffer (or, without one, start from now) unless backing off;
+        True when it is rebuilt and in sequence again."""
+        now = time.monotonic()
+        if now < self._rebuild_at:
+            return False
+        if now - self._rebuild_at > REBUILD_BACKOFF[1]:
+            self._backoff = 0.0  # the last rebuild is long past: no back-off
         self.rebuilding = True
         self.counts["resyncs"] += 1
         try:
             self.index.clear()
             self.next_seq = None
             self._floor = 0
-            if self.source.replay_endpoint:
-                await self._replay(0)
+            ok = await self._replay(0) if self.source.replay_endpoint else True
         finally:
             self.rebuilding = False
+        self._backoff = min(REBUILD_BACKOFF[1], max(REBUILD_BACKOFF[0], 2 * self._backoff))
+        self._rebuild_at = time.monotonic() + self._backoff
+        self._resync, self.rebuild_failed = not ok, not ok
+        if not ok:
+            self.counts["rebuild_failures"] += 1
+            log.warning("kv events: rebuilding %s's index failed (its replay did not answer in full); retrying in "
+                        "%.1f s, routing falls back meanwhile", self.source.address, self._backoff)
+        return ok
 
     async def _replay(self, start: int) -> bool:
-        """Apply the engine's buffered batches from `start`; False when it did not answer in time."""
+        """Apply the engine's buffered batches from `start`; False when it did not answer in time and in full.
+
+        The engine's ROUTER socket drops answers while its queue to us is full (a long replay read more slowly
+        than it is sent), the end marker included: a replay that breaks off after some progress (an answer
+        missing in the middle, or silence) is resumed from the next sequence on a new socket, so nothing the
+        engine still holds is lost, and a long buffer comes in rounds."""
         if not self.source.replay_endpoint:
             return False
-        self.counts["replays"] += 1
-        dealer = self._dealer
-        if dealer is None:
-            dealer = self._dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(self.source.replay_endpoint)
-        applied = 0
-        try:
-            await asyncio.wait_for(dealer.send_multipart((b"", start.to_bytes(8, "big"))), self.replay_timeout)
-            while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout)
-                if len(frames) != 3:
-                    self.counts["decode_errors"] += 1
-                    continue
-                seq = parse_seq(frames[1])
-                if seq < 0:
-                    break
-                if self.next_seq is None or seq >= self.next_seq:
-                    if self.next_seq is not None and seq > self.next_seq:
-                        self.counts["gaps_unrepaired"] += 1
-                    self._apply(seq, frames[2], live=False)
+        applied = answers = 0
+        since = start
+        while True:
+            self.counts["replays"] += 1
+            self.last_replay_at = time.monotonic()
+            dealer = self._dealer
+            if dealer is None:
+                dealer = self._dealer = self._socket(zmq.DEALER)
+                dealer.connect(self.source.replay_endpoint)
+            in_round, previous = 0, since - 1
+            try:
+                await asyncio.wait_for(dealer.send_multipart((b"", since.to_bytes(8, "big"))), self.replay_timeout)
+                while True:
+                    frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout)
+                    await self._spend(MESSAGE_UNITS)
+                    answers += 1
+                    if len(frames) != 3:
+                        raise DecodeError(f"replay answer of {len(frames)} frames")
+                    seq = parse_seq(frames[1])
+                    if seq < 0:
+                        break
+                    if answers > MAX_REPLAY_ANSWERS:
+                        raise DecodeError(f"more than {MAX_REPLAY_ANSWERS} replay answers")
+                    expected = self.next_seq
+                    if seq <= previous or (expected is not None and seq - expected > MAX_SEQ_JUMP):
+                        self.counts["sequence_jumps"] += 1  # out of order, or far ahead: skipped, not believed
+                        continue
+                    if expected is not None and seq > expected:
+                        if in_round:
+                            raise _BrokenOff(f"answer {seq} after {expected - 1}")
+                        self.counts["gaps_unrepaired"] += seq - expected  # the engine no longer had them
+                    previous = seq
+                    await self._apply(seq, frames[2], live=False)
                     applied += 1
-                    if applied % REPLAY_YIELD == 0:
-                        await asyncio.sleep(0)
-        except (TimeoutError, DecodeError, zmq.ZMQError) as exc:
-            self.counts["replay_failures"] += 1
-            log.debug("kv events: replay from %s failed: %s", self.source.address, exc)
-            dealer.close(0)  # a late answer must not be read as the next replay's
-            self._dealer = None
-            return False
+                    in_round += 1
+            except (TimeoutError, _BrokenOff, DecodeError, zmq.ZMQError) as exc:
+                dealer.close(0)  # a late answer must not be read as the next replay's
+                self._dealer = None
+                if in_round and self.next_seq is not None and not isinstance(exc, (DecodeError, zmq.ZMQError)):
+                    log.debug("kv events: replay from %s broke off (%s); resuming", self.source.address, exc)
+                    since = self.next_seq
+                    continue
+                self.counts["replay_failures"] += 1
+                self.counts["replayed_batches"] += applied
+                log.debug("kv events: replay from %s failed: %s", self.source.address, exc)
+                self.replay_answering = False
+                return False
+            break
         if self.next_seq is None and start == 0:
             self.next_seq = 0  # an engine that has published nothing yet
         self.counts["replayed_batches"] += applied
         if applied:
             self._floor = start
-        self.last_replay_ok = time.monotonic()
+        self.last_replay_ok = self.last_heard = time.monotonic()
+        self.replay_answering = True
         return True
+
+
+class _BrokenOff(Exception):
+    """A replay whose answers stopped following each other: the engine dropped some on the way."""
 
 
 class KVEvents:
@@ -286,20 +479,19 @@ class KVEvents:
         assert self._ctx is not None
         while True:
             try:
-                await sub.run(self._ctx)
+                await sub.run(self._ctx)  # returns when ZMQ dropped the connection for good
+                delay = REBUILD_BACKOFF[0]
             except asyncio.CancelledError:
                 raise
             except Exception:  # never let one instance's stream die for good
                 log.exception("kv events: subscription to %s failed; restarting it", sub.source.address)
-                sub.connected, sub._resync = False, True
-                await asyncio.sleep(1.0)
+                delay = 1.0
+            await asyncio.sleep(delay)
 
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
 
     def status(self) -> dict[str, dict]:
