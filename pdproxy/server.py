@@ -386,6 +386,7 @@ async def _serve_forever(settings: Settings, sock: socket.socket, worker: worker
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE, **handler_options(settings))
     await runner.setup()
     if worker is not None:
+        app[PROXY_KEY].recorder.metrics.process.worker = str(worker.index)  # each worker's process_* series
         private = await workers.serve_private_metrics(worker, app[PROXY_KEY].recorder.metrics.exposition)
     # plain inference POSTs on pdproxy's own protocol, everything else on aiohttp's (pdproxy/listener.py)
     listening, lean = await listen(runner, sock, settings, INFERENCE_ROUTES, app[PROXY_KEY].handle)

@@ -212,7 +212,7 @@ def test_unit_test_series_are_real():
 
     base, proxy = contract_metrics()
     collector, collector_labels = collector_prometheus_names()
-    gap_histograms = {"pdproxy_itl_seconds", "pdproxy_request_itl_max_seconds", "pdproxy_request_itl_p99_seconds",
+    gap_histograms = {"pdproxy_itl_seconds", "pdproxy_chunk_gap_seconds", "pdproxy_request_itl_max_seconds", "pdproxy_request_itl_p99_seconds",
                       "pdproxy_tpot_seconds", "pdproxy_trace_request_itl_max_seconds", "pdproxy_trace_request_itl_p99_seconds"}
     values = {"deployment": {"primary", "shadow"}, "mode": {"pd", "single"}, "route": {"completions", "chat_completions"},
               "stage": {"queue", "prefill", "kv_transfer", "decode"}, "failed_stage": {"none", "queue", "prefill", "kv_transfer", "decode"},
@@ -235,9 +235,7 @@ def test_unit_test_series_are_real():
                     metric = name if name in proxy else series_base(name)
                     assert metric in proxy, f"{path.name}: {name} is not in docs/telemetry.md"
                     allowed = SCRAPE_LABELS | proxy[metric][1] | ({"le"} if name.endswith("_bucket") else set())
-                    if metric.startswith("pdproxy_instance_"):  # honor_labels: false renames their instance
-                        allowed = SCRAPE_LABELS | {"role", "exported_instance"} | (proxy[metric][1] - {"instance"})
-                    elif metric in {"pdproxy_requests_total", "pdproxy_request_errors_total", "pdproxy_requests_with_stall_total"} \
+                    if metric in {"pdproxy_requests_total", "pdproxy_request_errors_total", "pdproxy_requests_with_stall_total"} \
                             or proxy[metric][0] == "histogram":
                         allowed |= set(base)
                     assert set(labels) <= allowed, f"{path.name}: {set(labels) - allowed} on {name}"

@@ -158,7 +158,7 @@ def test_every_hand_off_no_decode_pulls_is_counted_abandoned(started, tmp_path, 
     r, rid = post(url, {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True})
     assert r.status_code == (200 if abandoned == 0 else answers[0]["status"] if answers[0]["status"] < 500 else 502)
     assert c.delta("pdproxy_abandoned_handoffs_total") == abandoned
-    per_decode = sum(c.delta("pdproxy_instance_abandoned_handoffs_total", role="decode", instance=u.split("//")[1])
+    per_decode = sum(c.delta("pdproxy_instance_abandoned_handoffs_total", role="decode", server_address=u.split("//")[1])
                      for u in d.urls)
     assert per_decode == abandoned  # and put down to the decode that gave it up
     assert attrs(trace_of(trace_file, rid)["root"]).get("pd.handoffs.abandoned", 0) == abandoned

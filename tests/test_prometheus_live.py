@@ -616,9 +616,11 @@ def test_alerts_follow_the_live_series(run):
     assert "export_failed" in {a["labels"]["reason"] for a in dropped}
     assert all(a["state"] in {"pending", "firing"} for a in dropped)
 
-    # the instance alerts read the backend address from exported_instance (honor_labels: false)
+    # the instance alerts read the backend address from the proxy's own server_address; `instance`
+    # stays Prometheus's target label (the proxy), and nothing is renamed to exported_instance
     health = run.prom.instant("pdproxy_instance_healthy", time.time())
-    assert health and all(s["metric"]["exported_instance"].startswith(HOST) and s["metric"]["instance"] != s["metric"]["exported_instance"]
+    assert health and all(s["metric"]["server_address"].startswith(HOST) and "exported_instance" not in s["metric"]
+                          and s["metric"]["instance"] != s["metric"]["server_address"]
                           for s in health), health
     ejected = [s for s in health if float(s["value"][1]) == 0]
     assert bool(ejected) == ("PdproxyInstanceEjected" in active)
