@@ -52,6 +52,7 @@ from pdproxy.upstream import Response, UpstreamClient, UpstreamError
 if TYPE_CHECKING:
     from pdproxy.kvevents.selective import SelectiveDisaggregation
     from pdproxy.kvevents.tokenize import RemoteTokenizer
+    from pdproxy.served import ServedModels
 
 log = logging.getLogger("pdproxy.pd")
 _DP_RANK = re.compile(r"\d{1,6}")
@@ -75,6 +76,7 @@ class Proxy:
         self.shadow = shadow  # pdproxy.shadow.Shadow (which imports this module) when --shadow-url
         self.selective: SelectiveDisaggregation | None = None  # when --pd-min-prefill-tokens
         self.tokens: RemoteTokenizer | None = None  # text prompts' ids for routing by events
+        self.served: ServedModels | None = None  # what the instances serve (pdproxy/served.py)
         self.slow_readers = SlowReaders(settings.write_timeout)  # started by the server for client traffic
         self._too_slow = f"client left streamed data unread for {settings.write_timeout:g}s"
         self.timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout,
@@ -99,6 +101,8 @@ class Proxy:
             self.check_head(headers, client.content_length)
             body, raw = await self._read_body(client, route)
             trace.set_request(body)
+            if self.served is not None:
+                self.served.check(body, route.chat)  # vLLM's refusal, before any prefill is spent on it
             leg_headers = self._leg_headers(headers, trace)
             if self.shadow is not None:
                 self.shadow.mirror(body, route, trace, leg_headers)
@@ -249,8 +253,8 @@ class Proxy:
                 instance = await retry(self.decode, instance, outcome, budget, tries, self.settings.retry_backoff,
                                        self.settings.max_retry_wait)
                 tries += 1
-        except (ProxyError, UpstreamResponse):
-            trace.handoff_abandoned(handoff.spent(True))  # no decode will pull its blocks now
+        except (ProxyError, UpstreamResponse) as failed:
+            trace.handoff_abandoned(handoff.spent(True), failed.error_type)  # no decode will pull its blocks now
             raise
 
     async def _decode_once(self, inst: Instance, body: dict[str, Any], raw: bytes | None,
