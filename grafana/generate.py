@@ -550,6 +550,28 @@ def overview() -> dict:
                            "(rate(pdproxy_instance_abandoned_handoffs_total[$__rate_interval]))",
                            "decode {{server_address}} hand-offs abandoned")], "short"), w=6)
 
+    L.row("Routing by KV events (precise_prefix, selective disaggregation)")
+    L.add(timeseries("Share of routing decisions on the approximate index",
+                     "precise_prefix decisions that fell back to the approximate prefix index (KV events not "
+                     "flowing, no block stored yet, no token ids, /tokenize failed ...), per leg: requests are "
+                     "still served, routed on a guess. PdproxyRoutingDegraded fires above 20% for 10 minutes.",
+                     [prom('sum by (role) (rate(pdproxy_route_decisions_total{policy="precise_prefix", '
+                           'reason="approximate"}[$__rate_interval])) / sum by (role) '
+                           '(rate(pdproxy_route_decisions_total{policy="precise_prefix"}[$__rate_interval]))',
+                           "{{role}}")], "percentunit", max_=1), w=8)
+    L.add(timeseries("Fallbacks/s by reason and instance",
+                     "Why decisions fell back, counted per candidate instance whose state caused it (or the "
+                     "chosen one when the request did): events_off, events_not_flowing, no_block_stored, "
+                     "no_token_ids, tokenize_failed, block_size_mismatch (docs/telemetry.md).",
+                     [prom("sum by (role, server_address, reason) (rate(pdproxy_route_fallbacks_total"
+                           "[$__rate_interval]))", "{{role}} {{server_address}} {{reason}}")], "short", stack=True), w=8)
+    L.add(timeseries("KV events flowing per instance",
+                     "1 while the proxy's index of an instance's KV cache is in sync and used for routing (with "
+                     "--workers: only when in sync on every worker). PdproxyKVEventsNotFlowing fires after 5 "
+                     "minutes at 0 while routing uses it.",
+                     [prom("min by (server_address) (pdproxy_kv_events_flowing)", "{{server_address}}")],
+                     "short", max_=1), w=8)
+
     L.row("Primary vs shadow (same requests)")
     L.add(timeseries("TTFT p50 / p99 by deployment",
                      "Primary (P/D) and shadow (baseline) on identical traffic.",

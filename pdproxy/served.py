@@ -9,8 +9,8 @@ The listing is read at start and refreshed in the background (never on a request
 instance has answered, nothing is checked. Only vLLM's listings are checked against: one whose entries
 lack vLLM's `max_model_len` comes from another OpenAI-compatible server (some serve any name asked
 for while listing one), and turns the checks off. A name counts as served when any instance lists it
-or the operator gave it (`--served-model-name`, `--model`); its `max_model_len` is the smallest an
-instance gives. Also the one reader of the listings: each listed name is learnt by the telemetry's bounded
+or the operator gave it (`--served-model-name`, `--model`); its `max_model_len` is the largest an
+instance gives (refused is only what no instance could serve). Also the one reader of the listings: each listed name is learnt by the telemetry's bounded
 `ModelNames` (pdproxy/telemetry/models.py).
 """
 
@@ -46,7 +46,7 @@ class ServedModels:
     def __init__(self, names: ModelNames, given: Iterable[str] = ()) -> None:
         self.names = names
         self.given = frozenset(name for name in given if name)
-        self.context: dict[str, int] = {}  # listed name -> the smallest max_model_len listed for it
+        self.context: dict[str, int] = {}  # listed name -> the largest max_model_len listed for it
         self.listed = False  # an instance has answered: checks apply from now on
         self.foreign = False  # a listing not vLLM's (no max_model_len): nothing is checked
 
@@ -62,7 +62,7 @@ class ServedModels:
             if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
                 self.foreign = True
                 continue
-            self.context[name] = min(self.context.get(name, length), length)
+            self.context[name] = max(self.context.get(name, length), length)
         self.listed = True
 
     def check(self, body: dict[str, Any], chat: bool) -> None:

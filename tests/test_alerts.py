@@ -216,7 +216,9 @@ def test_unit_test_series_are_real():
                       "pdproxy_tpot_seconds", "pdproxy_trace_request_itl_max_seconds", "pdproxy_trace_request_itl_p99_seconds"}
     values = {"deployment": {"primary", "shadow"}, "mode": {"pd", "single"}, "route": {"completions", "chat_completions"},
               "stage": {"queue", "prefill", "kv_transfer", "decode"}, "failed_stage": {"none", "queue", "prefill", "kv_transfer", "decode"},
-              "role": {"prefill", "decode"}, "reason": {"queue_full", "export_failed"}, "error_type": error_types(),
+              "role": {"prefill", "decode"},
+              "reason": {"queue_full", "export_failed", "prefix_match", "cache_miss", "imbalanced", "approximate",
+                         "rotation"}, "error_type": error_types(),
               "cause": {"kv_arrival", "prefill", "migration", "preemption", "none"},
               "pd_deployment": {"primary", "shadow"}, "pd_failed_stage": {"none", "queue", "prefill", "kv_transfer", "decode"}}
     seen_proxy = seen_collector = 0
