@@ -306,9 +306,9 @@ def verdict_text(report: dict[str, Any]) -> Group | None:
 
 
 def _one_verdict(v: dict[str, Any]) -> Group:
-    style = "bold green" if v["decision"] == "adopt" else "bold red"
+    style = "bold green" if v["decision"] in ("adopt", "pass") else "bold red"
     head = Text.assemble(("Verdict: ", "bold"), (v["decision"].upper(), style),
-                         f"  ({v['candidate']} vs {', '.join(v['baselines'])})")
+                         f"  ({v['candidate']}" + (f" vs {', '.join(v['baselines'])})" if v["baselines"] else ")"))
     if v.get("resources_text"):
         head.append(f" · {v['resources_text']}", style="bold")
     t = Table(show_header=True, box=None, padding=(0, 1))
@@ -346,6 +346,8 @@ def drilldown_blocks(report: dict[str, Any], per_run: int = 3) -> Group:
                          if st else "no trace")
                 block(e["label"], "slowest TTFT" if by == "ttft" else "slowest tail ITL", r,
                       f"TTFT {ms(r['ttft'])} ms, max ITL {ms(r['itl_max'])} ms")
+                for leg, where in (r.get("placement") or {}).items():
+                    line(leg, where)
                 line("stages", f"queue/prefill/kv/decode {split}")
                 if r.get("split"):
                     line("vLLM split", split_text(r["split"]) + " ms")
@@ -353,6 +355,8 @@ def drilldown_blocks(report: dict[str, Any], per_run: int = 3) -> Group:
                     line("stalls", stalls_text(r["stalls"], r.get("stall_count", 0)))
         for r in e["failed"][:per_run]:
             block(e["label"], "failed", r, f"{r.get('error')} in {r.get('failed_stage') or '?'}")
+            for leg, where in (r.get("placement") or {}).items():
+                line(leg, where)
             if r.get("error_detail"):
                 line("detail", r["error_detail"])
     return Group(*lines)

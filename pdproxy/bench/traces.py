@@ -61,6 +61,21 @@ class TraceInfo:
     def deployment(self) -> str:
         return str(self.attrs.get("pd.deployment", "primary"))
 
+    def placement(self) -> dict[str, str]:
+        """Where each leg ran and why: `{"prefill": "host:port (policy reason[, fallback])", ...}`, from
+        the root's pd.<leg>.instance and the leg span's pd.route.* (single mode: the one leg)."""
+        out = {}
+        for leg in ("prefill", "decode"):
+            instance = self.attrs.get(f"pd.{leg}.instance")
+            route = self.stage_attrs.get(leg) or {}
+            if instance is None and not route:
+                continue
+            why = " ".join(str(route[k]) for k in ("pd.route.policy", "pd.route.reason") if route.get(k))
+            if route.get("pd.route.fallback_reason"):
+                why += f", {route['pd.route.fallback_reason']}"
+            out[leg] = f"{instance or '?'}" + (f" ({why})" if why else "")
+        return out
+
 
 @dataclass
 class TraceIndex:
