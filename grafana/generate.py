@@ -123,11 +123,13 @@ def prom(expr: str, legend: str = "", *, exemplar: bool = False, fmt: str = "tim
 
 
 def traceql(query: str, *, table: str = "traces", limit: int = 20) -> dict:
-    return {"datasource": TEMPO, "queryType": "traceql", "query": query, "tableType": table, "limit": limit}
+    return {"datasource": TEMPO, "queryType": "traceql", "query": query, "tableType": table, "limit": limit,
+            "filters": []}
 
 
 def traceql_metrics(query: str, step: str = "1m") -> dict:
-    return {"datasource": TEMPO, "queryType": "traceql", "query": query, "metricsQueryType": "range", "step": step}
+    return {"datasource": TEMPO, "queryType": "traceql", "query": query, "metricsQueryType": "range", "step": step,
+            "filters": []}
 
 
 def field_config(unit: str, *, stack: bool = False, max_: float | None = None) -> dict:
@@ -147,7 +149,8 @@ def timeseries(title: str, description: str, targets: list[dict], unit: str = "s
         "datasource": targets[0]["datasource"],
         "targets": targets,
         "fieldConfig": field_config(unit, **kw),
-        "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]},
+        "options": {"legend": {"showLegend": True, "displayMode": "table", "placement": "bottom",
+                               "calcs": ["lastNotNull", "max"]},
                     "tooltip": {"mode": "multi", "sort": "desc"}},
     }
 
@@ -161,7 +164,9 @@ def stat(title: str, description: str, target: dict, unit: str, *, decimals: int
         "targets": [target],
         "fieldConfig": {"defaults": {"unit": unit, "decimals": decimals}, "overrides": []},
         "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                    "colorMode": "none", "graphMode": "area", "textMode": "value"},
+                    "colorMode": "none", "graphMode": "area", "textMode": "value", "justifyMode": "auto",
+                    "orientation": "auto", "wideLayout": True, "showPercentChange": False,
+                    "percentChangeColorMode": "standard"},
     }
 
 
@@ -173,8 +178,10 @@ def heatmap(title: str, description: str, target: dict) -> dict:
         "datasource": target["datasource"],
         "targets": [target],
         "fieldConfig": {"defaults": {}, "overrides": []},
-        "options": {"calculate": False, "yAxis": {"unit": "s"}, "cellGap": 1,
-                    "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
+        "options": {"calculate": False, "yAxis": {"unit": "s"}, "cellGap": 1, "showValue": "auto",
+                    "color": {"mode": "scheme", "scheme": "Oranges", "fill": "dark-orange", "exponent": 0.5,
+                              "steps": 64, "reverse": False},
+                    "legend": {"show": True}, "exemplars": {"color": "rgba(255,0,255,0.7)"},
                     "tooltip": {"mode": "single", "yHistogram": True}},
     }
 
@@ -187,7 +194,7 @@ def trace_table(title: str, description: str, target: dict) -> dict:
         "datasource": target["datasource"],
         "targets": [target],
         "fieldConfig": {"defaults": {}, "overrides": []},
-        "options": {"showHeader": True, "cellHeight": "sm"},
+        "options": {"showHeader": True, "cellHeight": "sm", "frameIndex": 0},
     }
 
 
@@ -331,7 +338,7 @@ def dashboard(uid: str, title: str, description: str, panels: list[dict], variab
 
 def link_to(uid: str, title: str) -> dict:
     return {"type": "link", "title": title, "url": f"/d/{uid}", "keepTime": True, "includeVars": True,
-            "icon": "dashboard", "targetBlank": False, "asDropdown": False, "tags": []}
+            "icon": "dashboard", "targetBlank": False, "asDropdown": False, "tags": [], "tooltip": ""}
 
 
 # ---------------------------------------------------------------------------------------------
