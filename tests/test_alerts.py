@@ -332,3 +332,14 @@ def test_operator_overlay_carries_the_rules(tmp_path):
     bad["spec"]["groups"][0]["rules"][0]["severity"] = "critical"  # belongs under labels
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, PROMETHEUSRULE_SCHEMA)
+
+
+def test_the_paging_error_ratio_leaves_out_exactly_what_requests_cause():
+    """PdproxyStageErrorRatioHigh pages on instance faults only: its recording rule leaves out every
+    error type the proxy counts as the request's doing (pdproxy/errors.py), and admission refusals."""
+    from pdproxy.errors import CLIENT_CAUSED
+
+    expr = rules("record")["run_model_deployment_stage:pdproxy_request_errors_upstream:ratio_rate5m"]["expr"]
+    left_out = set(re.search(r'error_type!~"([^"]+)"', expr).group(1).split("|"))
+    assert left_out == CLIENT_CAUSED | {"overloaded", "queue_timeout"}
+    assert CLIENT_CAUSED <= error_types()  # each one documented in docs/telemetry.md
