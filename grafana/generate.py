@@ -123,11 +123,13 @@ def prom(expr: str, legend: str = "", *, exemplar: bool = False, fmt: str = "tim
 
 
 def traceql(query: str, *, table: str = "traces", limit: int = 20) -> dict:
-    return {"datasource": TEMPO, "queryType": "traceql", "query": query, "tableType": table, "limit": limit}
+    return {"datasource": TEMPO, "queryType": "traceql", "query": query, "tableType": table, "limit": limit,
+            "filters": []}
 
 
 def traceql_metrics(query: str, step: str = "1m") -> dict:
-    return {"datasource": TEMPO, "queryType": "traceql", "query": query, "metricsQueryType": "range", "step": step}
+    return {"datasource": TEMPO, "queryType": "traceql", "query": query, "metricsQueryType": "range", "step": step,
+            "filters": []}
 
 
 def field_config(unit: str, *, stack: bool = False, max_: float | None = None) -> dict:
@@ -147,7 +149,8 @@ def timeseries(title: str, description: str, targets: list[dict], unit: str = "s
         "datasource": targets[0]["datasource"],
         "targets": targets,
         "fieldConfig": field_config(unit, **kw),
-        "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["lastNotNull", "max"]},
+        "options": {"legend": {"showLegend": True, "displayMode": "table", "placement": "bottom",
+                               "calcs": ["lastNotNull", "max"]},
                     "tooltip": {"mode": "multi", "sort": "desc"}},
     }
 
@@ -161,7 +164,9 @@ def stat(title: str, description: str, target: dict, unit: str, *, decimals: int
         "targets": [target],
         "fieldConfig": {"defaults": {"unit": unit, "decimals": decimals}, "overrides": []},
         "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                    "colorMode": "none", "graphMode": "area", "textMode": "value"},
+                    "colorMode": "none", "graphMode": "area", "textMode": "value", "justifyMode": "auto",
+                    "orientation": "auto", "wideLayout": True, "showPercentChange": False,
+                    "percentChangeColorMode": "standard"},
     }
 
 
@@ -173,8 +178,10 @@ def heatmap(title: str, description: str, target: dict) -> dict:
         "datasource": target["datasource"],
         "targets": [target],
         "fieldConfig": {"defaults": {}, "overrides": []},
-        "options": {"calculate": False, "yAxis": {"unit": "s"}, "cellGap": 1,
-                    "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
+        "options": {"calculate": False, "yAxis": {"unit": "s"}, "cellGap": 1, "showValue": "auto",
+                    "color": {"mode": "scheme", "scheme": "Oranges", "fill": "dark-orange", "exponent": 0.5,
+                              "steps": 64, "reverse": False},
+                    "legend": {"show": True}, "exemplars": {"color": "rgba(255,0,255,0.7)"},
                     "tooltip": {"mode": "single", "yHistogram": True}},
     }
 
@@ -187,7 +194,7 @@ def trace_table(title: str, description: str, target: dict) -> dict:
         "datasource": target["datasource"],
         "targets": [target],
         "fieldConfig": {"defaults": {}, "overrides": []},
-        "options": {"showHeader": True, "cellHeight": "sm"},
+        "options": {"showHeader": True, "cellHeight": "sm", "frameIndex": 0},
     }
 
 
@@ -224,7 +231,7 @@ def alert_annotation() -> dict:
     """Firing pdproxy alerts as annotations on every time series panel (ALERTS is Prometheus's own series)."""
     return {"datasource": PROM, "enable": True, "expr": FIRING_ALERTS, "iconColor": "red", "name": "pdproxy alerts",
             "step": "15s", "titleFormat": "{{alertname}}", "tagKeys": "severity", "useValueForTime": False,
-            "textFormat": "{{severity}} run={{run}} model={{model}} stage={{stage}} role={{role}} {{exported_instance}}"}
+            "textFormat": "{{severity}} run={{run}} model={{model}} stage={{stage}} role={{role}} {{server_address}}"}
 
 
 @dataclass
@@ -331,7 +338,7 @@ def dashboard(uid: str, title: str, description: str, panels: list[dict], variab
 
 def link_to(uid: str, title: str) -> dict:
     return {"type": "link", "title": title, "url": f"/d/{uid}", "keepTime": True, "includeVars": True,
-            "icon": "dashboard", "targetBlank": False, "asDropdown": False, "tags": []}
+            "icon": "dashboard", "targetBlank": False, "asDropdown": False, "tags": [], "tooltip": ""}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,10 +420,12 @@ def overview() -> dict:
 
     L.row("Inter-token latency: pooled vs TPOT vs per-request tail")
     L.add(timeseries("Pooled ITL vs TPOT [pooled ITL | TPOT]",
-                     ITL_DEFINITIONS["pooled"] + " " + ITL_DEFINITIONS["tpot"] + " The gap unit label says whether gaps "
-                     "were split per token (token) or are per chunk (chunk).",
-                     [*[prom(REQ.quantile(q, "pdproxy_itl_seconds", by="unit"), f"pooled ITL p{round(q * 100)} ({{{{unit}}}})",
-                             exemplar=q == 0.99) for q in (0.5, 0.99)],
+                     ITL_DEFINITIONS["pooled"] + " " + ITL_DEFINITIONS["tpot"] + " Gaps per token where the stream "
+                     "gave per-chunk token counts (pdproxy_itl_seconds), else per chunk (pdproxy_chunk_gap_seconds): "
+                     "two metrics, never blended.",
+                     [*[prom(REQ.quantile(q, metric), f"pooled ITL p{round(q * 100)} (per {unit})", exemplar=q == 0.99 and unit == "token")
+                        for metric, unit in (("pdproxy_itl_seconds", "token"), ("pdproxy_chunk_gap_seconds", "chunk"))
+                        for q in (0.5, 0.99)],
                       *[prom(REQ.quantile(q, "pdproxy_tpot_seconds"), f"TPOT p{round(q * 100)}") for q in (0.5, 0.99)]]), w=12)
     L.add(timeseries("Tail ITL across requests [per-request max gap]",
                      ITL_DEFINITIONS["tail_max"],
@@ -453,9 +462,9 @@ def overview() -> dict:
                      "percentunit", stack=True, max_=1), w=8)
     L.add(timeseries("Stalls from KV arrivals per decode instance [stall]",
                      ITL_DEFINITIONS["stall"] + " Stalls per second on each decode instance put down to another "
-                     "request's KV arriving there. The instance's address is `exported_instance`.",
-                     [prom('sum by (exported_instance) (rate(pdproxy_instance_stalls_total{cause="kv_arrival"}'
-                           '[$__rate_interval]))', "{{exported_instance}}", exemplar=True)], "short"), w=8)
+                     "request's KV arriving there. The instance's address is `server_address`.",
+                     [prom('sum by (server_address) (rate(pdproxy_instance_stalls_total{cause="kv_arrival"}'
+                           '[$__rate_interval]))', "{{server_address}}", exemplar=True)], "short"), w=8)
     L.add(trace_table("Victims → culprits: stalled requests and the requests behind their stalls [stall]",
                       ITL_DEFINITIONS["stall"] + " pd.decode spans with attributed stall time, by cause (seconds); "
                       "open a trace: its pd.decode's span links lead to the culprits' pd.decode (KV arrival) or "
@@ -502,12 +511,12 @@ def overview() -> dict:
                       prom("sum(pdproxy_queue_depth)", "waiting")], "short"), w=8)
     L.add(timeseries("In flight per instance",
                      "Requests in flight on each prefill and decode instance (per-instance load). The "
-                     "instance's address is `exported_instance`: Prometheus keeps `instance` for the proxy.",
-                     [prom("sum by (role, exported_instance) (pdproxy_instance_inflight)", "{{role}} {{exported_instance}}")],
+                     "instance's address is `server_address` (`instance` is the pdproxy replica Prometheus scraped).",
+                     [prom("sum by (role, server_address) (pdproxy_instance_inflight)", "{{role}} {{server_address}}")],
                      "short"), w=12)
     L.add(timeseries("Instance health",
                      "1 = healthy, 0 = ejected after consecutive failures until a health check passes.",
-                     [prom("min by (role, exported_instance) (pdproxy_instance_healthy)", "{{role}} {{exported_instance}}")],
+                     [prom("min by (role, server_address) (pdproxy_instance_healthy)", "{{role}} {{server_address}}")],
                      "short", max_=1), w=6)
     L.add(timeseries("Spans dropped/s (telemetry health)",
                      "Spans lost on the way to the collector: export queue full, or export failed. "
@@ -518,35 +527,57 @@ def overview() -> dict:
     L.row("Attempts per instance (where requests were sent, not where they ended)")
     attempts_note = ("Counted where each attempt was sent: an instance that dies while retries or migration save all "
                      "its requests ends none of them, so it shows here and not in the request counts. The instance's "
-                     "address is `exported_instance`; every configured instance has a series from the proxy's start.")
+                     "address is `server_address`; every configured instance has a series from the proxy's start.")
     L.add(timeseries("Attempts/s per instance",
                      "Attempts sent to each prefill and decode (a retried or migrated request counts once per "
                      "attempt). " + attempts_note,
-                     [prom("sum by (role, exported_instance) (rate(pdproxy_instance_attempts_total[$__rate_interval]))",
-                           "{{role}} {{exported_instance}}")], "short"), w=6)
+                     [prom("sum by (role, server_address) (rate(pdproxy_instance_attempts_total[$__rate_interval]))",
+                           "{{role}} {{server_address}}")], "short"), w=6)
     L.add(timeseries("Failed attempts/s per instance, by reason",
                      "Failed attempts on each instance by the proxy's error type, also those a retry or migration "
                      "saved. " + attempts_note,
-                     [prom("sum by (role, exported_instance, reason) "
+                     [prom("sum by (role, server_address, reason) "
                            "(rate(pdproxy_instance_attempt_failures_total[$__rate_interval]))",
-                           "{{role}} {{exported_instance}} {{reason}}")], "short", stack=True), w=6)
+                           "{{role}} {{server_address}} {{reason}}")], "short", stack=True), w=6)
     L.add(timeseries("Share of attempts that failed, per instance",
                      "Failed attempts / attempts sent, per instance: near 1 for a dead instance even while every "
                      "request succeeds. " + attempts_note,
-                     [prom("sum by (role, exported_instance) (rate(pdproxy_instance_attempt_failures_total"
-                           "[$__rate_interval])) / sum by (role, exported_instance) "
-                           "(rate(pdproxy_instance_attempts_total[$__rate_interval]))", "{{role}} {{exported_instance}}")],
+                     [prom("sum by (role, server_address) (rate(pdproxy_instance_attempt_failures_total"
+                           "[$__rate_interval])) / sum by (role, server_address) "
+                           "(rate(pdproxy_instance_attempts_total[$__rate_interval]))", "{{role}} {{server_address}}")],
                      "percentunit", max_=1), w=6)
     L.add(timeseries("Requests moved away and hand-offs abandoned/s per instance",
                      "Requests moved to another instance of the role after an attempt on this one failed, by stage; "
                      "and failed attempts on a decode that gave up the request's KV hand-off (the prefill holds those "
                      "blocks until VLLM_NIXL_ABORT_REQUEST_TIMEOUT). " + attempts_note,
-                     [prom("sum by (role, exported_instance, stage) "
+                     [prom("sum by (role, server_address, stage) "
                            "(rate(pdproxy_instance_moved_away_total[$__rate_interval]))",
-                           "{{role}} {{exported_instance}} moved ({{stage}})"),
-                      prom("sum by (exported_instance) "
+                           "{{role}} {{server_address}} moved ({{stage}})"),
+                      prom("sum by (server_address) "
                            "(rate(pdproxy_instance_abandoned_handoffs_total[$__rate_interval]))",
-                           "decode {{exported_instance}} hand-offs abandoned")], "short"), w=6)
+                           "decode {{server_address}} hand-offs abandoned")], "short"), w=6)
+
+    L.row("Routing by KV events (precise_prefix, selective disaggregation)")
+    L.add(timeseries("Share of routing decisions on the approximate index",
+                     "precise_prefix decisions that fell back to the approximate prefix index (KV events not "
+                     "flowing, no block stored yet, no token ids, /tokenize failed ...), per leg: requests are "
+                     "still served, routed on a guess. PdproxyRoutingDegraded fires above 20% for 10 minutes.",
+                     [prom('sum by (role) (rate(pdproxy_route_decisions_total{policy="precise_prefix", '
+                           'reason="approximate"}[$__rate_interval])) / sum by (role) '
+                           '(rate(pdproxy_route_decisions_total{policy="precise_prefix"}[$__rate_interval]))',
+                           "{{role}}")], "percentunit", max_=1), w=8)
+    L.add(timeseries("Fallbacks/s by reason and instance",
+                     "Why decisions fell back, counted per candidate instance whose state caused it (or the "
+                     "chosen one when the request did): events_off, events_not_flowing, no_block_stored, "
+                     "no_token_ids, tokenize_failed, block_size_mismatch (docs/telemetry.md).",
+                     [prom("sum by (role, server_address, reason) (rate(pdproxy_route_fallbacks_total"
+                           "[$__rate_interval]))", "{{role}} {{server_address}} {{reason}}")], "short", stack=True), w=8)
+    L.add(timeseries("KV events flowing per instance",
+                     "1 while the proxy's index of an instance's KV cache is in sync and used for routing (with "
+                     "--workers: only when in sync on every worker). PdproxyKVEventsNotFlowing fires after 5 "
+                     "minutes at 0 while routing uses it.",
+                     [prom("min by (server_address) (pdproxy_kv_events_flowing)", "{{server_address}}")],
+                     "short", max_=1), w=8)
 
     L.row("Primary vs shadow (same requests)")
     L.add(timeseries("TTFT p50 / p99 by deployment",

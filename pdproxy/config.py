@@ -113,6 +113,8 @@ class Settings:
     kv_events_topic: str = ""
     kv_events_instances: dict[str, str] = field(default_factory=dict)
     kv_events_replay_instances: dict[str, str] = field(default_factory=dict)
+    kv_events_ports: list[int] = field(default_factory=list)  # one per instance, prefills then decodes
+    kv_events_replay_ports: list[int] = field(default_factory=list)
     kv_events_max_blocks: int = 1 << 18
     tokenizer_file: str | None = None  # precise_prefix: the served model's tokenizer.json for text prompts
     pd_min_prefill_tokens: int = 0  # selective disaggregation: at most this many to compute -> decode only; 0 off
@@ -138,19 +140,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     urls = parser.add_argument_group("instances as URLs (vllm-router / demo proxy forms)")
     urls.add_argument("--prefill", "-p", nargs="+", action="append", metavar="URL",
-                      help="prefill instance URL, optionally followed by a bootstrap port or 'none' (repeatable); "
-                           "host:port also accepted")
+                      help="prefill instance URL or host:port (repeatable: one flag per instance); vllm-router's "
+                           "bootstrap port (or 'none') may follow the URL: accepted and ignored (NIXL needs none)")
     urls.add_argument("--decode", "-d", nargs="+", action="append", metavar="URL",
                       help="decode instance URL (repeatable); with no prefill instance this is the single-instance baseline")
-    urls.add_argument("--model", "-m", help="served model name (reported in /v1/models when no instance answers)")
+    urls.add_argument("--model", "-m",
+                      help="the model the toy proxy was started with: /v1/models names it when no instance answers, "
+                           "and it labels metrics (for more names, or aliases, see --served-model-name)")
 
-    route = parser.add_argument_group("routing and reliability")
+    route = parser.add_argument_group("routing (which instance gets a request)")
     route.add_argument("--policy", choices=POLICIES, help="routing policy for both pools (default round_robin)")
     route.add_argument("--prefill-policy", choices=POLICIES, help="routing policy for prefill instances")
     route.add_argument("--decode-policy", choices=POLICIES, help="routing policy for decode instances")
     route.add_argument("--cache-threshold", type=float,
-                       help="cache_aware: shortest prefix match, as a fraction of the prompt, that routes to the "
-                            "instance holding it; below it the instance with the least indexed goes (default 0.3)")
+                       help="cache_aware: a request goes to the instance that already holds the longest part of its "
+                            "prompt when that part is at least this fraction of the prompt (0.3: 30%%); otherwise "
+                            "to the instance whose prefix index is smallest (default 0.3)")
     route.add_argument("--balance-abs-threshold", type=int,
                        help="cache_aware: load is imbalanced when max - min in-flight exceeds this (and the "
                             "relative threshold): then the least loaded instance goes (default 64)")
@@ -167,55 +172,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "the mean in flight; it goes on along the ring (bounded loads); 0 = no bound (default 1.25)")
     route.add_argument("--load-metrics-interval", type=float,
                        help="load_aware: seconds between reads of each instance's /metrics (default 2)")
-    route.add_argument("--connect-timeout", type=float, help="seconds to open a connection to an instance (default 10)")
-    route.add_argument("--read-timeout", type=float, help="seconds an instance may stay silent mid-response (default 600)")
-    route.add_argument("--upstream-keep-alive", type=float,
+    conn = parser.add_argument_group("connections and timeouts to the instances")
+    conn.add_argument("--connect-timeout", type=float, help="seconds to open a connection to an instance (default 10)")
+    conn.add_argument("--read-timeout", type=float, help="seconds an instance may stay silent mid-response (default 600)")
+    conn.add_argument("--upstream-keep-alive", type=float,
                        help="seconds an idle connection to an instance is kept for reuse; keep it below the instances' "
                             "own idle timeout (vLLM's uvicorn: 5); 0: a new connection per request (default 4)")
-    route.add_argument("--prefill-retries", type=int, help="extra prefill attempts on another instance after 5xx/connect errors (default 1)")
-    route.add_argument("--decode-retries", type=int,
+    retry = parser.add_argument_group("retries and migration (what the client does not see)")
+    retry.add_argument("--prefill-retries", type=int, help="extra prefill attempts on another instance after 5xx/connect errors (default 1)")
+    retry.add_argument("--decode-retries", type=int,
                        help="extra decode attempts on another instance per request: before its first token (the client "
                             "sees nothing of them) and, with --migrate-mid-stream, after (default 1)")
-    route.add_argument("--first-token-timeout", type=float,
+    retry.add_argument("--first-token-timeout", type=float,
                        help="seconds a streamed decode may take to its first token before the request moves to another "
                             "decode instance, also when it keeps sending events without a token; 0 = no limit (default 300: "
                             "far above the prefill of a long prompt, see docs/protocol.md)")
-    route.add_argument("--decode-deadline", type=float,
+    retry.add_argument("--decode-deadline", type=float,
                        help="seconds after the first decode attempt within which another may start; 0 = no limit "
                             "(default 60)")
-    route.add_argument("--migrate-mid-stream", action="store_true",
+    retry.add_argument("--migrate-mid-stream", action="store_true",
                        help="continue a stream whose decode dies after tokens reached the client on another decode "
                             "(greedy requests only: temperature 0, no logprobs, n=1, no stop strings; see docs/protocol.md)")
-    route.add_argument("--retry-backoff", type=float, help="base of the jittered exponential backoff between attempts, seconds (default 0.05)")
-    route.add_argument("--max-retry-wait", type=float,
+    retry.add_argument("--retry-backoff", type=float, help="base of the jittered exponential backoff between attempts, seconds (default 0.05)")
+    retry.add_argument("--max-retry-wait", type=float,
                        help="longest Retry-After (from a 429/503) the proxy waits out to retry; a longer one is relayed "
                             "to the client (default 2)")
-    route.add_argument("--health-check-interval", type=float, help="seconds between active health checks; 0 disables (default 5)")
-    route.add_argument("--health-check-timeout", type=float, help="seconds a health check may take (default 2)")
-    route.add_argument("--health-check-path", help="instance path probed by health checks (default /health)")
-    route.add_argument("--eject-after-failures", type=int,
+    health = parser.add_argument_group("health checks and ejection")
+    health.add_argument("--health-check-interval", type=float, help="seconds between active health checks; 0 disables (default 5)")
+    health.add_argument("--health-check-timeout", type=float, help="seconds a health check may take (default 2)")
+    health.add_argument("--health-check-path", help="instance path probed by health checks (default /health)")
+    health.add_argument("--eject-after-failures", type=int,
                        help="consecutive failures an instance is to blame for (connect errors and timeouts, dropped "
                             "connections, 5xx; not read timeouts) that eject it; 0 disables (default 3)")
-    route.add_argument("--eject-seconds", type=float,
+    health.add_argument("--eject-seconds", type=float,
                        help="how long an ejected instance stays out, times its ejections in a row (max 6x) (default 10)")
-    route.add_argument("--max-ejection-percent", type=float,
+    health.add_argument("--max-ejection-percent", type=float,
                        help="largest share of a pool's instances that failures may eject at once; at least one always "
                             "stays in rotation (default 50, as Envoy's max_ejection_percent)")
-    route.add_argument("--max-inflight", type=int, help="requests served at once (completions, chat, /tokenize and /detokenize); 0 = unlimited (default 0)")
-    route.add_argument("--max-queue", type=int, help="requests waiting for a slot beyond --max-inflight before 503 (default 1024)")
-    route.add_argument("--queue-timeout", type=float, help="seconds a request may wait for a slot before 503 (default 30)")
-    route.add_argument("--max-body-bytes", type=int, help="largest request body accepted; larger gets 413 (default 8 MiB: '[{},{},...]' costs 27x its size in memory)")
-    route.add_argument("--body-timeout", type=float, help="seconds a client may take to send its request body; then 408 (default 30)")
-    route.add_argument("--write-timeout", type=float,
+    limits = parser.add_argument_group("admission and client limits")
+    limits.add_argument("--max-inflight", type=int, help="requests served at once (completions, chat, /tokenize and /detokenize); 0 = unlimited (default 0)")
+    limits.add_argument("--max-queue", type=int,
+                        help="requests waiting for a slot beyond --max-inflight before 503; only with --max-inflight "
+                             "set (without it nothing waits) (default 1024)")
+    limits.add_argument("--queue-timeout", type=float, help="seconds a request may wait for a slot before 503 (default 30)")
+    limits.add_argument("--max-body-bytes", type=int, help="largest request body accepted; larger gets 413 (default 8 MiB: '[{},{},...]' costs 27x its size in memory)")
+    limits.add_argument("--body-timeout", type=float, help="seconds a client may take to send its request body; then 408 (default 30)")
+    limits.add_argument("--write-timeout", type=float,
                        help="seconds a client may leave streamed data unread before it is cut off and its decode "
                             "aborted (default 60)")
-    route.add_argument("--keep-alive-timeout", type=float,
+    limits.add_argument("--keep-alive-timeout", type=float,
                        help="seconds a client connection may stay idle, or take to send its request line and headers, "
                             "before it is closed (default 75)")
-    route.add_argument("--client-kv-params", choices=("reject", "strip"),
+    limits.add_argument("--client-kv-params", choices=("reject", "strip"),
                        help="a client's own kv_transfer_params: 'reject' with 400 or 'strip' silently; never forwarded "
                             "(default reject)")
-    route.add_argument("--workers", type=workers_count,
+    procs = parser.add_argument_group("server processes")
+    procs.add_argument("--workers", type=workers_count,
                        help="server processes sharing the port; 'auto': one per CPU this process may run on (default 1: "
                             "admission limits, ejections and /status are per worker)")
 
@@ -246,9 +258,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tel.add_argument("--no-stall-attribution", dest="stall_attribution", action="store_false",
                      help="do not attribute stalls live (pd.stall causes, culprit links, pdproxy_stall_seconds by cause)")
     tel.add_argument("--served-model-name", nargs="+", metavar="NAME",
-                     help="model names that label metrics and name spans, besides those the instances list in "
-                          "/v1/models or answer with; any other requested name is labelled 'other' (bounds the "
-                          "series a client can create)")
+                     help="model names (one or more) that label metrics and name spans and that requests may ask "
+                          "for, besides those the instances list in /v1/models (--model: one name, also shown by "
+                          "/v1/models); any other requested name is labelled 'other' (bounds the series a client "
+                          "can create)")
     tel.add_argument("--run-label", help="label of this run: resource attribute pd.run and metric label run")
     tel.add_argument("--resource-attr", dest="resource_attrs", action="append", metavar="KEY=VALUE",
                      help="fixed condition recorded on every span, e.g. vllm.version=0.23.0 gpu.kind=H200 (repeatable)")
@@ -257,15 +270,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     kv = parser.add_argument_group("KV-cache events (vLLM --kv-events-config; docs/kv-events.md)")
     kv.add_argument("--kv-events-endpoint", metavar="TEMPLATE",
-                    help="each instance's KV-event PUB endpoint, {host} and {port} being the instance's, e.g. "
-                         "tcp://{host}:5557 (off when not given)")
+                    help="each instance's KV-event PUB endpoint, {host} and {port} being the instance's and {index} "
+                         "its place among all instances (prefills first, as given, from 0), e.g. tcp://{host}:5557 "
+                         "(off when neither this nor --kv-events-ports is given)")
+    kv.add_argument("--kv-events-ports", nargs="+", type=int, metavar="PORT",
+                    help="one PUB port per instance on the instance's host, in instance order (prefills first, as "
+                         "given), e.g. --kv-events-ports 5557 5558 5559 5560 for 2P2D on one host")
+    kv.add_argument("--kv-events-replay-ports", nargs="+", type=int, metavar="PORT",
+                    help="one replay (ROUTER) port per instance, in the same order")
     kv.add_argument("--kv-events-replay-endpoint", metavar="TEMPLATE",
                     help="each instance's replay (ROUTER) endpoint, e.g. tcp://{host}:5567: repairs gaps, catches up")
     kv.add_argument("--kv-events-topic", help="topic prefix to subscribe to (default: every topic)")
     kv.add_argument("--kv-events-instance", dest="kv_events_instances", action="append", metavar="HOST:PORT=ENDPOINT",
-                    help="this instance's PUB endpoint instead of the template's (repeatable)")
+                    help="this instance's PUB endpoint instead of the template's or the port list's (repeatable)")
     kv.add_argument("--kv-events-replay-instance", dest="kv_events_replay_instances", action="append",
-                    metavar="HOST:PORT=ENDPOINT", help="this instance's replay endpoint instead of the template's")
+                    metavar="HOST:PORT=ENDPOINT",
+                    help="this instance's replay endpoint instead of the template's or the port list's (repeatable)")
     kv.add_argument("--tokenizer-file", metavar="PATH",
                     help="precise_prefix: the served model's tokenizer.json (Hugging Face tokenizers), to turn text "
                          "prompts into token ids; without it only token-id prompts route by events")
@@ -427,6 +447,8 @@ def _coerce(name: str, raw: Any) -> Any:
             return [u for g in _groups(raw) for u in _parse_url_group(g)]
         if name == "served_model_name":
             return [str(v) for v in _as_list(raw)]
+        if name in ("kv_events_ports", "kv_events_replay_ports"):
+            return [_port(v) for v in _as_list(raw)]
         if kind == "bool":
             if isinstance(raw, bool):
                 return raw
@@ -439,6 +461,8 @@ def _coerce(name: str, raw: Any) -> Any:
         if kind == "float":
             return float(raw)
         return raw if raw is None else str(raw)
+    except ConfigError:
+        raise
     except (TypeError, ValueError):
         raise ConfigError(f"setting {name.replace('_', '-')}: {raw!r} is not a valid {kind}") from None
 
@@ -518,6 +542,8 @@ def _validate(s: Settings) -> None:
         raise ConfigError("--shadow-prefill needs --shadow-url (the shadow pool's decode instance)")
     if s.workers < 1:
         raise ConfigError("workers must be >= 1")
+    if not 0 <= s.port < 65536:
+        raise ConfigError(f"port {s.port} is out of range")
     if not 0.0 <= s.cache_threshold <= 1.0:
         raise ConfigError("cache-threshold must be between 0 and 1")
     if s.balance_abs_threshold < 0 or s.balance_rel_threshold < 1.0:
@@ -548,8 +574,9 @@ def kv_event_endpoints(s: Settings) -> list[tuple[str, str, str | None]]:
     """(instance address, PUB endpoint, replay endpoint or None) for every instance publishing KV events.
 
     The toy-proxy flags name instances by host and port; vLLM's --kv-events-config names ports on the same
-    host. So a template with {host} (and {port}, the instance's HTTP port, for several instances per host)
-    covers a uniform fleet, and --kv-events-instance HOST:PORT=ENDPOINT the exceptions. ValueError if bad."""
+    host. So a template with {host} (and {port}, the instance's HTTP port, or {index}, its place, for several
+    instances per host) covers a uniform fleet, --kv-events-ports one port per instance in order, and
+    --kv-events-instance HOST:PORT=ENDPOINT the exceptions. ValueError if bad."""
     addresses: list[tuple[str, str, int]] = []
     for url in (*s.prefill_urls, *s.decode_urls):
         parts = urlsplit(url)
@@ -570,22 +597,31 @@ def kv_event_endpoints(s: Settings) -> list[tuple[str, str, str | None]]:
 
     pub_overrides, replay_overrides = by_instance(s.kv_events_instances), by_instance(s.kv_events_replay_instances)
 
-    def fill(template: str, host: str, port: int, what: str) -> str:
+    for ports, flag in ((s.kv_events_ports, "--kv-events-ports"), (s.kv_events_replay_ports, "--kv-events-replay-ports")):
+        if ports and len(ports) != len(addresses):
+            raise ValueError(f"{flag} gives {len(ports)} port(s) for {len(addresses)} instances ("
+                             f"{', '.join(a[0] for a in addresses)}): one per instance, prefills first")
+
+    def fill(template: str, host: str, port: int, index: int, what: str) -> str:
         try:  # an IPv6 literal keeps its brackets in an endpoint: tcp://[::1]:5557
-            endpoint = template.format(host=f"[{host}]" if ":" in host else host, port=port)
+            endpoint = template.format(host=f"[{host}]" if ":" in host else host, port=port, index=index)
         except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"{what} {template!r}: only {{host}} and {{port}} may be used ({exc})") from None
+            raise ValueError(f"{what} {template!r}: only {{host}}, {{port}} and {{index}} may be used ({exc})") from None
         if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise ValueError(f"{what} {endpoint!r} is not a ZMQ endpoint (tcp://HOST:PORT)")
         return endpoint
 
+    def listed(ports: list[int], index: int) -> str | None:
+        return f"tcp://{{host}}:{ports[index]}" if ports else None
+
     out = []
-    for address, host, port in addresses:
-        endpoint = pub_overrides.get(address) or s.kv_events_endpoint
+    for index, (address, host, port) in enumerate(addresses):
+        endpoint = pub_overrides.get(address) or listed(s.kv_events_ports, index) or s.kv_events_endpoint
         if endpoint:
-            replay = replay_overrides.get(address) or s.kv_events_replay_endpoint
-            out.append((address, fill(endpoint, host, port, "kv-events endpoint"),
-                        fill(replay, host, port, "kv-events replay endpoint") if replay else None))
+            replay = (replay_overrides.get(address) or listed(s.kv_events_replay_ports, index)
+                      or s.kv_events_replay_endpoint)
+            out.append((address, fill(endpoint, host, port, index, "kv-events endpoint"),
+                        fill(replay, host, port, index, "kv-events replay endpoint") if replay else None))
     return out
 
 
@@ -598,6 +634,4 @@ def parse_hash_key(spec: str) -> tuple[tuple[str, str], ...]:
             raise ValueError(f"hash-key source {item!r} is not header:NAME or body:FIELD")
         sources.append((where, name.strip()))
     return tuple(sources)
-    if not 0 <= s.port < 65536:
-        raise ConfigError(f"port {s.port} is out of range")
 

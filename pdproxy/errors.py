@@ -19,6 +19,13 @@ JSON = "application/json; charset=utf-8"  # what aiohttp's json_response says
 # Stages a request passes through.
 QUEUE, PREFILL, KV_TRANSFER, DECODE = "queue", "prefill", "kv_transfer", "decode"
 
+# Failures the request (or its client) caused, not an instance: a bad or unauthorised request, one no
+# instance can serve (refused by the proxy before its prefill, or by an instance with a 4xx other than
+# 429: its "busy"), a client that went away or read too slowly. They page no one (the recording rule
+# behind PdproxyStageErrorRatioHigh leaves them out) and give no hand-off up on the cluster's account.
+CLIENT_CAUSED = frozenset({"client_disconnect", "client_too_slow", "invalid_request", "unauthorized", "body_too_large",
+                           "body_timeout", "model_not_found", "context_length_exceeded", "upstream_4xx"})
+
 _OPENAI_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -113,7 +120,8 @@ class UpstreamResponse(Exception):
 
 
 def upstream_error_type(status: int) -> str:
-    """The `error_type` label of an instance's own error status."""
+    """The `error_type` label of an instance's own error status: `upstream_4xx` (other than 429) is a
+    request the instance cannot serve, the client's doing (`CLIENT_CAUSED`)."""
     if status == 429:
         return "upstream_429"
     if status == 503:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -47,6 +47,9 @@ from pdproxy.stream import ClientGone, ResponseScan, SlowReaders, WholeEventWrit
 from pdproxy.telemetry import Recorder, RequestTrace
 from pdproxy.upstream import UpstreamClient, UpstreamError
 
+if TYPE_CHECKING:
+    from pdproxy.served import ServedModels
+
 log = logging.getLogger("pdproxy.pd")
 
 
@@ -65,6 +68,7 @@ class Proxy:
         self.recorder = recorder
         self.intake = Intake(settings, admission, recorder)
         self.shadow = shadow  # pdproxy.shadow.Shadow (which imports this module) when --shadow-url
+        self.served: ServedModels | None = None  # what the instances serve (pdproxy/served.py)
         self.slow_readers = SlowReaders(settings.write_timeout)  # started by the server for client traffic
         self._too_slow = f"client left streamed data unread for {settings.write_timeout:g}s"
         self.timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout,
@@ -87,6 +91,8 @@ class Proxy:
             self.intake.check_head(headers, client.content_length)
             body, raw = await self.intake.read_body(client, route)
             trace.set_request(body)
+            if self.served is not None:
+                self.served.check(body, route.chat)  # vLLM's refusal, before any prefill is spent on it
             leg_headers = self.intake.leg_headers(headers, trace)
             if self.shadow is not None:
                 self.shadow.mirror(body, route, trace, leg_headers)
@@ -229,8 +235,8 @@ class Proxy:
                 instance = await retry(self.decode, instance, outcome, budget, tries, self.settings.retry_backoff,
                                        self.settings.max_retry_wait)
                 tries += 1
-        except (ProxyError, UpstreamResponse):
-            trace.handoff_abandoned(handoff.spent(True))  # no decode will pull its blocks now
+        except (ProxyError, UpstreamResponse) as failed:
+            trace.handoff_abandoned(handoff.spent(True), failed.error_type)  # no decode will pull its blocks now
             raise
 
     async def _decode_once(self, inst: Instance, body: dict[str, Any], raw: bytes | None,

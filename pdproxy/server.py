@@ -22,6 +22,7 @@ from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, HealthChecker, Pool
 from pdproxy.protocol import CHAT, COMPLETIONS, check_body_encoding
 from pdproxy.runtime import LoopLag, tune_gc, tune_malloc
+from pdproxy.served import ServedModels
 from pdproxy.serving import AioExchange
 from pdproxy.telemetry import setup as setup_telemetry
 from pdproxy.telemetry import trace_destination
@@ -100,10 +101,11 @@ async def _lifecycle(app: web.Application, settings: Settings):
         checker.start()
     for pool in pools:
         pool.start(session, auth)  # load_aware reads the engines' /metrics
-    # the model names that may label telemetry: what the instances serve (pdproxy/telemetry/models.py)
-    learning = asyncio.create_task(recorder.models.watch(
+    # what the instances serve: checked before a prefill, and the model names that may label telemetry
+    proxy.served = ServedModels(recorder.models, [*settings.served_model_name, *filter(None, [settings.model])])
+    learning = asyncio.create_task(proxy.served.watch(
         session, [i.url for p in pools for i in p.instances], auth, settings.health_check_interval,
-        settings.health_check_timeout), name="model-names")
+        settings.health_check_timeout), name="served-models")
     yield
     learning.cancel()
     with contextlib.suppress(asyncio.CancelledError):
@@ -221,6 +223,7 @@ async def status(request: web.Request) -> web.Response:
         "mode": proxy.settings.mode, "version": __version__,
         "tracing": trace_destination(proxy.settings).as_dict(),
         "model_labels": proxy.recorder.models.describe(),
+        "served_models": proxy.served.describe() if proxy.served is not None else None,
         "kv_events": kv_events.status() if (kv_events := request.app.get(KV_EVENTS_KEY)) is not None else None,
         "compiled": compiled.report(),
     })
@@ -377,6 +380,7 @@ async def _serve_forever(settings: Settings, sock: socket.socket, worker: worker
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE, **handler_options(settings))
     await runner.setup()
     if worker is not None:
+        app[PROXY_KEY].recorder.metrics.process.worker = str(worker.index)  # each worker's process_* series
         private = await workers.serve_private_metrics(worker, app[PROXY_KEY].recorder.metrics.exposition)
     # plain inference POSTs on pdproxy's own protocol, everything else on aiohttp's (pdproxy/listener.py)
     listening, lean = await listen(runner, sock, settings, INFERENCE_ROUTES, app[PROXY_KEY].handle)

@@ -212,11 +212,13 @@ def test_unit_test_series_are_real():
 
     base, proxy = contract_metrics()
     collector, collector_labels = collector_prometheus_names()
-    gap_histograms = {"pdproxy_itl_seconds", "pdproxy_request_itl_max_seconds", "pdproxy_request_itl_p99_seconds",
+    gap_histograms = {"pdproxy_itl_seconds", "pdproxy_chunk_gap_seconds", "pdproxy_request_itl_max_seconds", "pdproxy_request_itl_p99_seconds",
                       "pdproxy_tpot_seconds", "pdproxy_trace_request_itl_max_seconds", "pdproxy_trace_request_itl_p99_seconds"}
     values = {"deployment": {"primary", "shadow"}, "mode": {"pd", "single"}, "route": {"completions", "chat_completions"},
               "stage": {"queue", "prefill", "kv_transfer", "decode"}, "failed_stage": {"none", "queue", "prefill", "kv_transfer", "decode"},
-              "role": {"prefill", "decode"}, "reason": {"queue_full", "export_failed"}, "error_type": error_types(),
+              "role": {"prefill", "decode"},
+              "reason": {"queue_full", "export_failed", "prefix_match", "cache_miss", "imbalanced", "approximate",
+                         "rotation"}, "error_type": error_types(),
               "cause": {"kv_arrival", "prefill", "migration", "preemption", "none"},
               "pd_deployment": {"primary", "shadow"}, "pd_failed_stage": {"none", "queue", "prefill", "kv_transfer", "decode"}}
     seen_proxy = seen_collector = 0
@@ -235,9 +237,7 @@ def test_unit_test_series_are_real():
                     metric = name if name in proxy else series_base(name)
                     assert metric in proxy, f"{path.name}: {name} is not in docs/telemetry.md"
                     allowed = SCRAPE_LABELS | proxy[metric][1] | ({"le"} if name.endswith("_bucket") else set())
-                    if metric.startswith("pdproxy_instance_"):  # honor_labels: false renames their instance
-                        allowed = SCRAPE_LABELS | {"role", "exported_instance"} | (proxy[metric][1] - {"instance"})
-                    elif metric in {"pdproxy_requests_total", "pdproxy_request_errors_total", "pdproxy_requests_with_stall_total"} \
+                    if metric in {"pdproxy_requests_total", "pdproxy_request_errors_total", "pdproxy_requests_with_stall_total"} \
                             or proxy[metric][0] == "histogram":
                         allowed |= set(base)
                     assert set(labels) <= allowed, f"{path.name}: {set(labels) - allowed} on {name}"
@@ -332,3 +332,14 @@ def test_operator_overlay_carries_the_rules(tmp_path):
     bad["spec"]["groups"][0]["rules"][0]["severity"] = "critical"  # belongs under labels
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, PROMETHEUSRULE_SCHEMA)
+
+
+def test_the_paging_error_ratio_leaves_out_exactly_what_requests_cause():
+    """PdproxyStageErrorRatioHigh pages on instance faults only: its recording rule leaves out every
+    error type the proxy counts as the request's doing (pdproxy/errors.py), and admission refusals."""
+    from pdproxy.errors import CLIENT_CAUSED
+
+    expr = rules("record")["run_model_deployment_stage:pdproxy_request_errors_upstream:ratio_rate5m"]["expr"]
+    left_out = set(re.search(r'error_type!~"([^"]+)"', expr).group(1).split("|"))
+    assert left_out == CLIENT_CAUSED | {"overloaded", "queue_timeout"}
+    assert CLIENT_CAUSED <= error_types()  # each one documented in docs/telemetry.md

@@ -271,3 +271,16 @@ def test_a_model_the_server_does_not_serve_stops_before_the_run(sim: str, tmp_pa
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert "/tokenize answered HTTP 404: The model `nope` does not exist." in " ".join(p.stderr.split())
+
+
+def test_without_model_the_served_one_is_asked_for(tmp_path: Path) -> None:
+    """Before: --model defaulted to sim-model and anything else failed with a bare 404 per request."""
+    proc, url = start_sim("single", "--time-scale", "0.2", "--model", "llama-served")
+    try:
+        journal(url, clear=True)
+        header, reqs, _ = bench(tmp_path / "r.jsonl", url, "--requests", "4", "--concurrency", "2",
+                                "--prompt-len", "20", "--output-len", "4")
+        assert header["workload"]["model"] == "llama-served" and all(r["ok"] for r in reqs)
+        assert {e["body"]["model"] for e in journal(url)} >= {"llama-served"}
+    finally:
+        proc.stop()

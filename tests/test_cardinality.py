@@ -139,10 +139,11 @@ def test_with_health_checks_off_the_listing_is_asked_until_every_instance_answer
     import aiohttp
     from aiohttp import web
 
+    from pdproxy import served
     from pdproxy.telemetry import models
     from procs import HOST, free_port
 
-    monkeypatch.setattr(models, "MIN_REFRESH_SECONDS", 0.05)
+    monkeypatch.setattr(served, "MIN_REFRESH_SECONDS", 0.05)
     port = free_port()
 
     async def scenario() -> tuple[set[str], bool]:
@@ -155,7 +156,7 @@ def test_with_health_checks_off_the_listing_is_asked_until_every_instance_answer
         runner = web.AppRunner(app)
         await runner.setup()
         async with aiohttp.ClientSession() as session:
-            watch = asyncio.create_task(names.watch(session, [f"http://{HOST}:{port}"], {}, 0, 1.0))
+            watch = asyncio.create_task(served.ServedModels(names).watch(session, [f"http://{HOST}:{port}"], {}, 0, 1.0))
             await asyncio.sleep(0.3)  # several refreshes against a port nothing listens on yet
             assert not watch.done() and names.learned == set()
             await web.TCPSite(runner, HOST, port).start()

@@ -52,6 +52,7 @@ TOKENIZER_FILE = Path(__file__).parent / "fixtures" / "kv_events_vllm023" / "REA
 SAMPLES = {
     "kv_events_endpoint": "tcp://{host}:5557", "kv_events_replay_endpoint": "tcp://{host}:5567",
     "kv_events_topic": "kv@", "kv_events_instance": "d:1=tcp://d:5557", "kv_events_replay_instance": "d:1=tcp://d:5567",
+    "kv_events_ports": "5557", "kv_events_replay_ports": "5567",
     "kv_events_max_blocks": "1000", "tokenizer_file": str(TOKENIZER_FILE),
     "pd_min_prefill_tokens": "64",
     "host": "0.0.0.0", "port": "8123", "prefiller_hosts": "10.0.0.1", "prefiller_ports": "9100",
@@ -87,6 +88,43 @@ def serve_flags() -> list[str]:
         if longs and longs[0] not in ("--help", "--config"):
             names.append(longs[0][2:].replace("-", "_"))
     return names
+
+
+def test_serve_help_groups_flags_as_an_operator_looks_for_them() -> None:
+    """Before: 35 of 76 flags under one "routing and reliability" heading."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    groups = {g.title: [a.option_strings[0] for a in g._group_actions] for g in parser._action_groups}
+    assert max(len(flags) for flags in groups.values()) <= 16, {t: len(f) for t, f in groups.items()}
+    assert "--policy" in groups["routing (which instance gets a request)"]
+    assert {"--decode-retries", "--migrate-mid-stream"} <= set(groups["retries and migration (what the client does not see)"])
+    assert {"--eject-after-failures", "--health-check-interval"} <= set(groups["health checks and ejection"])
+    assert {"--max-inflight", "--max-queue", "--max-body-bytes"} <= set(groups["admission and client limits"])
+    assert groups["server processes"] == ["--workers"]
+    text = " ".join(help_text("serve").split())
+    for said in ("bootstrap port (or 'none') may follow the URL: accepted and ignored",
+                 "only with --max-inflight set", "labels metrics (for more names, or aliases, see",
+                 "5557 5558 5559 5560 for 2P2D on one host", "at least this fraction of the prompt (0.3: 30%)"):
+        assert said in text, said
+    assert text.count("(repeatable") >= 5
+
+
+def test_kv_event_ports_in_instance_order_and_the_index_template() -> None:
+    """2P2D on one host: one list instead of eight --kv-events-*-instance flags."""
+    from pdproxy.config import ConfigError, kv_event_endpoints
+
+    env = {"PDPROXY_PREFILL": "http://h:8100,http://h:8101", "PDPROXY_DECODE": "http://h:8200,http://h:8201"}
+    s = load_settings(argparse.Namespace(kv_events_ports=[5557, 5558, 5559, 5560],
+                                         kv_events_replay_ports=[5567, 5568, 5569, 5570]), environ=env)
+    assert kv_event_endpoints(s) == [(f"h:{p}", f"tcp://h:{5557 + i}", f"tcp://h:{5567 + i}")
+                                     for i, p in enumerate((8100, 8101, 8200, 8201))]
+    s = load_settings(argparse.Namespace(kv_events_endpoint="tcp://{host}:{index}5"), environ=env)
+    assert [e for _, e, _ in kv_event_endpoints(s)] == ["tcp://h:05", "tcp://h:15", "tcp://h:25", "tcp://h:35"]
+    with pytest.raises(ConfigError, match=r"--kv-events-ports gives 3 port\(s\) for 4 instances"):
+        load_settings(argparse.Namespace(kv_events_ports=[5557, 5558, 5559]), environ=env)
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "serve", "--decode", "http://h:8200",
+                        "--kv-events-ports", "70000"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "port 70000 is out of range" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_samples_cover_every_serve_flag() -> None:

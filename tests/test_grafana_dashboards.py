@@ -181,9 +181,9 @@ def test_overview_has_the_required_panels():
     panel("Tokens/s", "pdproxy_tokens_total")
     panel("per instance", "pdproxy_instance_inflight")
     # an instance that fails while retries or migration save its requests shows by its attempts (issue 29)
-    panel("Attempts/s per instance", "pdproxy_instance_attempts_total", "by (role, exported_instance)")
+    panel("Attempts/s per instance", "pdproxy_instance_attempts_total", "by (role, server_address)")
     panel("Failed attempts/s per instance", "pdproxy_instance_attempt_failures_total",
-          "by (role, exported_instance, reason)")
+          "by (role, server_address, reason)")
     panel("Share of attempts that failed", "pdproxy_instance_attempt_failures_total",
           "pdproxy_instance_attempts_total")
     panel("moved away and hand-offs abandoned", "pdproxy_instance_moved_away_total",
@@ -229,8 +229,6 @@ def test_overview_uses_only_contract_metrics_and_labels():
                 continue
             assert m in metrics, f"{p['title']}: {m} is not in docs/telemetry.md nor produced by the collector"
             allowed |= set(base) | metrics[m][1]
-            if "instance" in metrics[m][1]:  # scraped with honor_labels: false, Prometheus renames it
-                allowed.add("exported_instance")
         labels = set(re.findall(r"([a-z_]+)\s*(?:=~|!~|!=|=)\s*\"", expr))
         for group in re.findall(r"\b(?:by|ignoring|on)\s*\(([^)]*)\)", expr):
             labels |= {l.strip() for l in group.split(",") if l.strip()}

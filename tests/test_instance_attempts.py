@@ -51,8 +51,8 @@ def test_a_failing_decode_shows_in_the_per_instance_attempt_counters(tmp_path):
         dead, alive = d1.removeprefix("http://"), d2.removeprefix("http://")
         before = httpx.get(rig.url + "/metrics").text
         # both decodes have their series before any request: a dashboard shows an idle or dead one at 0
-        assert counter(before, "pdproxy_instance_attempts_total", role="decode", instance=dead) == 0
-        assert counter(before, "pdproxy_instance_attempts_total", role="decode", instance=alive) == 0
+        assert counter(before, "pdproxy_instance_attempts_total", role="decode", server_address=dead) == 0
+        assert counter(before, "pdproxy_instance_attempts_total", role="decode", server_address=alive) == 0
         rig.fault(d1, {"kind": "die_before_first_token", "times": 4})
         body = {"model": "sim-model", "prompt": "words for a request", "max_tokens": 16, "stream": True}
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
@@ -64,28 +64,28 @@ def test_a_failing_decode_shows_in_the_per_instance_attempt_counters(tmp_path):
         assert all(complete(r) for r, _ in later)  # round robin sends some to the dead one: all moved
 
         text = httpx.get(rig.url + "/metrics").text
-        failed = {reason: counter(text, "pdproxy_instance_attempt_failures_total", instance=dead, reason=reason)
+        failed = {reason: counter(text, "pdproxy_instance_attempt_failures_total", server_address=dead, reason=reason)
                   for reason in ("stream_broken", "stream_truncated", "connect_error")}
         broke = failed["stream_broken"] + failed["stream_truncated"]
         assert broke == 4 and failed["connect_error"] >= 1, failed
-        total_failed = counter(text, "pdproxy_instance_attempt_failures_total", instance=dead)
+        total_failed = counter(text, "pdproxy_instance_attempt_failures_total", server_address=dead)
         assert total_failed == broke + failed["connect_error"]
         # each failed attempt moved its request before its first token; only the ones that had the KV
         # pulled gave up their hand-off
-        assert counter(text, "pdproxy_instance_moved_away_total", instance=dead,
+        assert counter(text, "pdproxy_instance_moved_away_total", server_address=dead,
                        stage="before_first_token") == total_failed
-        assert counter(text, "pdproxy_instance_abandoned_handoffs_total", instance=dead) == 4
-        sent = counter(text, "pdproxy_instance_attempts_total", role="decode", instance=dead)
+        assert counter(text, "pdproxy_instance_abandoned_handoffs_total", server_address=dead) == 4
+        sent = counter(text, "pdproxy_instance_attempts_total", role="decode", server_address=dead)
         assert sent >= total_failed + 1  # and it served some before it failed
-        assert counter(text, "pdproxy_instance_attempt_failures_total", instance=alive) == 0
+        assert counter(text, "pdproxy_instance_attempt_failures_total", server_address=alive) == 0
         # every attempt is counted: 18 requests that all ended on a decode, plus one per failure
-        both = sent + counter(text, "pdproxy_instance_attempts_total", role="decode", instance=alive)
+        both = sent + counter(text, "pdproxy_instance_attempts_total", role="decode", server_address=alive)
         assert both == 18 + total_failed
         # label values bounded by the configuration: the configured decodes, the fixed reasons and stages
         labels = series(text)
-        assert {s["instance"] for s in labels} == {u.removeprefix("http://") for u in rig.prefills + rig.decodes}
+        assert {s["server_address"] for s in labels} == {u.removeprefix("http://") for u in rig.prefills + rig.decodes}
         assert {s["role"] for s in labels} == {"prefill", "decode"}
-        assert {s["instance"] for s in labels if s["role"] == "decode"} == {dead, alive}
+        assert {s["server_address"] for s in labels if s["role"] == "decode"} == {dead, alive}
         assert {s["reason"] for s in labels if "reason" in s} <= {"stream_broken", "stream_truncated",
                                                                    "connect_error"}
         assert {s["stage"] for s in labels if "stage" in s} == {"before_first_token", "mid_stream"}  # 0 from start
@@ -105,14 +105,14 @@ def test_a_dead_prefill_shows_in_the_counters_the_traces_and_the_report(tmp_path
         results = [stream(rig.url, body) for _ in range(8)]
         assert all(complete(r) for r, _ in results)
         text = httpx.get(rig.url + "/metrics").text
-        failed = counter(text, "pdproxy_instance_attempt_failures_total", role="prefill", instance=dead,
+        failed = counter(text, "pdproxy_instance_attempt_failures_total", role="prefill", server_address=dead,
                          reason="connect_error")
         assert failed >= 3  # round robin: about half the requests were first sent there
-        assert counter(text, "pdproxy_instance_attempts_total", role="prefill", instance=dead) == failed
-        assert counter(text, "pdproxy_instance_moved_away_total", role="prefill", instance=dead,
+        assert counter(text, "pdproxy_instance_attempts_total", role="prefill", server_address=dead) == failed
+        assert counter(text, "pdproxy_instance_moved_away_total", role="prefill", server_address=dead,
                        stage="before_first_token") == failed
         assert counter(text, "pdproxy_instance_attempts_total", role="prefill") == 8 + failed
-        assert {s["instance"] for s in series(text) if s["role"] == "prefill"} == {
+        assert {s["server_address"] for s in series(text) if s["role"] == "prefill"} == {
             u.removeprefix("http://") for u in rig.prefills}
         # the report's per-instance rows, from the proxy's trace file
         idx = traces_of(rig.file, [rid for _, rid in results])

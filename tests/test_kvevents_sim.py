@@ -81,3 +81,21 @@ def test_sim_publishes_prefill_stores_evictions_and_decode_arrivals():
     finally:
         for proc in procs:
             proc.stop()
+
+
+def test_sim_says_where_it_publishes():
+    """What `pdproxy serve --kv-events-*` has to be given, printed at start (and said when nothing is)."""
+    pub, replay = free_port(), free_port()
+    procs = []
+    try:
+        p, _ = start_sim("prefill", "--kv-events-config", events_config(pub, replay, "kv@p0"))
+        procs.append(p)
+        q, _ = start_sim("prefill", "--kv-events-config", events_config(free_port(), free_port(), ""),
+                         "--no-enable-prefix-caching")
+        procs.append(q)
+        assert (f"pdproxy sim: KV events on tcp://{HOST}:{pub} (replay tcp://{HOST}:{replay}, topic kv@p0)"
+                in p.output()), p.output()
+        assert "pdproxy sim: no KV events: --kv-events-config is given but prefix caching is off" in q.output()
+    finally:
+        for proc in procs:
+            proc.stop()

@@ -155,7 +155,7 @@ def test_proxy_counts_the_stream_in_metrics_and_shows_it_in_status(ports):
         assert state[address]["gaps"] == 1 and state[address]["next_seq"] == 4
         with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
             text = r.read().decode()
-        label = f'{{instance="{address}"}}'
+        label = f'{{server_address="{address}"}}'
         assert f"pdproxy_kv_event_batches_total{label} 4.0" in text
         assert f"pdproxy_kv_event_gaps_total{label} 1.0" in text
         assert f"pdproxy_kv_events_flowing{label} 1.0" in text

@@ -132,7 +132,7 @@ def test_a_model_listing_nested_too_deep_is_no_listing():
     import aiohttp
     from aiohttp import web
 
-    from pdproxy.telemetry.models import _served
+    from pdproxy.served import listing as served_listing
 
     async def listing(request: web.Request) -> web.Response:
         return web.Response(text='{"data": %s}' % deep("NaN"), content_type="application/json")
@@ -147,7 +147,7 @@ def test_a_model_listing_nested_too_deep_is_no_listing():
         port = runner.addresses[0][1]
         try:
             async with aiohttp.ClientSession() as session:
-                return [await _served(session, f"http://127.0.0.1:{port}", {}, 10)]
+                return [await served_listing(session, f"http://127.0.0.1:{port}", {}, 10)]
         finally:
             await runner.cleanup()
 

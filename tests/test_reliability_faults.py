@@ -223,7 +223,7 @@ def test_kv_load_failure_is_retried_on_another_decode_with_fresh_kv_params(rig):
     assert root["pd.migrations"] == 1 and root["pd.handoffs.abandoned"] == 1
     assert attrs(spans["pd.decode"])["pd.decode.attempts"] == 2
     assert c.delta("pdproxy_migrations_total", stage="before_first_token", reason="kv_load_failed") == 1
-    assert c.delta("pdproxy_abandoned_handoffs_total", instance=f"{HOST}:{prefills[0]['port']}") == 1
+    assert c.delta("pdproxy_abandoned_handoffs_total", server_address=f"{HOST}:{prefills[0]['port']}") == 1
 
     script(rig, decode=[KV_FAILURE, KV_FAILURE])
     c = Counters(rig["url"])
@@ -363,7 +363,7 @@ def test_failing_instance_is_ejected_for_a_while_and_comes_back(rig):
         for _ in range(6):
             assert post(url)[0].status_code == 200  # retries hide the broken one from clients
         assert healthy() == {bad.url: False, good.url: True}  # /health passes, yet it is out: failures decide
-        assert 'pdproxy_instance_healthy{instance="%s",role="decode"} 0.0' % bad.url[7:] in httpx.get(url + "/metrics").text
+        assert 'pdproxy_instance_healthy{role="decode",server_address="%s"} 0.0' % bad.url[7:] in httpx.get(url + "/metrics").text
         seen = len(bad.journal())
         assert seen == 2
         for _ in range(4):

@@ -99,6 +99,20 @@ def test_dont_adopt_names_the_deciding_criterion(runs: dict[str, Path]) -> None:
     assert v["decision"] == "don't adopt" and v["decided_by"] == "KV transfer p99"
 
 
+def test_one_run_alone_passes_or_fails_its_slos(runs: dict[str, Path]) -> None:
+    """No baseline: the SLO flags still judge the run (before: `verdict: null`, no pass/fail)."""
+    v = report(str(runs["pd_good"]), "--slo-ttft-ms", "300", "--slo-tail-itl-ms", "100")["verdict"]
+    assert v["decision"] == "pass" and v["baselines"] == [] and v["resources"] == "slo"
+    assert {c["criterion"]: c["passed"] for c in v["criteria"]} == {
+        "error rate": True, "KV transfer p99": None, "TTFT p99 SLO": True, "tail ITL (per-request max) p99 SLO": True}
+    v = report(str(runs["pd_good"]), "--slo-ttft-ms", "120")["verdict"]
+    assert v["decision"] == "fail" and v["decided_by"] == "TTFT p99 SLO"
+    assert report(str(runs["pd_good"]))["verdict"] is None  # nothing to judge it by
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "report", str(runs["pd_good"]), "--slo-ttft-ms", "120"],
+                       capture_output=True, text=True, timeout=60, env={"COLUMNS": "120", "PATH": ""})
+    assert p.returncode == 0 and "Verdict: FAIL  (pd) · against its SLOs, no baseline" in p.stdout, p.stdout
+
+
 def test_flags_more_than_one_differing_condition(runs: dict[str, Path], tmp_path: Path) -> None:
     same = report(str(runs["single"]), str(runs["chunked"]))
     assert same["comparison"]["axes_differing"] == ["set-up"]

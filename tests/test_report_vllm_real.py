@@ -109,7 +109,8 @@ def test_report_splits_and_attributes_on_the_real_2gpu_runs(real, tmp_path):
     out = tmp_path / "r.json"  # the gzipped record and trace files are read as they are
     p = subprocess.run([sys.executable, "-m", "pdproxy", "report", f"single={real / 'bench-2gpu-single.jsonl.gz'}",
                         f"pd={real / 'bench-2gpu-pd.jsonl.gz'}", "--traces", str(real / "vllm023-pd-2gpu.otlp.jsonl.gz"),
-                        "--stall-threshold-ms", "40", "--json", str(out)], capture_output=True, text=True, timeout=240)
+                        "--stall-threshold-ms", "40", "--json", str(out), "--definitions"], capture_output=True, text=True,
+                       timeout=240)
     assert p.returncode == 0, p.stderr
     text = " ".join(p.stdout.split())  # the definitions are wrapped to the terminal's width
     assert "vLLM split: kv_transfer.kv_wait" in text and "stall time by cause" in text
@@ -125,3 +126,21 @@ def test_report_splits_and_attributes_on_the_real_2gpu_runs(real, tmp_path):
     assert tail["split"]["kv_transfer.kv_wait"] > 0
     assert tail["stalls"] and tail["stalls"][0]["cause"] == "kv_arrival"
     assert "-long-" in tail["stalls"][0]["with"][0]["request_id"]  # the largest coinciding KV: a long prompt
+
+
+def test_the_table_says_its_rows_plainly_and_the_definitions_once(real):
+    """Before: a row "max gap p50, large KV in window: yes / no (n)", and ~15 lines of definitions after
+    every table. Now the row says what it compares, and the definitions come with --definitions."""
+    args = [sys.executable, "-m", "pdproxy", "report", f"pd={real / 'bench-2gpu-pd.jsonl.gz'}",
+            "--traces", str(real / "vllm023-pd-2gpu.otlp.jsonl.gz"), "--stall-threshold-ms", "40"]
+    env = {"COLUMNS": "160", "PATH": ""}
+    plain = subprocess.run(args, capture_output=True, text=True, timeout=240, env=env)
+    full = subprocess.run([*args, "--definitions"], capture_output=True, text=True, timeout=240, env=env)
+    assert plain.returncode == full.returncode == 0, plain.stderr + full.stderr
+    text = " ".join(plain.stdout.split())
+    assert "large KV in window" not in text
+    assert "max gap p50 of requests with / without a large KV (>= 1024 tokens) arriving on their decode" in text
+    assert "Stall attribution:" not in text and "Failures:" not in text
+    assert "How each row is defined: pdproxy report --definitions" in text
+    assert "Stall attribution:" in " ".join(full.stdout.split())
+    assert len(full.stdout.splitlines()) >= len(plain.stdout.splitlines()) + 5

@@ -8,6 +8,7 @@ per-instance view must still show the dead instance and what failed on it.
 
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -106,3 +107,41 @@ def test_run_b_table_and_page_show_the_killed_decode(tmp_path):
     html = page.read_text()
     assert html.count("<table class=instances") == 1 and "127.0.0.1:8201" in html
     assert f"decode {DEAD}: 10 of 14 attempts failed" in html
+
+
+RECORDING = XPYD.parent / "real-xpyd-2026-12-01b"  # the recording's own files (provenance in its README)
+
+
+def rows(run: dict) -> list[tuple]:
+    return [(x["role"], x["address"], x["requests"], x["attempts"], x["attempts_failed"], x["moved_away"],
+             x["abandoned_handoffs"]) for x in run["instances"]]
+
+
+def test_run_b_engine_spans_add_to_the_proxys_attempts_never_replace_them(tmp_path):
+    """The proxy's trace file alone, then with every vLLM span of both runs as a collector's file held
+    them (with an event-less copy of the proxy's spans): the killed decode keeps its 14 attempts, 10
+    failed and moved; the engine spans add their split; run A's traces (not in the records) change
+    nothing. Before: the event-less copies replaced the proxy's, and the row read 4 attempts, 0 failed."""
+    bench = read_run(XPYD / "run-b-bench.jsonl.gz")
+    alone = report.build([bench], traces.read_traces([str(RECORDING / "pd-b.jsonl.gz")]), verdict=False)["runs"][0]
+    spans = RECORDING / "vllm-spans.otlp.jsonl.gz"
+    both = report.build([read_run(XPYD / "run-b-bench.jsonl.gz")],
+                        traces.read_traces([str(RECORDING / "pd-b.jsonl.gz"), str(spans)]), verdict=False)["runs"][0]
+    dead = next(r for r in rows(alone) if r[1] == DEAD)
+    assert dead == ("decode", DEAD, 0, 14, 10, 10, 10)
+    assert rows(both) == rows(alone)
+    assert alone["engine_split"] is None and both["engine_split"]["requests"] == 28  # what the spans add
+    # the same spans restricted to run B's traces give the same report: the other run's are ignored
+    ids = {i.trace_id for i in traces.read_traces([str(RECORDING / "pd-b.jsonl.gz")]).by_request.values()}
+    own = tmp_path / "run-b-vllm.jsonl"
+    with open(own, "w") as out:
+        for line in gzip.open(spans, "rt"):
+            doc = json.loads(line)
+            for rs in doc["resourceSpans"]:
+                for ss in rs.get("scopeSpans") or []:
+                    ss["spans"] = [sp for sp in ss.get("spans") or [] if sp["traceId"].lower() in ids]
+            out.write(json.dumps(doc) + "\n")
+    only = report.build([read_run(XPYD / "run-b-bench.jsonl.gz")],
+                        traces.read_traces([str(RECORDING / "pd-b.jsonl.gz"), str(own)]), verdict=False)["runs"][0]
+    for key in ("instances", "stats", "stages", "kv_transfer", "engine_split", "stall_attribution"):
+        assert only[key] == both[key], key

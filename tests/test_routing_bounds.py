@@ -36,7 +36,7 @@ def serve_metrics(url: str, text: str, repeat: int = 1) -> None:
 
 def failures(url: str, instance: str) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
-    return counter(text, "pdproxy_engine_metrics_read_failures_total", instance=instance[len("http://"):])
+    return counter(text, "pdproxy_engine_metrics_read_failures_total", server_address=instance[len("http://"):])
 
 
 def metrics_state(url: str) -> dict[str, str]:

@@ -154,8 +154,8 @@ def test_load_aware_falls_back_to_inflight_when_metrics_cannot_be_read(procs):
         assert r.status_code == 200
     assert counters.delta("pdproxy_route_decisions_total", policy="load_aware", reason="inflight_fallback") == 4
     text = httpx.get(url + "/metrics").text
-    assert counter(text, "pdproxy_engine_metrics_read_failures_total", instance=scripted_url[7:]) >= 2
-    assert counter(text, "pdproxy_engine_metrics_read_failures_total", instance=sim[7:]) == 0
+    assert counter(text, "pdproxy_engine_metrics_read_failures_total", server_address=scripted_url[7:]) >= 2
+    assert counter(text, "pdproxy_engine_metrics_read_failures_total", server_address=sim[7:]) == 0
     status = {i["url"]: i["scores"] for i in httpx.get(url + "/status").json()["instances"]["decode"]}
     assert status[scripted_url]["metrics"] == "unreadable" and status[sim]["metrics"] == "ok"
     assert proxy.output().count("cannot read engine load from " + scripted_url) == 1  # logged once

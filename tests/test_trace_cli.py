@@ -225,3 +225,33 @@ def test_stalls_from_the_bench_record_with_their_cause(real):
     # the 60 ms gap coincides with the arrival of a 4.5k-token prompt's KV on the same decode
     assert re.fullmatch(r"  \+[\d,.]+ ms: 6\d\.\d ms kv_arrival with bench-0210e3e3-long-\d+ \(45\d\d tok\)", stall)
     assert "!" in next(line for line in lines if line.startswith(" pd.decode"))
+
+
+XPYD = REAL_TRACES.parent / "real-xpyd-2026-12-01b"  # pdproxy 2P2D in front of real vLLM 0.23 (its README)
+
+
+def test_waterfall_and_report_name_where_each_leg_ran_and_why():
+    """The slow TTFTs of a run can cluster on one prefill: the waterfall and the report's slowest list
+    say which instance each leg ran on and the routing decision that sent it there."""
+    p = trace_cmd("bench-88412b25-agent-1", "--traces", str(XPYD / "pd-a.jsonl.gz"))
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[2:4] == ["prefill 127.0.0.1:8101 (cache_aware cache_miss)",
+                          "decode  127.0.0.1:8201 (load_aware engine_load)"], lines[:5]
+    r = subprocess.run([sys.executable, "-m", "pdproxy", "report", str(XPYD / "bench-pd-88412b25.jsonl.gz"),
+                        "--traces", str(XPYD / "pd-a.jsonl.gz"), "--json", "-", "--no-table"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    slowest = json.loads(r.stdout)["runs"][0]["slowest"]["ttft"]
+    assert slowest and all(set(s["placement"]) == {"prefill", "decode"} for s in slowest)
+    assert all(re.fullmatch(r"127\.0\.0\.1:810[01] \(cache_aware \w+\)", s["placement"]["prefill"]) for s in slowest)
+    table = subprocess.run([sys.executable, "-m", "pdproxy", "report", str(XPYD / "bench-pd-88412b25.jsonl.gz"),
+                            "--traces", str(XPYD / "pd-a.jsonl.gz")], capture_output=True, text=True, timeout=120,
+                           env={"COLUMNS": "140", "PATH": ""})
+    first = slowest[0]
+    assert f"  prefill    {first['placement']['prefill']}" in table.stdout, table.stdout[-3000:]
+
+
+def test_help_names_no_option_that_does_not_exist():
+    p = trace_cmd("--help")
+    assert p.returncode == 0 and "LOOKBACK" not in p.stdout and "10 s before" in p.stdout

@@ -42,6 +42,13 @@ def test_workers_share_the_port_and_merge_their_metrics():
             assert metric_sum(text, "pdproxy_ttft_seconds_count") == 40
         om = httpx.get(url + "/metrics", headers={"Accept": "application/openmetrics-text"}).text
         assert om.rstrip().endswith("# EOF") and '# {trace_id="' in om
+        # each worker's own process series, told apart by `worker`, never summed into one
+        starts = {line.split("{", 1)[1].split("}", 1)[0]: float(line.split()[-1]) for line in text.splitlines()
+                  if line.startswith("process_start_time_seconds{")}
+        assert set(starts) == {'worker="0"', 'worker="1"'}, starts
+        assert all(abs(t - time.time()) < 600 for t in starts.values())  # a time, not a sum of two
+        rss = [line for line in text.splitlines() if line.startswith("process_resident_memory_bytes{")]
+        assert len(rss) == 2 and all(float(line.split()[-1]) > 1e6 for line in rss)
 
         deadline = time.monotonic() + scaled(10)
         instances: set[str] = set()

@@ -54,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target")
     g.add_argument("--url", help="base URL of the OpenAI-compatible server (pdproxy, vLLM, vllm-router)")
     g.add_argument("--endpoint", choices=["completions", "chat"], help="route to use (default completions)")
-    g.add_argument("--model", help="model name sent in the body (default sim-model)")
+    g.add_argument("--model", help="model name sent in the body (default: the one the target's /v1/models lists "
+                                   "first)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default $OPENAI_API_KEY)")
     g.add_argument("--timeout", type=float, default=None, help="per-request timeout in seconds (default 600)")
     g.add_argument("--engine-metrics", nargs="+", metavar="URL",

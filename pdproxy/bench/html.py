@@ -157,7 +157,7 @@ def _verdict(report: dict[str, Any]) -> str:
 
 
 def _one_verdict(v: dict[str, Any], suffix: str) -> str:
-    cls = "adopt" if v["decision"] == "adopt" else "reject"
+    cls = "adopt" if v["decision"] in ("adopt", "pass") else "reject"
     rows = []
     for c in v["criteria"]:
         mark = {True: "<span class=pass>pass</span>", False: "<span class=fail>FAIL</span>",

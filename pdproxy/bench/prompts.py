@@ -141,7 +141,8 @@ class _Server:
     async def tokenize(self, **body: Any) -> dict[str, Any] | None:
         """The server's answer, or None when it has no /tokenize; other refusals are the user's to fix."""
         try:
-            async with self.session.post(self.url + "/tokenize", json={"model": self.model, **body},
+            async with self.session.post(self.url + "/tokenize", json={**({"model": self.model} if self.model else {}),
+                                                                       **body},
                                          headers=self.headers, timeout=self.timeout) as r:
                 raw = await r.read()
                 try:
@@ -167,7 +168,7 @@ class _Server:
             async with self.session.get(self.url + "/v1/models", headers=self.headers, timeout=self.timeout) as r:
                 obj = await r.json(content_type=None)
             for m in obj.get("data") or []:
-                if isinstance(m.get("max_model_len"), int) and m.get("id") == self.model:
+                if isinstance(m.get("max_model_len"), int) and m.get("id") == (self.model or m.get("id")):
                     return int(m["max_model_len"])
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError):
             pass
@@ -177,6 +178,22 @@ class _Server:
         if endpoint == "chat":
             return await self.tokenize(messages=[{"role": "user", "content": text}])
         return await self.tokenize(prompt=text)
+
+
+async def served_model(session: aiohttp.ClientSession, url: str, headers: dict[str, str],
+                       timeout: float = 60.0) -> str:
+    """The first model the target lists in /v1/models, for a run given no --model; "" when it lists none
+    (the requests then name no model: vLLM serves them with its own)."""
+    try:
+        async with session.get(url + "/v1/models", headers=headers,
+                               timeout=aiohttp.ClientTimeout(total=min(timeout, 30.0))) as r:
+            obj = await r.json(content_type=None) if r.status == 200 else None
+        for m in (obj or {}).get("data") or []:
+            if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]:
+                return str(m["id"])
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError):
+        pass
+    return ""
 
 
 async def prepare(session: aiohttp.ClientSession, url: str, headers: dict[str, str], wl: Workload,

@@ -175,6 +175,7 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
             "stall_count": len(stalls),
             "failed_stage": info.attrs.get("pd.failed_stage") if info else None,
             "instances": {k: info.attrs.get(f"pd.{k}.instance") for k in ("prefill", "decode")} if info else None,
+            "placement": info.placement() if info else {},
         }
 
     by_ttft = sorted(ok, key=lambda r: r["ttft"], reverse=True)[:slowest]
@@ -360,6 +361,9 @@ def build(runs: list[Run], idx: traces.TraceIndex | None = None, *, unit: str = 
         "comparison": compare(entries),
         "verdict": None,
     }
+    if verdict and len(entries) == 1 and slo is not None and slo.targets:  # no baseline: the run vs its SLOs
+        alone = {**decide(entries[0], [], slo), "resources": "slo", "resources_text": "against its SLOs, no baseline"}
+        report["verdicts"], report["verdict"] = [alone], alone
     if verdict and len(entries) > 1:
         cand = pick_candidate(entries, candidate)
         if baselines:

@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--stall-threshold-ms", type=float, default=stats.DEFAULT_STALL_THRESHOLD * 1e3,
                    help="a gap above this is a stall (default 100)")
     d.add_argument("--slowest", type=int, default=5, help="slowest requests listed per run and criterion")
+    d.add_argument("--definitions", action="store_true",
+                   help="print how every row is defined after the table (always in --json and --html)")
 
 
 def add_slo_arguments(v: argparse._ArgumentGroup) -> None:
@@ -138,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"[red]pdproxy report: {e}[/]")
         return 2
     if not args.no_table:
-        table.render(rep, table.make_console(stderr=args.json == "-"))
+        table.render(rep, table.make_console(stderr=args.json == "-"), definitions=args.definitions)
     write_outputs(rep, args.json, (args.html, html.render(rep)) if args.html else None, err)
     return 0
 

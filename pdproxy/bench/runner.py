@@ -170,6 +170,9 @@ async def run_async(wl: Workload, target: Target, out: Path, header: dict[str, A
     tasks: list[asyncio.Task[None]] = []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
+        if not wl.model:
+            wl.model = header["workload"]["model"] = await prompts.served_model(session, target.url,
+                                                                                target.auth_headers(), target.timeout)
         sized = await prompts.prepare(session, target.url, target.auth_headers(), wl, target.timeout)
         header["prompts"] = sized.describe()
         if on_prompts is not None:

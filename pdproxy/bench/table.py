@@ -13,6 +13,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from pdproxy.bench.attribution import LARGE_KV_TOKENS
 from pdproxy.bench.engine_spans import PARTS
 from pdproxy.bench.report import CONDITION_LABELS
 
@@ -132,7 +133,8 @@ def metric_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
                 ((e.get("engine_split") or {}).get("parts") or {}).get(key)) if e.get("engine_split") else "n/a")
     if any(e.get("stall_attribution") for e in runs):
         row("stall time by cause", _stall_shares)
-        row("max gap p50, large KV in window: yes / no (n)", _overlap)
+        row(f"max gap p50 of requests with / without a large KV (>= {LARGE_KV_TOKENS} tokens) "
+            "arriving on their decode meanwhile (requests)", _overlap)
     if any(e.get("engine_counters") for e in runs):
         row("prefix-cache hit rate (instances' counters)", _prefix_hits)
         row("prompt tokens computed (instances' counters)", lambda e: _num(
@@ -306,9 +308,9 @@ def verdict_text(report: dict[str, Any]) -> Group | None:
 
 
 def _one_verdict(v: dict[str, Any]) -> Group:
-    style = "bold green" if v["decision"] == "adopt" else "bold red"
+    style = "bold green" if v["decision"] in ("adopt", "pass") else "bold red"
     head = Text.assemble(("Verdict: ", "bold"), (v["decision"].upper(), style),
-                         f"  ({v['candidate']} vs {', '.join(v['baselines'])})")
+                         f"  ({v['candidate']}" + (f" vs {', '.join(v['baselines'])})" if v["baselines"] else ")"))
     if v.get("resources_text"):
         head.append(f" · {v['resources_text']}", style="bold")
     t = Table(show_header=True, box=None, padding=(0, 1))
@@ -346,6 +348,8 @@ def drilldown_blocks(report: dict[str, Any], per_run: int = 3) -> Group:
                          if st else "no trace")
                 block(e["label"], "slowest TTFT" if by == "ttft" else "slowest tail ITL", r,
                       f"TTFT {ms(r['ttft'])} ms, max ITL {ms(r['itl_max'])} ms")
+                for leg, where in (r.get("placement") or {}).items():
+                    line(leg, where)
                 line("stages", f"queue/prefill/kv/decode {split}")
                 if r.get("split"):
                     line("vLLM split", split_text(r["split"]) + " ms")
@@ -353,13 +357,39 @@ def drilldown_blocks(report: dict[str, Any], per_run: int = 3) -> Group:
                     line("stalls", stalls_text(r["stalls"], r.get("stall_count", 0)))
         for r in e["failed"][:per_run]:
             block(e["label"], "failed", r, f"{r.get('error')} in {r.get('failed_stage') or '?'}")
+            for leg, where in (r.get("placement") or {}).items():
+                line(leg, where)
             if r.get("error_detail"):
                 line("detail", r["error_detail"])
     return Group(*lines)
 
 
+def definitions_text(report: dict[str, Any]) -> str:
+    """How every row is defined (the report's `definitions`, as prose)."""
+    d = report["definitions"]
+    return (f"Percentiles: {d['percentiles']}. ITL unit: {d['itl_unit']}"
+            + (f" ({d['itl_unit_note']})" if d.get("itl_unit_note") else "")
+            + f". Tail ITL: {d['tail_itl']}. KV transfer: {d['kv_transfer']} Failures: {d['failures']}."
+            + (f" Split by vLLM's spans: {d['engine_split']}" if any(e.get("engine_split") for e in report["runs"])
+               else "")
+            + (f" Stall attribution: {d['stall_attribution']}"
+               if any(e.get("stall_attribution") for e in report["runs"]) else "")
+            + (f" Measured at {d['measured_at']}; TTFT: {d['ttft']}; E2E: {d['e2e']}. Pooled ITL: {d['itl_pooled']}."
+               if d.get("measured_at") else ""))
+
+
+def _definitions_pointer(report: dict[str, Any]) -> str:
+    """One line in place of the definitions: what changes between reports, and where the rest is."""
+    d = report["definitions"]
+    note = f" ({d['itl_unit_note']})" if d.get("itl_unit_note") else ""
+    return (f"ITL per {d['itl_unit']}{note}; stall: a gap over {d['stall_threshold_s'] * 1e3:g} ms. How each row "
+            "is defined: pdproxy report --definitions (docs/bench.md).")
+
+
 def render(report: dict[str, Any], console: Console | None = None, drilldown: bool = True,
-           drilldown_rows: int = 3) -> None:
+           drilldown_rows: int = 3, definitions: bool = False) -> None:
+    """The report in the terminal; how each row is defined only with `definitions` (it is the same text
+    after every table: `pdproxy report --definitions`, and in the JSON)."""
     console = console or Console()
     console.print(conditions_table(report))
     for e in report["runs"]:
@@ -373,18 +403,7 @@ def render(report: dict[str, Any], console: Console | None = None, drilldown: bo
     if shows_instances(report):
         for t in instances_tables(report):
             console.print(t)
-    d = report["definitions"]
-    console.print(Text(
-        f"Percentiles: {d['percentiles']}. ITL unit: {d['itl_unit']}"
-        + (f" ({d['itl_unit_note']})" if d.get("itl_unit_note") else "")
-        + f". Tail ITL: {d['tail_itl']}. KV transfer: {d['kv_transfer']} Failures: {d['failures']}."
-        + (f" Split by vLLM's spans: {d['engine_split']}" if any(e.get("engine_split") for e in report["runs"])
-           else "")
-        + (f" Stall attribution: {d['stall_attribution']}" if any(e.get("stall_attribution") for e in report["runs"])
-           else "")
-        + (f" Measured at {d['measured_at']}; TTFT: {d['ttft']}; E2E: {d['e2e']}. Pooled ITL: {d['itl_pooled']}."
-           if d.get("measured_at") else ""),
-        style="dim"))
+    console.print(Text(definitions_text(report) if definitions else _definitions_pointer(report), style="dim"))
     pt = pairing_text(report)
     if pt:
         console.print(Text(pt, style="bold"))

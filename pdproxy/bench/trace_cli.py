@@ -12,7 +12,8 @@ The proxy's stages and the instances' own spans (vLLM's llm_request, with --otlp
 share one time axis; each stage is split where vLLM's spans allow, the largest part is named, and
 the stalls recorded on pd.decode are listed with their cause: what the other requests did on the
 same instance then (from the trace files; a store is asked for the requests its decode instance
-served in the LOOKBACK seconds before this one and during it).
+served in the 10 s before this one started and while it ran). The lines under the request id say
+where each leg ran and why: its instance, the routing policy and its reason.
 """
 
 from __future__ import annotations

@@ -61,6 +61,21 @@ class TraceInfo:
     def deployment(self) -> str:
         return str(self.attrs.get("pd.deployment", "primary"))
 
+    def placement(self) -> dict[str, str]:
+        """Where each leg ran and why: `{"prefill": "host:port (policy reason[, fallback])", ...}`, from
+        the root's pd.<leg>.instance and the leg span's pd.route.* (single mode: the one leg)."""
+        out = {}
+        for leg in ("prefill", "decode"):
+            instance = self.attrs.get(f"pd.{leg}.instance")
+            route = self.stage_attrs.get(leg) or {}
+            if instance is None and not route:
+                continue
+            why = " ".join(str(route[k]) for k in ("pd.route.policy", "pd.route.reason") if route.get(k))
+            if route.get("pd.route.fallback_reason"):
+                why += f", {route['pd.route.fallback_reason']}"
+            out[leg] = f"{instance or '?'}" + (f" ({why})" if why else "")
+        return out
+
 
 @dataclass
 class TraceIndex:
@@ -140,6 +155,7 @@ def index_documents(docs: Iterable[tuple[str, dict[str, Any]]], idx: TraceIndex 
     """
     idx = idx if idx is not None else TraceIndex()
     spans_by_trace: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = defaultdict(list)
+    seen: dict[tuple[str, str], int] = {}  # (trace id, span id) -> its place in spans_by_trace[trace id]
     for where, obj in docs:
         rs_list = obj.get("resourceSpans")
         if rs_list is None:
@@ -151,6 +167,13 @@ def index_documents(docs: Iterable[tuple[str, dict[str, Any]]], idx: TraceIndex 
                     tid = str(sp.get("traceId", "")).lower()
                     if not tid:
                         raise TraceError(f"{where}: a span without traceId")
+                    key = (tid, str(sp.get("spanId", "")).lower())
+                    if key[1] and key in seen:  # another copy of a span (two files, two exporters)
+                        kept, res = spans_by_trace[tid][seen[key]]
+                        spans_by_trace[tid][seen[key]] = (_merged(kept, sp), res)
+                        continue
+                    if key[1]:
+                        seen[key] = len(spans_by_trace[tid])
                     spans_by_trace[tid].append((sp, resource))
                     idx.spans += 1
                     idx.engine_spans += sp.get("name") == ENGINE_SPAN
@@ -165,6 +188,16 @@ def index_documents(docs: Iterable[tuple[str, dict[str, Any]]], idx: TraceIndex 
                 continue
             target[info.request_id] = info
     return idx
+
+
+def _merged(kept: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """One span from two copies of it: what either copy holds adds to the other, nothing is lost. A
+    collector's copy may lack the events (attempts, stalls) the proxy's own trace file keeps, so the
+    copy with more events gives them, and an attribute only one copy has is kept."""
+    events = max((kept.get("events") or [], other.get("events") or []), key=len)
+    keys = {a.get("key") for a in kept.get("attributes") or []}
+    extra = [a for a in other.get("attributes") or [] if a.get("key") not in keys]
+    return {**kept, "events": events, "attributes": [*(kept.get("attributes") or []), *extra]}
 
 
 def _dur(sp: dict[str, Any]) -> float:

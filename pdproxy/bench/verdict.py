@@ -32,6 +32,11 @@ class Slo:
     max_error_rate: float = 0.01
     min_improvement: float = 0.0  # fraction, e.g. 0.05 = at least 5 % lower
 
+    @property
+    def targets(self) -> bool:
+        """Whether a latency or KV target was given: one run alone can then pass or fail."""
+        return any(v is not None for v in (self.ttft, self.tail_itl, self.max_kv_transfer))
+
 
 def _pct(stats: dict[str, Any] | None, p: int) -> float | None:
     return None if not stats else stats.get(f"p{p}")
@@ -92,12 +97,12 @@ def decide(candidate: dict[str, Any], baselines: list[dict[str, Any]], slo: Slo)
     failing = [c for c in crit if c["passed"] is False]
     if failing:
         decided = failing[0]
-        decision = "don't adopt"
+        decision = "don't adopt" if baselines else "fail"
         reason = f"{_name(decided)} failed: {decided['detail']}"
     else:
         scored = [c for c in crit if c["passed"] and c["margin"] is not None]
         decided = min(scored, key=lambda c: c["margin"]) if scored else None
-        decision = "adopt"
+        decision = "adopt" if baselines else "pass"
         reason = ("all criteria met; closest: " + f"{_name(decided)}: {decided['detail']}") if decided else \
             "all criteria met"
     notes = []

@@ -95,6 +95,7 @@ def render(info: TraceInfo, spans: list[tuple[dict[str, Any], dict[str, Any]]] |
     status = "failed: " + str(info.attrs.get("pd.failed_stage", "?")) if info.status == "ERROR" else "ok"
     head = f"trace {info.trace_id}  {info.attrs.get('pd.mode', '?')}  {status}"
     lines = [head[:WIDTH], f"request {info.request_id}"[:WIDTH],
+             *(f"{leg:<8}{where}"[:WIDTH] for leg, where in info.placement().items()),
              f"{'':<{NAME}} {'0 ms':<{BAR - 12}}{_ms(axis.span) + ' ms':>12} {'ms':>11}"]
     lines.append(_row(info.root_name, axis.bar(t0, t1), info.duration))
     for stage in STAGES:

@@ -111,7 +111,7 @@ class TrafficClass:
 class Workload:
     """Everything that decides which requests are sent and when (not where)."""
 
-    model: str = "sim-model"
+    model: str = ""  # empty: the model the target serves (its /v1/models), learnt when the run starts
     endpoint: str = "completions"  # or "chat"
     temperature: float = 0.0
     ignore_eos: bool = True
@@ -185,7 +185,7 @@ class PlannedRequest:
 
     def body(self, wl: Workload, prompt: str) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": wl.model,
+            **({"model": wl.model} if wl.model else {}),  # none known: the server's own model
             "max_tokens": self.max_tokens,
             "temperature": wl.temperature,
             "stream": True,

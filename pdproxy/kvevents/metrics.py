@@ -1,7 +1,6 @@
 """The subscriptions' counters in /metrics, read at scrape time (the stream never touches prometheus_client).
 
-Labels: `instance` (the configured instances: bounded) for the first counters, `server_address` (the same
-values, the label every newer metric has) for those added since."""
+Labels: `server_address` (the configured instances: bounded)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from pdproxy.kvevents.subscriber import LAG_BUCKETS, KVEvents
 
 _COUNTERS = (
     ("pdproxy_kv_event_batches", "KV-event batches applied to an instance's index (live and replayed)", "batches"),
-    ("pdproxy_kv_events", "KV-cache events applied (BlockStored, BlockRemoved, AllBlocksCleared)", "events"),
+    ("pdproxy_kv_event_events", "KV-cache events applied (BlockStored, BlockRemoved, AllBlocksCleared)", "events"),
     ("pdproxy_kv_event_gaps", "Gaps in an instance's event sequence (repaired by replay when it still has them)",
      "gaps"),
     ("pdproxy_kv_event_gaps_unrepaired", "Batches lost for good (the engine's replay buffer no longer had them)",
@@ -20,8 +19,6 @@ _COUNTERS = (
     ("pdproxy_kv_event_replay_failures", "Replay requests that got no complete answer in time", "replay_failures"),
     ("pdproxy_kv_event_decode_errors", "Messages or batches that could not be decoded", "decode_errors"),
     ("pdproxy_kv_event_resyncs", "Index rebuilds from replay (start, reconnection, engine restart)", "resyncs"),
-)
-_SERVER_COUNTERS = (
     ("pdproxy_kv_event_malformed_events", "Events of a known type with fields of the wrong type or shape "
      "(skipped)", "malformed_events"),
     ("pdproxy_kv_event_sequence_jumps", "Sequence numbers not believed: too far from the expected one (live: the "
@@ -43,19 +40,18 @@ class KVEventsCollector:
 
     def collect(self):
         subs = self.events.subscriptions
-        for counters, label in ((_COUNTERS, "instance"), (_SERVER_COUNTERS, "server_address")):
-            for name, doc, key in counters:
-                family = CounterMetricFamily(name, doc, labels=[label])
-                for address, sub in subs.items():
-                    family.add_metric([address], sub.counts[key])
-                yield family
+        for name, doc, key in _COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["server_address"])
+            for address, sub in subs.items():
+                family.add_metric([address], sub.counts[key])
+            yield family
         flowing = GaugeMetricFamily("pdproxy_kv_events_flowing", "1 while an instance's event index is in sync "
-                                    "and used for routing", labels=["instance"])
+                                    "and used for routing", labels=["server_address"])
         blocks = GaugeMetricFamily("pdproxy_kv_event_index_blocks", "Blocks in an instance's event index",
-                                   labels=["instance"])
+                                   labels=["server_address"])
         lag = HistogramMetricFamily("pdproxy_kv_event_lag_seconds", "Live batch received minus the batch's engine "
                                     "timestamp (one host's clock only: across hosts it includes clock offset)",
-                                    labels=["instance"])
+                                    labels=["server_address"])
         for address, sub in subs.items():
             flowing.add_metric([address], 1.0 if sub.flowing else 0.0)
             blocks.add_metric([address], len(sub.index))

@@ -199,6 +199,13 @@ async def serve(settings: SimSettings) -> None:
     p = settings.preset
     print(f"pdproxy sim: role={settings.role} model={settings.model} preset={p.name} engine_id={settings.engine_id} "
           f"listening on http://{settings.host}:{settings.port}", flush=True)
+    if settings.kv_events is not None:  # what `pdproxy serve --kv-events-*` needs to be told
+        events = settings.kv_events
+        where = (f"KV events on {events['endpoint']} (replay {events['replay_endpoint'] or 'none'}, "
+                 f"topic {events['topic'] or '(any)'})")
+        if not settings.enable_prefix_caching:
+            where = "no KV events: --kv-events-config is given but prefix caching is off (as vLLM, nothing to publish)"
+        print(f"pdproxy sim: {where}", flush=True)
     try:
         await stop.wait()
     finally:

@@ -18,7 +18,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -191,7 +191,7 @@ class _Series:
         self.handoff = metrics.handoff.labels(*labels)
         self.stages = {stage: metrics.stage.labels(*labels, stage) for stage in ("queue", "prefill", "kv_transfer",
                                                                                   "decode")}
-        self.itl = {unit: metrics.itl.labels(*labels, unit) for unit in ("token", "chunk")}
+        self.itl = {"token": metrics.itl.labels(*labels), "chunk": metrics.chunk_gap.labels(*labels)}
         self._metrics, self._labels = metrics, labels
         self._stalled: CounterSeries | None = None
         self._input_tokens: CounterSeries | None = None
@@ -230,8 +230,12 @@ class Metrics:
                                   BASE_LABELS + ("stage", "error_type"), r)
         self.ttft = LoopHistogram("pdproxy_ttft_seconds", "Time to first token: received to first token-bearing event",
                                   BASE_LABELS, LATENCY_BUCKETS, r)
-        self.itl = LoopHistogram("pdproxy_itl_seconds", "Every token gap of every request (pooled ITL)",
-                                 BASE_LABELS + ("unit",), GAP_BUCKETS, r)
+        # two metrics, not one with a unit label: a plain histogram_quantile must not blend token and chunk gaps
+        self.itl = LoopHistogram("pdproxy_itl_seconds", "Every token gap of every request whose stream gave "
+                                 "per-chunk token counts (pooled ITL, per token)", BASE_LABELS, GAP_BUCKETS, r)
+        self.chunk_gap = LoopHistogram("pdproxy_chunk_gap_seconds", "Every chunk gap of every request whose stream "
+                                       "gave no per-chunk token counts (pooled, per chunk)", BASE_LABELS, GAP_BUCKETS,
+                                       r)
         self.itl_max = LoopHistogram("pdproxy_request_itl_max_seconds", "Per-request largest token gap (tail ITL)",
                                      BASE_LABELS, GAP_BUCKETS, r)
         self.itl_p99 = LoopHistogram("pdproxy_request_itl_p99_seconds", "Per-request p99 of its own token gaps",
@@ -253,9 +257,9 @@ class Metrics:
                               STALL_LABELS, registry=r)
         self.instance_stall_seconds = Counter("pdproxy_instance_stall_seconds",
                                               "Stall time by cause per instance that streamed (the decode in P/D)",
-                                              ("instance", "cause"), registry=r)
+                                              ("server_address", "cause"), registry=r)
         self.instance_stalls = Counter("pdproxy_instance_stalls", "Stalls by cause per instance that streamed",
-                                       ("instance", "cause"), registry=r)
+                                       ("server_address", "cause"), registry=r)
         self._stall_series: dict[tuple[str, ...], tuple[Any, ...]] = {}
         self.tokens = LoopCounter("pdproxy_tokens", "Tokens reported by the instances' usage", BASE_LABELS + ("type",),
                                   r)
@@ -280,7 +284,7 @@ class Metrics:
                                   ("stage", "reason"), registry=r)
         self.abandoned_handoffs = Counter("pdproxy_abandoned_handoffs", "KV hand-offs given up after a decode failed, "
                                           "by the prefill instance whose blocks stay held until its "
-                                          "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", ("instance",), registry=r)
+                                          "VLLM_NIXL_ABORT_REQUEST_TIMEOUT", ("server_address",), registry=r)
         self.tracestate_cut = Counter("pdproxy_tracestate_cut", "Client tracestate headers not carried on whole: "
                                       "too_long (cut to 512 characters), invalid (discarded)", ("reason",), registry=r)
         self.untraced_refusals = Counter("pdproxy_untraced_refusals",
@@ -293,6 +297,8 @@ class Metrics:
         self.attempts = InstanceAttempts()
         r.register(self.attempts)
         Gauge("pdproxy_build_info", "pdproxy version", ("version",), registry=r).labels(__version__).set(1)
+        self.process = WorkerProcessCollector()
+        r.register(self.process)
         self._series: dict[tuple[str, ...], _Series] = {}
 
     def route_decision(self, role: str, policy: str, reason: str) -> None:
@@ -457,6 +463,25 @@ class _Fixed:
         return self.families
 
 
+class WorkerProcessCollector:
+    """prometheus_client's process_* metrics (memory, CPU, open files, start time) of this process. With
+    `--workers` every worker's carry `worker="<index>"`, so the merged exposition keeps one series per
+    process (summing start times or resident sizes across workers would mean nothing)."""
+
+    def __init__(self) -> None:
+        self.process = ProcessCollector(registry=None)
+        self.worker: str | None = None
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        for family in self.process.collect():
+            if self.worker is not None:
+                family.samples = [s._replace(labels={**s.labels, "worker": self.worker}) for s in family.samples]
+            yield family
+
+
 class _LoadCollector:
     def __init__(self, instances: InstanceLoad, proxy: ProxyLoad) -> None:
         self.instances = instances
@@ -467,9 +492,9 @@ class _LoadCollector:
 
     def collect(self):
         inflight = GaugeMetricFamily("pdproxy_instance_inflight", "Requests in flight per instance and leg",
-                                     labels=["role", "instance"])
+                                     labels=["role", "server_address"])
         healthy = GaugeMetricFamily("pdproxy_instance_healthy", "1 when the instance is in rotation, 0 when ejected",
-                                    labels=["role", "instance"])
+                                    labels=["role", "server_address"])
         for role, address, count, ok in self.instances():
             inflight.add_metric([role, address], count)
             healthy.add_metric([role, address], 1 if ok else 0)
@@ -535,7 +560,7 @@ class InstanceAttempts:
         return []
 
     def collect(self):
-        labels = ["role", "instance"]
+        labels = ["role", "server_address"]
         families = (
             (CounterMetricFamily("pdproxy_instance_attempts", "Attempts sent to each instance (a retried or "
                                  "migrated request counts once per attempt)", labels=labels), self.sent),
@@ -563,7 +588,7 @@ class _EngineReadCollector:
     def collect(self):
         family = CounterMetricFamily("pdproxy_engine_metrics_read_failures", "Failed reads of an instance's "
                                      "/metrics by load_aware routing (it then routes by in-flight counts)",
-                                     labels=["role", "instance"])
+                                     labels=["role", "server_address"])
         for role, address, count in self.failures():
             family.add_metric([role, address], count)
         yield family

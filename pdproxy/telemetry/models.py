@@ -7,8 +7,9 @@ name labels telemetry only when it is known, and it is known only from two sourc
 cannot write:
 
 * given by the operator (`--served-model-name`, and `--model`);
-* listed by an instance's `GET /v1/models` (at start, then with the health checks, at most every
-  `MIN_REFRESH_SECONDS`; with health checks off, until every instance has answered once).
+* listed by an instance's `GET /v1/models` (read by pdproxy/served.py: at start, then with the health
+  checks, at most every `MIN_REFRESH_SECONDS`; with health checks off, until every instance has
+  answered once).
 
 The `model` field of an answer never adds a name: some OpenAI-compatible servers echo whatever
 model was requested, so an answer is the client's own text coming back. It can still pick among
@@ -20,13 +21,8 @@ other name is labelled `OTHER`. Names are only ever added: a series once exposed
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Iterable, Mapping
-
-import aiohttp
-
-from pdproxy import jsonio
+from collections.abc import Iterable
 
 log = logging.getLogger("pdproxy.models")
 
@@ -76,43 +72,3 @@ class ModelNames:
         """For `/status`: which names get their own label."""
         return {"given": sorted(self.allowed), "learned": sorted(self.learned), "max_learned": self.max_learned,
                 "others": OTHER}
-
-    # -- asking the instances -----------------------------------------------------------------
-
-    async def refresh(self, session: aiohttp.ClientSession, urls: Iterable[str], headers: Mapping[str, str],
-                      timeout: float) -> bool:
-        """Learn what every instance lists in `GET /v1/models`; an instance that does not answer is skipped.
-        True when every instance answered with a listing."""
-        results = await asyncio.gather(*(_served(session, url, headers, timeout) for url in urls))
-        for names in results:
-            for name in names or ():
-                self.learn(name)
-        return all(names is not None for names in results)
-
-    async def watch(self, session: aiohttp.ClientSession, urls: list[str], headers: Mapping[str, str],
-                    interval: float, timeout: float) -> None:
-        """Refresh now, then every `interval` seconds but at most every MIN_REFRESH_SECONDS; with `interval`
-        0 (health checks off) only until every instance has answered once: answers teach no names, so an
-        instance that came up after the proxy would otherwise never be asked. Run as a task."""
-        while True:
-            everyone = await self.refresh(session, urls, headers, timeout)
-            if interval <= 0 and everyone:
-                return
-            await asyncio.sleep(max(interval, MIN_REFRESH_SECONDS))
-
-
-async def _served(session: aiohttp.ClientSession, url: str, headers: Mapping[str, str],
-                  timeout: float) -> list[str] | None:
-    """The ids an instance lists in /v1/models; None when it gave no listing."""
-    try:
-        async with session.get(url + "/v1/models", headers=dict(headers),
-                               timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            if resp.status != 200:
-                return None
-            body = await resp.json(content_type=None, loads=jsonio.loads)  # deep nesting: ValueError
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
-        return None
-    data = body.get("data") if isinstance(body, dict) else None
-    if not isinstance(data, list):
-        return None
-    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable
 from typing import Any, Final
 
-from pdproxy.errors import DECODE, KV_TRANSFER, PREFILL, QUEUE
+from pdproxy.errors import CLIENT_CAUSED, DECODE, KV_TRANSFER, PREFILL, QUEUE
 from pdproxy.policies.base import Decision
 from pdproxy.stream import ResponseScan
 from pdproxy.telemetry import names as n
@@ -282,12 +282,15 @@ class RequestTrace:
             n.ATTEMPT_NUMBER: self.decode_attempts, **_leg_attributes(address, "decode", None),
             n.MIGRATION_REASON: reason, n.MIGRATION_STAGE: stage, n.ABANDONED: abandoned is not None}))
 
-    def handoff_abandoned(self, address: str | None) -> None:
+    def handoff_abandoned(self, address: str | None, reason: str) -> None:
         """The request gave up the hand-off of prefill instance `address` (if any) without a decode
-        pulling it: its blocks stay held there until vLLM's abort timeout."""
+        pulling it: its blocks stay held there until vLLM's abort timeout. Put down to the decode that
+        gave it up unless that decode refused the request as the client's mistake (`reason`
+        client-caused, e.g. too many tokens): then no instance failed (and pdproxy/served.py refuses
+        the requests it can foresee before their prefill)."""
         if address:
             self.abandoned_handoffs.append(address)
-            if self._counts_attempts and self._last_failed_at is not None:  # the decode that gave it up
+            if self._counts_attempts and self._last_failed_at is not None and reason not in CLIENT_CAUSED:
                 self.recorder.metrics.attempts.handoff_abandoned(DECODE, self._last_failed_at)
 
     def migrating(self, stage: str, address: str) -> None:
