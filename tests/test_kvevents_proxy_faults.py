@@ -174,7 +174,7 @@ def test_messages_over_the_size_bound_are_refused_and_memory_stays_bounded(clust
     text = get(c.url + "/metrics")
     assert re.search(rf'^pdproxy_kv_event_oversized_messages_total\{{server_address="{c.address}"\}} [1-9]', text,
                      re.M)
-    assert f'pdproxy_kv_events_flowing{{instance="{c.address}"}} 0.0' in text
+    assert f'pdproxy_kv_events_flowing{{server_address="{c.address}"}} 0.0' in text
 
 
 def test_a_flood_of_old_replay_answers_does_not_stall_the_proxy(cluster):
