@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
+from pathlib import Path
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from rawhttp import take_requests
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also under PYTHONSAFEPATH=1 (CI's installed pass)
+from rawhttp import take_requests  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
 
 class Sink(asyncio.Protocol):

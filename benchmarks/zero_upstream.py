@@ -29,9 +29,12 @@ import asyncio
 import json
 import os
 import socket
+import sys
 import time
+from pathlib import Path
 
-from rawhttp import take_requests
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also under PYTHONSAFEPATH=1 (CI's installed pass)
+from rawhttp import take_requests  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
 
 WORDS = [b" alpha", b" beta", b" gamma", b" delta", b" eps", b" zeta", b" eta", b" theta"]
 CREATED = int(time.time())
