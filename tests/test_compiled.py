@@ -40,25 +40,30 @@ def _build_module():
     return module
 
 
-def test_status_and_start_up_log_say_which_form_runs():
+def _served(env: dict[str, str]) -> tuple[dict, str]:
+    """`pdproxy serve` run from the environment `env`: its /status's compiled report, and its start-up log."""
     decode, d_url = start_scripted("decode")
     proxy = None
     try:
-        proxy, url = start_proxy("--decode", d_url, "--health-check-interval", "0", "--no-tracing")
-        report = httpx.get(url + "/status").json()["compiled"]
-        assert set(report["modules"]) == set(compiled.MODULES)
-        assert set(report["modules"].values()) <= {"compiled", "python", "stale"}
-        assert "hot path" in proxy.output()
-        if os.environ.get("PDPROXY_EXPECT_COMPILED") == "1":
-            assert report["form"] == "compiled", report
-            assert report["build"] == {"mode": "1", "error": None}, report
-            assert "hot path compiled (mypyc)" in proxy.output()
-        else:
-            assert report["form"] in ("compiled", "python"), report
+        proxy, url = start_proxy("--decode", d_url, "--health-check-interval", "0", "--no-tracing", env=env)
+        return httpx.get(url + "/status").json()["compiled"], proxy.output()
     finally:
         if proxy is not None:
             proxy.stop()
         decode.stop()
+
+
+def test_status_and_start_up_log_say_which_form_runs():
+    report, log = _served({})
+    assert set(report["modules"]) == set(compiled.MODULES)
+    assert set(report["modules"].values()) <= {"compiled", "python", "stale"}
+    assert "hot path" in log
+    if os.environ.get("PDPROXY_EXPECT_COMPILED") == "1":
+        assert report["form"] == "compiled", report
+        assert report["build"] == {"mode": "1", "error": None}, report
+        assert "hot path compiled (mypyc)" in log
+    else:
+        assert report["form"] in ("compiled", "python"), report
 
 
 @pytest.mark.skipif(not EXPECT_INSTALLED, reason="CI's pass on the installed wheel (PDPROXY_EXPECT_INSTALLED=1)")
@@ -143,10 +148,11 @@ def _pip(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     return r
 
 
-def _wheel(tree: Path, out: Path, **env: str) -> tuple[Path, subprocess.CompletedProcess]:
-    r = _pip("wheel", "--no-deps", "-w", str(out), str(tree), env=env)
+def _wheel(tree: Path, out: Path, **env: str) -> tuple[Path, list[str]]:
+    """The wheel pip builds of `tree`, and the files in it."""
+    _pip("wheel", "--no-deps", "-w", str(out), str(tree), env=env)
     (wheel,) = out.glob("pdproxy-*.whl")
-    return wheel, r
+    return wheel, zipfile.ZipFile(wheel).namelist()
 
 
 def _install(wheel: Path, target: Path) -> dict[str, str]:
@@ -164,21 +170,12 @@ def _report(env: dict[str, str], cwd: Path) -> dict:
 
 @builds
 def test_an_installed_wheel_runs_compiled_and_an_edit_after_the_build_is_stale(tmp_path):
-    wheel, _ = _wheel(_small_tree(tmp_path), tmp_path / "dist", **COMPILE)
-    names = zipfile.ZipFile(wheel).namelist()
+    wheel, names = _wheel(_small_tree(tmp_path), tmp_path / "dist", **COMPILE)
     assert any(n.startswith("pdproxy/telemetry/clock.") and n.endswith(".so") for n in names), names
     env = _install(wheel, tmp_path / "site")
-    decode, d_url = start_scripted("decode")
-    proxy = None
-    try:
-        proxy, url = start_proxy("--decode", d_url, "--health-check-interval", "0", "--no-tracing", env=env)
-        report = httpx.get(url + "/status").json()["compiled"]
-        assert report == {"form": "compiled", "modules": {SMALL: "compiled"}, "build": {"mode": "1", "error": None}}
-        assert "hot path compiled (mypyc): 1 modules" in proxy.output()
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        decode.stop()
+    report, log = _served(env)
+    assert report == {"form": "compiled", "modules": {SMALL: "compiled"}, "build": {"mode": "1", "error": None}}
+    assert "hot path compiled (mypyc): 1 modules" in log
     assert Path(_report(env, tmp_path)["package"]) == tmp_path / "site" / "pdproxy"
     source = tmp_path / "site" / "pdproxy" / "telemetry" / "clock.py"
     source.write_text(source.read_text() + "# edited after the build\n")
@@ -199,20 +196,10 @@ def test_an_editable_build_edited_afterwards_is_stale(tmp_path):
 
 @builds
 def test_auto_falls_back_to_pure_python_when_the_compiler_fails_and_start_up_says_so(tmp_path):
-    wheel, build = _wheel(_small_tree(tmp_path), tmp_path / "dist", PDPROXY_COMPILE="auto", CC="false")
-    names = zipfile.ZipFile(wheel).namelist()
+    wheel, names = _wheel(_small_tree(tmp_path), tmp_path / "dist", PDPROXY_COMPILE="auto", CC="false")
     assert not any(n.endswith(".so") for n in names), names
-    env = _install(wheel, tmp_path / "site")
-    decode, d_url = start_scripted("decode")
-    proxy = None
-    try:
-        proxy, url = start_proxy("--decode", d_url, "--health-check-interval", "0", "--no-tracing", env=env)
-        report = httpx.get(url + "/status").json()["compiled"]
-        assert report["form"] == "python" and report["build"]["mode"] == "auto", report
-        assert "false" in report["build"]["error"], report  # the command that failed
-        warning = next(line for line in proxy.output().splitlines() if "hot path" in line)
-        assert "WARNING" in warning and "could not compile" in warning and "false" in warning, warning
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        decode.stop()
+    report, log = _served(_install(wheel, tmp_path / "site"))
+    assert report["form"] == "python" and report["build"]["mode"] == "auto", report
+    assert "false" in report["build"]["error"], report  # the command that failed
+    warning = next(line for line in log.splitlines() if "hot path" in line)
+    assert "WARNING" in warning and "could not compile" in warning and "false" in warning, warning
