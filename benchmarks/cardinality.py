@@ -18,6 +18,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import string
@@ -134,12 +135,17 @@ def run(names: int, concurrency: int, seed: int) -> dict:
         wall = time.monotonic() - t0
         served = asyncio.run(send(url, [SERVED] * 20, concurrency))  # the served model still gets its own label
         after = snapshot(url, proxy.pid)
-        return {"names": names, "statuses": {str(k): v for k, v in sorted(statuses.items())},
-                "served_statuses": {str(k): v for k, v in served.items()}, "seconds": round(wall, 1),
-                "before": before, "after": after}
+        result = {"names": names, "statuses": {str(k): v for k, v in sorted(statuses.items())},
+                  "served_statuses": {str(k): v for k, v in served.items()}, "seconds": round(wall, 1),
+                  "before": before, "after": after}
+    except BaseException:
+        print(f"the processes' logs are kept in {logs}", file=sys.stderr)
+        raise
     finally:
         for p in reversed(procs):
             stop(p)
+    shutil.rmtree(logs)  # a run that completed leaves nothing behind
+    return result
 
 
 def main() -> None:
