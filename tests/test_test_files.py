@@ -52,7 +52,7 @@ def _session(tmp_path: Path, *args: str):
     inner = tmp_path / "inner"
     inner.mkdir(exist_ok=True)
     (inner / "test_inner.py").write_text(INNER)
-    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "PYTHONPATH": str(TESTS)}
     return run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
                 "-c", str(REPO / "pyproject.toml"), "--rootdir", str(inner), str(inner / "test_inner.py"), *args],
                timeout=120, env=env, cwd=inner)
