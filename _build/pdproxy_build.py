@@ -107,7 +107,7 @@ def write_record(package_dir: Path) -> None:
     (package_dir / _literal("BUILD_RECORD", '"')).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
-def _remove_extensions(top: Path, keep: set[Path] = frozenset()) -> None:
+def _remove_extensions(top: Path, keep: frozenset[Path] = frozenset()) -> None:
     """Extensions under `top` (the package's and mypyc's group library beside it) that this build did not make."""
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     for path in [*(top / "pdproxy").rglob(f"*{suffix}"), *top.glob(f"pdproxy__mypyc*{suffix}")]:
@@ -136,7 +136,8 @@ class BuildExt(_build_ext):
 
     def run(self) -> None:
         build_lib = Path(self.build_lib)
-        made = {Path(self.get_ext_fullpath(ext.name)).resolve() for ext in self.extensions}
+        record_dir = (ROOT if self.editable_mode or self.inplace else build_lib) / "pdproxy"
+        made = frozenset(Path(self.get_ext_fullpath(ext.name)).resolve() for ext in self.extensions)
         _remove_extensions(build_lib, keep=made)  # a module dropped from MODULES since the last build
         try:
             super().run()
@@ -146,7 +147,7 @@ class BuildExt(_build_ext):
             _fall_back(exc)
             _remove_extensions(build_lib)  # a failed link may have left some: a shim without its library
             self.extensions = []
-        write_record((ROOT if self.editable_mode or self.inplace else build_lib) / "pdproxy")
+        write_record(record_dir)
 
 
 def commands() -> dict[str, type]:

@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import signal
 import socket
 import string
@@ -115,9 +114,9 @@ async def send(url: str, models: list[str], concurrency: int, stream: bool = Fal
     return statuses
 
 
-def run(names: int, concurrency: int, seed: int) -> dict:
+def run(names: int, concurrency: int, seed: int, logs_dir: str | None = None) -> dict:
     rng = random.Random(seed)
-    logs = Path(tempfile.mkdtemp(prefix="pdproxy-cardinality-"))
+    logs = Path(logs_dir or tempfile.mkdtemp(prefix="pdproxy-cardinality-"))
     procs = []
     try:
         sim, sim_url = start(["sim", "--role", "single", "--model", SERVED, "--time-scale", "0.05"], logs / "sim.log")
@@ -135,17 +134,12 @@ def run(names: int, concurrency: int, seed: int) -> dict:
         wall = time.monotonic() - t0
         served = asyncio.run(send(url, [SERVED] * 20, concurrency))  # the served model still gets its own label
         after = snapshot(url, proxy.pid)
-        result = {"names": names, "statuses": {str(k): v for k, v in sorted(statuses.items())},
-                  "served_statuses": {str(k): v for k, v in served.items()}, "seconds": round(wall, 1),
-                  "before": before, "after": after}
-    except BaseException:
-        print(f"the processes' logs are kept in {logs}", file=sys.stderr)
-        raise
+        return {"names": names, "statuses": {str(k): v for k, v in sorted(statuses.items())},
+                "served_statuses": {str(k): v for k, v in served.items()}, "seconds": round(wall, 1),
+                "before": before, "after": after}
     finally:
         for p in reversed(procs):
             stop(p)
-    shutil.rmtree(logs)  # a run that completed leaves nothing behind
-    return result
 
 
 def main() -> None:
@@ -153,9 +147,10 @@ def main() -> None:
     ap.add_argument("--names", type=int, default=10_000, help="distinct made-up model names to send (10000)")
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (16)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--logs", help="where the processes' logs go (default: a new directory under the temporary one)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
-    result = run(args.names, args.concurrency, args.seed)
+    result = run(args.names, args.concurrency, args.seed, args.logs)
     if args.json:
         print(json.dumps(result))
         return

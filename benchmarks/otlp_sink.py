@@ -17,9 +17,10 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # rawhttp beside it, also under PYTHONSAFEPATH=1 (CI)
+
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # also under PYTHONSAFEPATH=1 (CI's installed pass)
-from rawhttp import take_requests  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+from rawhttp import take_requests
 
 
 class Sink(asyncio.Protocol):

@@ -33,8 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # also under PYTHONSAFEPATH=1 (CI's installed pass)
-from rawhttp import take_requests  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # rawhttp beside it, also under PYTHONSAFEPATH=1 (CI)
+
+from rawhttp import take_requests
 
 WORDS = [b" alpha", b" beta", b" gamma", b" delta", b" eps", b" zeta", b" eta", b" theta"]
 CREATED = int(time.time())
