@@ -5,7 +5,8 @@ PDPROXY_COMPILE asks for them (see `_build/pdproxy_build.py`, which also puts my
 environment then):
   unset or 0   pure Python (the default: nothing to compile, every edit to a .py file is live)
   1            compile `pdproxy.compiled.MODULES` with mypyc; a failure fails the install
-  auto         compile if mypy and a C compiler are there, else install pure Python with a warning
+  auto         compile if it can; if any step fails (no compiler, a compiler that fails, mypy refusing a
+               module), install pure Python: the build's record says why, and start-up warns
 The Python sources stay the source of truth: mypyc compiles them as they are, and a pure-Python
 install of the same tree behaves the same (the tests run on both forms).
 """
@@ -18,6 +19,6 @@ import sys
 from setuptools import setup
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "_build"))
-from pdproxy_build import compile_mode, extensions  # noqa: E402  (in-tree build helper)
+from pdproxy_build import commands, compile_mode, extensions  # noqa: E402  (in-tree build helper)
 
-setup(ext_modules=extensions(compile_mode()))
+setup(ext_modules=extensions(compile_mode()), cmdclass=commands())

@@ -3,10 +3,17 @@
 Why a backend and not only setup.py: mypy (which carries mypyc) must be in pip's isolated build
 environment when, and only when, a compiled build is asked for; `get_requires_for_build_*` is the
 place a backend says so. Everything else is setuptools.build_meta unchanged.
+
+Every build also writes its record into the package (`pdproxy/compiled.py`'s BUILD_RECORD): the form
+asked for, why a compile fell back to pure Python, and the sha256 of each source it compiled. An
+installed package reads it to tell a compiled module from a stale one (a wheel keeps no file
+times) and to say at start-up that an `auto` build could not compile.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -16,6 +23,8 @@ from pathlib import Path
 
 from setuptools import build_meta as _setuptools
 from setuptools.build_meta import *  # noqa: F401,F403  (the backend's other hooks, unchanged)
+from setuptools.command.build_ext import build_ext as _build_ext
+from setuptools.command.build_py import build_py as _build_py
 
 MYPY = "mypy>=1.11"
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,19 +42,29 @@ def compile_mode() -> str:
     raise SystemExit(f"PDPROXY_COMPILE={mode!r}: expected 0, 1 or auto")
 
 
-def modules() -> list[str]:
-    """The compiled modules' source paths, from pdproxy/compiled.py's MODULES (one list, read as text
-    so that the build does not import the package and its dependencies)."""
+def _literal(name: str, closing: str) -> object:
+    """A literal assigned at the top of pdproxy/compiled.py (read as text, so that the build does not
+    import the package and its dependencies)."""
     namespace: dict[str, object] = {}
     source = (ROOT / "pdproxy" / "compiled.py").read_text()
-    start = source.index("MODULES = (")
-    exec(source[start:source.index(")\n", start) + 2], namespace)  # a literal tuple of names
-    names: tuple[str, ...] = namespace["MODULES"]  # type: ignore[assignment]
+    start = source.index(f"{name} = ")
+    exec(source[start:source.index(closing + "\n", start) + len(closing) + 1], namespace)
+    return namespace[name]
+
+
+def modules() -> list[str]:
+    """The compiled modules' source paths, from pdproxy/compiled.py's MODULES."""
+    names: tuple[str, ...] = _literal("MODULES", ")")  # type: ignore[assignment]
     return [str(Path(*name.split(".")).with_suffix(".py")) for name in names]
+
+
+# What this build did, for its record: set by extensions() and by the build_ext step
+_OUTCOME: dict[str, object] = {"mode": "0", "error": None, "sources": {}}
 
 
 def extensions(mode: str) -> list:
     if mode == "0" or _ASKING_REQUIRES:
+        _OUTCOME.update(mode=mode, error=None, sources={})
         return []
     started = time.monotonic()
     try:
@@ -54,25 +73,94 @@ def extensions(mode: str) -> list:
             raise RuntimeError(missing)
         from mypyc.build import mypycify
 
-        exts = mypycify(["--ignore-missing-imports", "--follow-imports=silent", *modules()],
+        sources = {path: _sha256(ROOT / path) for path in modules()}
+        exts = mypycify(["--ignore-missing-imports", "--follow-imports=silent", *sources],
                         opt_level=os.environ.get("MYPYC_OPT_LEVEL", "3"), group_name="pdproxy")
     except BaseException as exc:  # mypy absent, or a type error mypyc refuses: SystemExit included
         if mode == "1":
             raise
-        print(f"pdproxy: not compiled ({type(exc).__name__}: {exc}); installing pure Python", file=sys.stderr)
+        _fall_back(exc)
         return []
-    print(f"pdproxy: mypyc generated C for {len(modules())} modules in {time.monotonic() - started:.0f} s",
+    _OUTCOME.update(mode=mode, error=None, sources=sources)
+    print(f"pdproxy: mypyc generated C for {len(sources)} modules in {time.monotonic() - started:.0f} s",
           file=sys.stderr)
     return exts
+
+
+def _fall_back(exc: BaseException) -> None:
+    """`auto` and a step of the compile failed: the build goes on in pure Python, and its record says why."""
+    reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+    _OUTCOME.update(mode="auto", error=reason, sources={})
+    print(f"pdproxy: WARNING: not compiled ({reason}); installing pure Python (PDPROXY_COMPILE=auto)",
+          file=sys.stderr)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_record(package_dir: Path) -> None:
+    """The build's record, where the installed package finds it (compiled.py's BUILD_RECORD)."""
+    package_dir.mkdir(parents=True, exist_ok=True)
+    sources = {path.replace(os.sep, "/"): digest for path, digest in _OUTCOME["sources"].items()}  # type: ignore[union-attr]
+    record = {"mode": _OUTCOME["mode"], "error": _OUTCOME["error"], "sources": sources}
+    (package_dir / _literal("BUILD_RECORD", '"')).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def _remove_extensions(top: Path, keep: frozenset[Path] = frozenset()) -> None:
+    """Extensions under `top` (the package's and mypyc's group library beside it) that this build did not make."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    for path in [*(top / "pdproxy").rglob(f"*{suffix}"), *top.glob(f"pdproxy__mypyc*{suffix}")]:
+        if path.resolve() not in keep:
+            path.unlink()
+
+
+class BuildPy(_build_py):
+    """setuptools' step, plus the record of a build that compiles nothing (build_ext does not run then). A
+    wheel is packed from everything under build/lib, which an earlier build in the same tree may have
+    filled: that build's extensions go, or a pure wheel would carry them."""
+
+    def run(self) -> None:
+        super().run()
+        if self.distribution.has_ext_modules():
+            return  # build_ext writes the record
+        if self.editable_mode:
+            write_record(ROOT / "pdproxy")
+        else:
+            _remove_extensions(Path(self.build_lib))
+            write_record(Path(self.build_lib) / "pdproxy")
+
+
+class BuildExt(_build_ext):
+    """setuptools' step, where the C compiler runs: under `auto`, any failure of it leaves a pure build."""
+
+    def run(self) -> None:
+        build_lib = Path(self.build_lib)
+        record_dir = (ROOT if self.editable_mode or self.inplace else build_lib) / "pdproxy"
+        made = frozenset(Path(self.get_ext_fullpath(ext.name)).resolve() for ext in self.extensions)
+        _remove_extensions(build_lib, keep=made)  # a module dropped from MODULES since the last build
+        try:
+            super().run()
+        except (Exception, SystemExit) as exc:
+            if _OUTCOME["mode"] != "auto":
+                raise
+            _fall_back(exc)
+            _remove_extensions(build_lib)  # a failed link may have left some: a shim without its library
+            self.extensions = []
+        write_record(record_dir)
+
+
+def commands() -> dict[str, type]:
+    """setup.py's cmdclass."""
+    return {"build_py": BuildPy, "build_ext": BuildExt}
 
 
 def remove_inplace_extensions() -> None:
     """An editable install builds the extensions beside the sources, where Python prefers them to the
     .py files: an editable rebuild (pure, or with other modules) first removes the previous build's.
     Other builds (`pip wheel .`, `pip install .`) leave them alone."""
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    for path in [*(ROOT / "pdproxy").rglob(f"*{suffix}"), *ROOT.glob(f"pdproxy__mypyc*{suffix}")]:
-        path.unlink()
+    _remove_extensions(ROOT)
+    (ROOT / "pdproxy" / _literal("BUILD_RECORD", '"')).unlink(missing_ok=True)  # type: ignore[arg-type]
 
 
 def _missing_toolchain() -> str | None:

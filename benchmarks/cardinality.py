@@ -68,9 +68,9 @@ async def send(url: str, models: list[str], concurrency: int, stream: bool = Fal
     return statuses
 
 
-def run(names: int, concurrency: int, seed: int) -> dict:
+def run(names: int, concurrency: int, seed: int, logs_dir: str | None = None) -> dict:
     rng = random.Random(seed)
-    logs = Path(tempfile.mkdtemp(prefix="pdproxy-cardinality-"))
+    logs = Path(logs_dir or tempfile.mkdtemp(prefix="pdproxy-cardinality-"))
     with harness.Procs() as procs:
         sim = procs.pdproxy("sim", "--role", "single", "--model", SERVED, "--time-scale", "0.05", log=logs / "sim.log")
         proxy = procs.pdproxy("serve", "--decode", sim.url, "--log-level", "warning", log=logs / "proxy.log")
@@ -96,9 +96,10 @@ def main() -> None:
     ap.add_argument("--names", type=int, default=10_000, help="distinct made-up model names to send (10000)")
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (16)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--logs", help="where the processes' logs go (default: a new directory under the temporary one)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
-    result = run(args.names, args.concurrency, args.seed)
+    result = run(args.names, args.concurrency, args.seed, args.logs)
     if args.json:
         print(json.dumps(result))
         return

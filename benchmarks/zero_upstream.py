@@ -29,7 +29,11 @@ import asyncio
 import json
 import os
 import socket
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # rawhttp beside it, also under PYTHONSAFEPATH=1 (CI)
 
 from rawhttp import serve, take_requests
 

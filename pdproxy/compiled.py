@@ -4,16 +4,21 @@
 runs them as Python, which behaves the same and costs more CPU per request. Start-up logs which
 form runs and `/status` says it (`"compiled"`), so a benchmark or a bug report names the form
 measured. An in-place build (`pip install -e .`) leaves the extensions beside the sources, where
-Python prefers them: a source edited after the build is reported `stale` (its old compiled form is
-what runs) until the next build.
+Python prefers them: a source edited after the build (its sha256 no longer the one the build
+recorded) is reported `stale` (its old compiled form is what runs) until the next build.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
 import os
 import sys
 from importlib.machinery import EXTENSION_SUFFIXES
+
+# The build's record, beside this module (written by _build/pdproxy_build.py, read there as a literal)
+BUILD_RECORD = "_build.json"
 
 # What the build compiles, read by _build/pdproxy_build.py as a literal: the per-request and
 # per-event code the profile names (the stream scan, span building and OTLP encoding, the
@@ -58,53 +63,72 @@ MODULES = (
 )
 
 
-def _form(name: str, library: str | None) -> str:
-    module = sys.modules.get(name) or importlib.import_module(name)
-    return form_of_file(getattr(module, "__file__", None) or "", library)
+def build_record() -> dict[str, object]:
+    """What the build that installed this package recorded (_build/pdproxy_build.py): its `mode`, the
+    `error` that made an `auto` build fall back to pure Python, and the sha256 of each compiled
+    source. Empty when no build wrote one (a source tree used as it is)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), BUILD_RECORD)
+    try:
+        with open(path, "rb") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
-def _group_library() -> str | None:
-    """The shared library that holds every compiled module's code (mypyc's group `pdproxy`), beside the
-    package; each module's own extension is a small shim that a rebuild leaves alone when it did not change."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for suffix in EXTENSION_SUFFIXES:
-        path = os.path.join(root, "pdproxy__mypyc" + suffix)
-        if os.path.exists(path):
-            return path
-    return None
-
-
-def form_of_file(path: str, library: str | None = None) -> str:
-    """"compiled", "stale" (compiled from an older source than the one beside it) or "python". The build
-    time is the newer of the module's extension and the group `library` holding its code."""
+def form_of_file(path: str, recorded_sha256: str | None) -> str:
+    """"compiled", "stale" (the source beside it is not the one it was compiled from: its old compiled
+    code is what runs) or "python". Decided by content, not file times, which an installed wheel
+    does not keep; an extension with no recorded hash beside a source cannot be vouched for."""
     if not path.endswith(tuple(EXTENSION_SUFFIXES)):
         return "python"
     source = path[: path.index(".", path.rindex(os.sep))] + ".py"
     try:
-        built = max(os.stat(p).st_mtime for p in (path, library) if p)
-        if os.stat(source).st_mtime > built:
-            return "stale"
+        with open(source, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
     except OSError:
-        pass  # an installed wheel carries no sources: nothing to be stale against
-    return "compiled"
+        return "compiled"  # no source beside it: nothing to be stale against
+    return "compiled" if digest == recorded_sha256 else "stale"
 
 
 def report() -> dict[str, object]:
-    """For /status and the start-up log: the overall form and each module's."""
-    library = _group_library()
-    forms = {name: _form(name, library) for name in MODULES}
+    """For /status and the start-up log: the overall form, each module's, and the build's mode and
+    fallback error."""
+    record = build_record()
+    sources = record.get("sources")
+    hashes: dict[str, str] = sources if isinstance(sources, dict) else {}
+    forms = {}
+    for name in MODULES:
+        module = sys.modules.get(name) or importlib.import_module(name)
+        recorded = hashes.get(name.replace(".", "/") + ".py")
+        forms[name] = form_of_file(getattr(module, "__file__", None) or "", recorded)
     values = set(forms.values())
     overall = values.pop() if len(values) == 1 else "mixed"
-    return {"form": overall, "modules": forms}
+    return {"form": overall, "modules": forms, "build": {"mode": record.get("mode"), "error": record.get("error")}}
 
 
-def summary() -> str:
+def warns(r: dict[str, object]) -> bool:
+    """Whether start-up says `summary` as a warning: what runs is not what the sources say (stale, mixed),
+    or the build was asked to compile and fell back."""
+    build: dict[str, object] = r["build"]  # type: ignore[assignment]
+    return r["form"] not in ("compiled", "python") or bool(build["error"])
+
+
+def summary(r: dict[str, object] | None = None) -> str:
     """One line for the start-up log."""
-    r = report()
+    r = r or report()
     forms: dict[str, str] = r["modules"]  # type: ignore[assignment]
+    build: dict[str, object] = r["build"]  # type: ignore[assignment]
     if r["form"] == "compiled":
         return f"hot path compiled (mypyc): {len(forms)} modules"
+    if r["form"] == "python" and build["error"]:
+        return (f"hot path in pure Python: the PDPROXY_COMPILE=auto build could not compile it ({build['error']}); "
+                "reinstall with PDPROXY_COMPILE=1 to see the whole failure")
     if r["form"] == "python":
         return "hot path in pure Python (not compiled: PDPROXY_COMPILE=1 pip install . compiles it)"
     odd = ", ".join(f"{name} {form}" for name, form in forms.items() if form != "compiled")
     return f"hot path partly compiled: {odd}"
+
+
+if __name__ == "__main__":  # `python -m pdproxy.compiled`: the report, and which package it is about
+    print(json.dumps({**report(), "package": os.path.dirname(os.path.abspath(__file__))}))

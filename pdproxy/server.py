@@ -351,9 +351,9 @@ def serve(settings: Settings) -> int:
     # said at warning level when nobody chose it: a proxy with no trace destination records no spans at all
     quiet = traces.enabled or not settings.tracing
     log.log(logging.INFO if quiet else logging.WARNING, "%s", traces.summary())
-    # a stale or partial build runs code other than the sources beside it: said louder
-    log.log(logging.INFO if compiled.report()["form"] in ("compiled", "python") else logging.WARNING, "%s",
-            compiled.summary())
+    # a stale or partial build runs code other than the sources beside it, a failed compile fell back: said louder
+    form = compiled.report()
+    log.log(logging.WARNING if compiled.warns(form) else logging.INFO, "%s", compiled.summary(form))
     if settings.workers == 1:
         return _run_worker(settings, sock, None)
     return workers.run_workers(settings.workers, sock, settings.host,

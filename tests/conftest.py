@@ -21,6 +21,37 @@ def pytest_configure(config):
 OWN_PROCS = pytest.StashKey[list]()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _test_files(tmp_path_factory):
+    """Each test's process logs and tools' directories under pytest's base temporary directory (procs.FILES)."""
+    procs.FILES.factory = tmp_path_factory
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    procs.FILES.begin_test(f"{item.path.stem}-{item.name}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    with procs.FILES.fixture(fixturedef.scope):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test keeps its files, and its report names them; after its teardown, a test's stopped processes'
+    logs go unless kept."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        kept = procs.FILES.keep()
+        if kept:
+            report.sections.append(("files kept (process logs, tools' directories)", "\n".join(map(str, kept))))
+    if report.when == "teardown":
+        procs.FILES.end_test()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
     """Note the processes the test itself starts (not its fixtures, which may outlive it)."""
@@ -40,8 +71,9 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Whatever a fixture left running."""
+    """Whatever a fixture left running, and the files no failed test kept."""
     procs.kill_groups(procs.STARTED)
+    procs.FILES.end_session()
 
 
 class Scripted:

@@ -15,7 +15,6 @@ import os
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -26,7 +25,7 @@ import pytest
 import yaml
 
 import procs
-from procs import HOST, Proc, free_port
+from procs import FILES, HOST, Proc, free_port
 from waits import scaled
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,7 +107,7 @@ class Collector:
         self.config, self.ports = on_loopback(config)
         self.env = env or {}
         self.name = name
-        self.dir = Path(tempfile.mkdtemp(prefix=f"pdproxy-{name}-"))
+        self.dir = FILES.scratch(name)
         self.config_path = self.dir / "config.yaml"
         self.write_config()
         self.proc: Proc | None = None

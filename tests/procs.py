@@ -11,6 +11,8 @@ import atexit
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,10 +20,15 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdproxy import children
 from waits import scaled
+
+if TYPE_CHECKING:
+    import pytest
 
 HOST = "127.0.0.1"
 STARTED: list[subprocess.Popen] = []  # every process group a test started, in order
@@ -76,15 +83,104 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class TestFiles:
+    """Where the processes a test starts, and the tools it runs, keep their files: a directory of the running
+    test's own under pytest's base temporary directory (conftest.py names the test and gives the base).
+
+    A log stays while its process runs; once the process stopped, it goes at the end of a test that passed. A
+    tool's directory goes at the end of the test that made it, or, made by a module's or session's fixture, at
+    the end of the session. A failed test keeps its own directory and everything still in use, and its report
+    names them. After a session that passed pytest removes the whole base directory (pyproject.toml's
+    tmp_path_retention_policy). Outside pytest everything goes under the system's temporary directory."""
+
+    def __init__(self) -> None:
+        self.factory: pytest.TempPathFactory | None = None  # set by conftest.py for the session
+        self._name = "outside-tests"
+        self._dir: Path | None = None
+        self._scopes: list[str] = []  # the fixtures being set up, innermost last
+        # a log and its process; a tool's directory and whether a fixture wider than the test made it
+        self._pending: list[tuple[Path, subprocess.Popen | None, bool]] = []
+        self._kept: set[Path] = set()
+
+    def begin_test(self, name: str) -> None:
+        self._name, self._dir = re.sub(r"[^\w-]", "_", name)[:60], None
+
+    @contextlib.contextmanager
+    def fixture(self, scope: str) -> Iterator[None]:
+        """While a fixture of `scope` is set up: what it makes may outlive the test."""
+        self._scopes.append(scope)
+        try:
+            yield
+        finally:
+            self._scopes.pop()
+
+    def dir(self) -> Path:
+        """The running test's directory, made when it first holds something."""
+        if self._dir is None:
+            self._dir = (self.factory.mktemp(self._name) if self.factory
+                         else Path(tempfile.mkdtemp(prefix=f"pdproxy-{self._name}-")))
+        return self._dir
+
+    def log(self, name: str) -> Path:
+        fd, path = tempfile.mkstemp(prefix=f"{name}-", suffix=".log", dir=self.dir())
+        os.close(fd)
+        return Path(path)
+
+    def watch(self, log: Path, popen: subprocess.Popen) -> None:
+        self._pending.append((log, popen, False))
+
+    def scratch(self, name: str) -> Path:
+        """A directory for a tool's config and data."""
+        path = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.dir()))
+        self._pending.append((path, None, any(scope != "function" for scope in self._scopes)))
+        return path
+
+    def keep(self) -> list[Path]:
+        """The running test failed: what it made and everything still in use stays; returns their paths."""
+        kept = [p for p in [self._dir, *(path for path, _, _ in self._pending)] if p is not None and p.exists()]
+        self._kept.update(kept)
+        return kept
+
+    def end_test(self) -> None:
+        """Remove what the test no longer uses, unless kept, and its directory if that left it empty."""
+        self._remove([(path, popen, wide) for path, popen, wide in self._pending
+                      if (popen.poll() is not None if popen is not None else not wide)])
+        if self._dir is not None and self._dir not in self._kept:
+            with contextlib.suppress(OSError):
+                self._dir.rmdir()  # only when empty: a wider fixture's files may still be there
+
+    def end_session(self) -> None:
+        self._remove(list(self._pending))
+        base = self.factory.getbasetemp() if self.factory else None
+        if base is not None and base.is_dir():  # pytest may have removed it already (a session that passed)
+            for directory in base.iterdir():
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+
+    def _remove(self, entries: list[tuple[Path, subprocess.Popen | None, bool]]) -> None:
+        for entry in entries:
+            self._pending.remove(entry)
+            path = entry[0]
+            if not any(path.is_relative_to(kept) for kept in self._kept):
+                if path.is_dir():
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    path.unlink(missing_ok=True)
+
+
+FILES = TestFiles()
+
+
 class Proc:
-    """A child process whose output goes to a log file that tests can read on failure."""
+    """A child process whose output goes to a log file that tests can read on failure (FILES says where)."""
 
     def __init__(self, args: list[str], env: dict[str, str] | None = None, name: str = "proc"):
         self.args = args
-        self.log = Path(tempfile.mkstemp(prefix=f"pdproxy-{name}-", suffix=".log")[1])
+        self.log = FILES.log(name)
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._fh = open(self.log, "wb")
         self.popen = spawn(args, stdout=self._fh, stderr=subprocess.STDOUT, env=full_env)
+        FILES.watch(self.log, self.popen)
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")

@@ -17,9 +17,9 @@ BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "cardinality.py"
 NAMES = 1500
 
 
-def test_distinct_model_names_leave_series_and_memory_flat() -> None:
-    p = subprocess.run([sys.executable, str(BENCH), "--names", str(NAMES), "--json"], capture_output=True, text=True,
-                       timeout=240)
+def test_distinct_model_names_leave_series_and_memory_flat(tmp_path) -> None:
+    p = subprocess.run([sys.executable, str(BENCH), "--names", str(NAMES), "--json", "--logs", str(tmp_path)],
+                       capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     result = json.loads(p.stdout)
     before, after = result["before"], result["after"]

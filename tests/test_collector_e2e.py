@@ -26,7 +26,6 @@ import asyncio
 import math
 import re
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ import yaml
 from gotools import build, collector_binary, load_config, running_collector
 from ledgers import spans_in
 from otlp import GrpcReceiver, attrs, duration_ns
-from procs import HOST, Proc, free_port, start_proxy, start_sim
+from procs import FILES, HOST, Proc, free_port, start_proxy, start_sim
 from test_grafana_dashboards import load_dashboards, prom_targets, substitute, variable_values
 from test_prometheus_live import SLACK, Prometheus, allowed_range, bounds_for, client_truth, drive
 from waits import wait_until
@@ -65,7 +64,7 @@ class PromServer(Prometheus):
 
     def __init__(self, binary: str, targets: dict[str, str], otlp: bool = False, port: int | None = None) -> None:
         self.binary = binary
-        self.dir = Path(tempfile.mkdtemp(prefix="pdproxy-prom-"))
+        self.dir = FILES.scratch("prometheus")
         config: dict = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [target]}]}
@@ -146,7 +145,7 @@ def stack():
     procs: list[Proc] = []
     proms: dict[str, PromServer] = {}
     tempo = GrpcReceiver()  # stands in for Tempo behind the tail-sampled pipeline
-    trace_file = Path(tempfile.mkdtemp(prefix="pdproxy-e2e-")) / "spans.jsonl"
+    trace_file = FILES.scratch("e2e") / "spans.jsonl"
     p3_port = free_port()
     # The configuration users get, on loopback ports; the Tempo exporter goes to the stand-in
     # (its own ${env:TEMPO_OTLP_ENDPOINT}), and the derived metrics also to Prometheus 3 over OTLP.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shlex
 import shutil
@@ -28,7 +29,7 @@ COMPOSE = DEPLOY / "compose.yaml"
 K8S = DEPLOY / "k8s"
 sys.path.insert(0, str(REPO))
 
-from pdproxy import __version__  # noqa: E402
+from pdproxy import __version__, compiled  # noqa: E402
 from pdproxy.cli import build_parser  # noqa: E402
 
 
@@ -404,20 +405,46 @@ def test_pdproxy_in_kubernetes(base):
 # Dockerfile (cannot be built here: no engine)
 
 
+def _stages(text: str) -> list[str]:
+    """The Dockerfile's stages, each from its FROM line."""
+    return ["FROM" + part for part in re.split(r"^FROM", text, flags=re.M)[1:]]
+
+
 def test_dockerfile():
+    """The wheel is built in a stage with the compiler, compiled or failing; the image that runs gets only the
+    wheel, runs as a user, and checks at build time that it runs compiled."""
     text = (REPO / "Dockerfile").read_text()
-    (base_image,) = re.findall(r"^FROM (\S+)", text, flags=re.M)
-    assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+", base_image), base_image
-    assert re.search(r"pip install --no-cache-dir \.", text)
-    user = re.findall(r"^USER (\S+)", text, flags=re.M)
+    build, runtime = _stages(text)
+    build_image, runtime_image = (re.match(r"FROM (\S+)", stage).group(1) for stage in (build, runtime))
+    assert re.fullmatch(r"python:3\.12\.\d+-bookworm", build_image), build_image  # the Python vLLM's images run
+    assert runtime_image == build_image.replace("-bookworm", "-slim-bookworm"), (build_image, runtime_image)
+    assert re.search(r"^FROM \S+ AS build$", build, flags=re.M)
+    assert re.search(r"^RUN PDPROXY_COMPILE=1 pip wheel --no-cache-dir --no-deps -w /wheels \.$", build, flags=re.M)
+    # the runtime stage copies nothing from the context, only the wheel from the build stage, and installs it
+    assert re.findall(r"^COPY (.+)$", runtime, flags=re.M) == ["--from=build /wheels /wheels"]
+    assert "pip install --no-cache-dir /wheels/pdproxy-*.whl" in runtime
+    assert "gcc" not in runtime and "apt-get" not in runtime
+    user = re.findall(r"^USER (\S+)", runtime, flags=re.M)
     assert user and user[-1] not in {"root", "0"}
-    assert 'ENTRYPOINT ["pdproxy"]' in text
+    assert 'ENTRYPOINT ["pdproxy"]' in runtime
     ignore = (REPO / ".dockerignore").read_text().split()
     assert ignore[ignore.index("*") + 1:][:3] == ["!pyproject.toml", "!README.md", "!pdproxy/"]
-    copies = re.findall(r"^COPY (.+) \S+$", text, flags=re.M)
-    for sources in copies:
+    for sources in re.findall(r"^COPY (.+) \S+$", build, flags=re.M):
         for src in shlex.split(sources):
             assert (REPO / src).exists(), src
+
+
+def test_the_images_compiled_check_fails_on_any_other_form():
+    """The runtime stage's build-time check, run here on this environment's pdproxy: it passes on CI's installed
+    compiled wheel (what the image's build makes) and fails on a pure-Python or stale install."""
+    (check,) = re.findall(r'python -c "([^"]+)"', _stages((REPO / "Dockerfile").read_text())[1])
+    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    if compiled.report()["form"] == "compiled":
+        assert r.returncode == 0 and "hot path compiled (mypyc)" in r.stdout, r.stdout + r.stderr
+    else:
+        assert r.returncode != 0 and "AssertionError" in r.stderr, r.stdout + r.stderr
+    if os.environ.get("PDPROXY_EXPECT_COMPILED") == "1":
+        assert r.returncode == 0, r.stderr
 
 
 def test_dockerfile_passes_hadolint():

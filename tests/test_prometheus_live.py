@@ -27,7 +27,6 @@ import re
 import shutil
 import string
 import subprocess
-import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -39,7 +38,7 @@ import numpy as np
 import pytest
 import yaml
 
-from procs import HOST, Proc, free_port, start_proxy, start_sim
+from procs import FILES, HOST, Proc, free_port, start_proxy, start_sim
 from test_grafana_dashboards import load_dashboards, prom_targets, substitute, variable_values
 from waits import scaled, wait_until
 
@@ -188,7 +187,7 @@ class Prometheus:
         self.binary = shutil.which("prometheus")
         if not self.binary:
             pytest.skip("prometheus not installed (Debian package prometheus; .ci/run installs it)")
-        self.dir = Path(tempfile.mkdtemp(prefix="pdproxy-prom-"))
+        self.dir = FILES.scratch("prometheus")
         config = {"global": {"scrape_interval": f"{SCRAPE_INTERVAL:g}s", "scrape_timeout": "1s",
                              "evaluation_interval": "1s"},
                   "rule_files": [str(RULES / "*.yml")],  # the shipped recording rules and alerts, as they are
