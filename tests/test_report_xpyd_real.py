@@ -72,7 +72,7 @@ def test_run_b_the_hand_off_is_the_proxys_and_the_failed_attempts_are_apart(run_
 def test_run_a_table_and_json_name_the_decode_side(tmp_path):
     out = tmp_path / "r.json"
     p = subprocess.run([sys.executable, "-m", "pdproxy", "report", f"pd={XPYD / 'run-a-bench.jsonl.gz'}",
-                        "--traces", str(XPYD / "run-a.otlp.jsonl.gz"), "--json", str(out)],
+                        "--traces", str(XPYD / "run-a.otlp.jsonl.gz"), "--json", str(out), "--definitions"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "vLLM split: kv_transfer.decode_intake" in p.stdout
