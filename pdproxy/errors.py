@@ -87,6 +87,18 @@ class ProxyError(Exception):
         return b"data: " + json.dumps(self.body()).encode() + b"\n\ndata: [DONE]\n\n"
 
 
+class VllmError(ProxyError):
+    """A refusal in vLLM's own words and shape (`type`: its exception name, `code`: the status), for what the
+    proxy refuses as vLLM would (pdproxy/served.py). Here beside ProxyError: compiled, a subclass must be too."""
+
+    def __init__(self, status: int, message: str, vllm_type: str, param: str, *, error_type: str) -> None:
+        super().__init__(status, message, error_type=error_type, param=param)
+        self.vllm_type = vllm_type
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.vllm_type, "param": self.param, "code": self.status}}
+
+
 class UpstreamResponse(Exception):
     """An instance's own error answer (a 4xx, or a 429/503 that retries did not get past), relayed
     with its status and Retry-After. Its body is passed on when it is already an OpenAI-style error

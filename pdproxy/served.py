@@ -23,21 +23,10 @@ from typing import Any
 import aiohttp
 
 from pdproxy import jsonio
-from pdproxy.errors import ProxyError
+from pdproxy.errors import VllmError
 from pdproxy.telemetry.models import MIN_REFRESH_SECONDS, ModelNames
 
 MAX_MODELS = 100  # listed names kept for the check; a listing beyond it is not checked against
-
-
-class VllmError(ProxyError):
-    """A refusal in vLLM's own words and shape (`type`: its exception name, `code`: the status)."""
-
-    def __init__(self, status: int, message: str, vllm_type: str, param: str, *, error_type: str) -> None:
-        super().__init__(status, message, error_type=error_type, param=param)
-        self.vllm_type = vllm_type
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.vllm_type, "param": self.param, "code": self.status}}
 
 
 class ServedModels:

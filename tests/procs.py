@@ -248,7 +248,8 @@ def start_tokenize_backend(upstream: str) -> tuple[Proc, str]:
     """A passthrough to `upstream` whose /tokenize a test controls (tests/tokenize_backend.py)."""
     port = free_port()
     script = str(Path(__file__).with_name("tokenize_backend.py"))
-    proc = Proc([sys.executable, script, "--port", str(port), "--upstream", upstream], name="tokenize-backend")
+    proc = Proc([sys.executable, script, "--port", str(port), "--upstream", upstream], name="tokenize-backend",
+                env={"PYTHONPATH": str(Path(__file__).parent)})  # it builds on no_tokenize_backend (PYTHONSAFEPATH)
     url = f"http://{HOST}:{port}"
     proc.wait_http(url + "/health")
     return proc, url

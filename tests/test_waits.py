@@ -17,6 +17,7 @@ HERE = Path(__file__).resolve().parent
 
 def scale_seen(value: str | None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PDPROXY_TEST_TIMEOUT_SCALE"}
+    env["PYTHONPATH"] = str(HERE)  # under PYTHONSAFEPATH=1 (CI) the working directory is not on sys.path
     if value is not None:
         env["PDPROXY_TEST_TIMEOUT_SCALE"] = value
     return subprocess.run([sys.executable, "-c", "import waits; print(waits.scaled(10))"], cwd=HERE, env=env,
