@@ -49,12 +49,10 @@ def cases() -> list[Case]:
             bench = str(V / f"bench-{gpus}-{kind}.jsonl.gz")
             out.append(Case(f"self-replay: vllm023 {gpus} {kind}", bench, bench, tr, preset,
                             setup="1P1D" if kind == "pd" else "1xsingle", source_traces=tr,
-                            outside="" if kind == "pd" else WARM_CACHE))
+                            warm_from="" if kind == "pd" else str(V / f"bench-{gpus}-pd.jsonl.gz")))
     return [*out, _run_a("pd", "dp"), replace(_run_a("dp", "pd"), outside=NO_LINK)]
 
 
-WARM_CACHE = ("the single run followed the P/D run on the same instance with the same seeded prompts: its prefix "
-              "cache was warm, the model's is cold")
 NO_LINK = "single instances move no KV: nothing in the recording fits the KV link the 2P2D prediction depends on"
 
 

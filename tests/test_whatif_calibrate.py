@@ -44,7 +44,8 @@ def test_calibrate_prints_the_fit_and_predicts_with_it(tmp_path):
                               "--no-table").stdout)
     ttft = {e["label"]: e["stats"]["ttft"]["p50"] for e in rep["runs"]}
     before = {e["label"]: e["stats"]["ttft"]["p50"] for e in plain["runs"]}
-    assert ttft["4xsingle"] > 1.3 * before["4xsingle"], (ttft, before)
+    # (1.29x since the clients keep their recorded phase: fewer prefills land in one step than when all start at 0)
+    assert ttft["4xsingle"] > 1.2 * before["4xsingle"], (ttft, before)
 
 
 def test_calibrate_without_spans_is_a_clear_error():

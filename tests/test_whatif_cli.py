@@ -89,6 +89,8 @@ def test_missing_fields_are_named_and_assumed(tmp_path):
     (("--records", str(PD_RECORDS), "--setup", "2Q2D"), "not understood"),
     (("--records", str(FIX / "README.md")), "not JSON"),
     ((), "no input"),
+    (("--records", str(PD_RECORDS), "--warm-from",
+      str(Path(__file__).parent / "fixtures" / "vllm023" / "bench-1gpu-pd.jsonl.gz")), "not the same seeded prompts"),
 ])
 def test_bad_input_is_a_clear_error(args, message):
     r = whatif(*args, timeout=60)

@@ -482,6 +482,11 @@ class Engine:
         m.generation_tokens.inc(seq.target_tokens)
         self._finish(seq, seq.target_reason, now)
 
+    def warm(self, hashes: list[int]) -> None:
+        """Blocks already in the prefix cache before the first request (left by an earlier run)."""
+        self.prefix_cache.touch(hashes)
+        self._trim_cache()
+
     # ---- observability -------------------------------------------------------------------------
     def _publish(self) -> None:
         m = self.metrics

@@ -30,7 +30,7 @@ from pdproxy.bench.report_cli import add_slo_arguments, slo_from, write_outputs
 from pdproxy.sim.presets import DEFAULT_PRESET, PRESETS
 from pdproxy.whatif import predict, recorded as recorded_run, setups
 from pdproxy.whatif.model import ModelParams
-from pdproxy.whatif.workload import Workload, WorkloadError, load
+from pdproxy.whatif.workload import Workload, WorkloadError, load, warm_from
 
 CALIBRATED_NOTE = ("calibrated on the given spans: the stated error is the shipped presets'; replaying a run's own "
                    "workload with the curves fitted to its spans, TTFT and KV wait landed within 21 % on vllm023 "
@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i.add_argument("--traces", action="append", default=[], metavar="FILE",
                    help="pdproxy trace file(s) (OTLP-JSON lines): the workload when no records are given; with "
                         "--calibrate also the spans to fit")
+    i.add_argument("--warm-from", metavar="FILE",
+                   help="the bench record of a run just before this one on the same instances with the same seeded "
+                        "prompts: the replay starts with its prompts in the prefix caches")
     s = p.add_argument_group("candidate set-ups")
     s.add_argument("--gpus", type=int, help="GPU total (default: the recording's gpu.count)")
     s.add_argument("--setup", action="append", default=[], metavar="SPEC",
@@ -202,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
         wl = load(args.records, args.traces)
+        if args.warm_from:
+            warm_from(wl, args.warm_from)
         if args.records and args.traces and not args.calibrate:
             wl.notes.append("the workload is the bench record's; the trace files given beside it give the recorded "
                             "KV wait (self-replay) and the preset, and serve --calibrate")

@@ -241,6 +241,10 @@ class _Cluster:
 
 async def _replay(workload: Workload, setup: Setup, params: ModelParams, clock: virtual.VirtualClock) -> list[Outcome]:
     cluster = _Cluster(setup, params, clock)
+    for req in workload.warm_prompts():
+        hashes = block_hashes(req.token_ids(), cluster.preset.block_size) if cluster.preset.block_size else []
+        for inst in cluster.instances:
+            inst.engine.warm(hashes)
     engines = [asyncio.ensure_future(i.engine.run()) for i in cluster.instances]
     feeder = asyncio.ensure_future(cluster.feed_load())
     outcomes: list[Outcome] = []
@@ -258,13 +262,17 @@ async def _replay(workload: Workload, setup: Setup, params: ModelParams, clock: 
 
     async def closed_loop(reqs: list[Request], concurrency: int, duration: float) -> None:
         taken = iter(range(1 << 62))
+        # each client starts when the recorded one did: a millisecond apart is a step apart, and clients that
+        # start in different steps stay out of phase (one's prefill lands in the others' decode), as recorded
+        starts = sorted(r.arrival for r in reqs)[:concurrency]
 
-        async def worker() -> None:
+        async def worker(first: float) -> None:
+            await clock.sleep_until(first)
             while clock.now() < duration:
                 i = next(taken)
                 await one(reqs[i % len(reqs)].again(i, len(reqs)))
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(starts[k] if k < len(starts) else 0.0) for k in range(concurrency)))
 
     drivers = []
     for cls in workload.classes:

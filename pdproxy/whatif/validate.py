@@ -29,6 +29,7 @@ class Case:
     overrides: tuple[tuple[str, Any], ...] = ()  # preset fields as the recorded instances had them
     setup: str | None = None  # the target's set-up (default: from its conditions)
     source_traces: tuple[str, ...] = ()  # the source run's traces with vLLM's spans (for --calibrate)
+    warm_from: str = ""  # bench records of a run before the source's on the same instances (warm prefix caches)
     outside: str = ""  # why the case is outside what the model claims (left out of the stated error), if it is
 
 
@@ -73,11 +74,18 @@ def recorded_entry(bench: str, trace_files: tuple[str, ...]) -> dict[str, Any]:
     return found
 
 
+def source_workload(case: Case) -> workload.Workload:
+    wl = workload.from_bench(case.source)
+    if case.warm_from:
+        workload.warm_from(wl, case.warm_from)
+    return wl
+
+
 def fitted(case: Case, params: ModelParams) -> ModelParams:
     """The model fitted to the source run as a whole (`pdproxy whatif --fit-run`), never to the target."""
     from pdproxy.whatif import fitrun
 
-    wl = workload.from_bench(case.source)
+    wl = source_workload(case)
     own = setups.recorded(wl.conditions)
     if own is None:
         raise ValueError(f"{case.source}: its conditions do not say its set-up")
@@ -86,7 +94,7 @@ def fitted(case: Case, params: ModelParams) -> ModelParams:
 
 
 def run_case(case: Case, calibrate: bool = False, fit: bool = False) -> list[Row]:
-    wl = workload.from_bench(case.source)
+    wl = source_workload(case)
     target = records.read_run(case.target)
     preset = replace(PRESETS[case.preset], **dict(case.overrides))
     if calibrate:
