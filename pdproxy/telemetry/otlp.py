@@ -172,6 +172,21 @@ def float_attribute(key: str, value: float) -> bytes:
     return prefix + _pack_double(value)
 
 
+_FOUR_DOUBLES: Final[dict[tuple[str, str, str, str], tuple[struct.Struct, bytes, bytes, bytes, bytes]]] = {}
+
+
+def four_doubles(keys: tuple[str, str, str, str], a: float, b: float, c: float, d: float) -> bytes:
+    """Four double attributes' fields that always go together (a span's ITL summary, the KV hand-off's
+    times), packed by one call into one bytes object: the same bytes as four `float_attribute`s."""
+    packer = _FOUR_DOUBLES.get(keys)
+    if packer is None:
+        prefixes = [_float_prefix(key) for key in keys]
+        layout = struct.Struct("<" + "".join(f"{len(prefix)}sd" for prefix in prefixes))
+        packer = _FOUR_DOUBLES[keys] = (layout, prefixes[0], prefixes[1], prefixes[2], prefixes[3])
+    layout, p0, p1, p2, p3 = packer
+    return layout.pack(p0, a, p1, b, p2, c, p3, d)
+
+
 def int_attribute(key: str, value: int) -> bytes:
     """An int attribute's field (counts, tokens, ports, statuses)."""
     if not 0 <= value < _INT_LIMIT:
@@ -229,6 +244,8 @@ def encode_span(s: SpanData) -> bytes:
 # encodes what its spans share (trace id, context, the stage spans' names and kinds) once.
 
 _HEADS: Final[dict[tuple[str, int], bytes]] = {}
+# start_time_unix_nano (field 7) and end_time_unix_nano (8), fixed64 (little-endian), tags and all in one call
+_pack_times: Final = struct.Struct("<BQBQ").pack
 # an explicit (unset) status and the flags, as the SDK sends them; by whether the parent is remote
 _OK_TAILS: Final = {remote: b"\x7a\x00\x85\x01" + struct.pack("<I", _FLAG_HAS_IS_REMOTE | (remote and _FLAG_IS_REMOTE))
                     for remote in (False, True)}
@@ -292,9 +309,8 @@ def add_span(out: list[bytes], trace: bytes, span_id: int, context: bytes, head:
     `trace` from `trace_field`, `context` from `context_fields`, `head` from `span_head`, `attributes`
     encoded attribute fields, `tail` its events, links and `status_tail`."""
     size = len(trace) + 8 + len(context) + len(head) + 18 + len(attributes) + len(tail)
-    # start_time_unix_nano (field 7) and end_time_unix_nano (8) are fixed64: little-endian
-    out.extend((b"\x12", _varint(size), trace, span_id.to_bytes(8, "big"), context, head, b"\x39",
-                start_ns.to_bytes(8, "little"), b"\x41", end_ns.to_bytes(8, "little"), attributes, tail))
+    out.extend((b"\x12", _varint(size), trace, span_id.to_bytes(8, "big"), context, head,
+                _pack_times(0x39, start_ns, 0x41, end_ns), attributes, tail))
 
 
 def frame_prefix(resource: dict[str, Any], scope_name: str, scope_version: str) -> tuple[bytes, bytes]:

@@ -23,8 +23,8 @@ from pdproxy.telemetry.measure import Measurement, Timeline, measure, stall_gaps
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import MAX_NAME_LENGTH, OTHER, ModelNames
 from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData, add_span, attribute,
-                                    attribute_fields, context_fields, events_field, float_attribute, int_attribute,
-                                    known_block, links_field, new_block, span_head, status_tail, str_attribute,
+                                    attribute_fields, context_fields, events_field, float_attribute, four_doubles,
+                                    int_attribute, known_block, links_field, new_block, span_head, status_tail, str_attribute,
                                     trace_field)
 from pdproxy.telemetry.stalls import (TOLERANCE_NS, Activity, Attributed, InstanceRecord, StallRecords, marked_cause,
                                       span_links)
@@ -473,6 +473,8 @@ class RequestTrace:
             if events or links:
                 tail = events_field(events) + links_field(links) + tail
             fields = self._stage_block(stage, decision)
+            if stage == KV_TRANSFER:
+                fields += _handoff_fields(m)
             if measured:
                 fields += attribute_fields(measured)
             add_span(spans, trace, span_id or random.getrandbits(64), context, _STAGE_HEADS[stage], to_unix_ns(start),
@@ -535,8 +537,7 @@ class RequestTrace:
         if m.gaps and m.itl_mean is not None and m.itl_p50 is not None and m.itl_p99 is not None \
                 and m.itl_max is not None:  # measure() sets them all together
             a += (attribute(b"\x4a", n.ITL_UNIT, m.itl_unit, True), int_attribute(n.ITL_COUNT, len(m.gaps)),
-                  float_attribute(n.ITL_MEAN, m.itl_mean), float_attribute(n.ITL_P50, m.itl_p50),
-                  float_attribute(n.ITL_P99, m.itl_p99), float_attribute(n.ITL_MAX, m.itl_max),
+                  four_doubles(_ITL_KEYS, m.itl_mean, m.itl_p50, m.itl_p99, m.itl_max),
                   int_attribute(n.STALLS, m.stalls))
         if failed:
             a.append(attribute(b"\x4a", "error.type", m.error_type, True))
@@ -606,14 +607,9 @@ class RequestTrace:
 
     @staticmethod
     def _stage_measurements(stage: str, m: Measurement, decision: Decision | None) -> list[tuple[str, Any]]:
-        """A stage span's attributes of this request alone: the KV hand-off's times, the routing
-        decision's scores and matched prefix."""
+        """A stage span's attributes of this request alone (after the KV hand-off's times: `_handoff_fields`):
+        the routing decision's scores and matched prefix."""
         attrs: list[tuple[str, Any]] = []
-        if stage == KV_TRANSFER:
-            for key, value in ((n.HANDOFF_GAP, m.handoff_gap), (n.DECODE_HEADERS_WAIT, m.decode_headers_wait),
-                               (n.DECODE_QUEUE_TIME, m.decode_queue_time), (n.KV_ESTIMATED, m.kv_estimated)):
-                if value is not None:
-                    attrs.append((key, value))
         if decision is not None:
             if decision.matched is not None:
                 attrs += ((n.ROUTE_MATCHED, decision.matched), (n.ROUTE_MATCHED_UNIT, decision.unit))
@@ -622,6 +618,20 @@ class RequestTrace:
                 if scores:
                     attrs.append((n.ROUTE_SCORES, [f"{address}={score:g}" for address, score in scores.items()]))
         return attrs
+
+
+_ITL_KEYS: Final = (n.ITL_MEAN, n.ITL_P50, n.ITL_P99, n.ITL_MAX)
+_HANDOFF_KEYS: Final = (n.HANDOFF_GAP, n.DECODE_HEADERS_WAIT, n.DECODE_QUEUE_TIME, n.KV_ESTIMATED)
+
+
+def _handoff_fields(m: Measurement) -> bytes:
+    """The KV hand-off's times on pd.kv_transfer, those measured: all four (a P/D request whose decode
+    reported its queue time) in one pack."""
+    gap, wait, queued, estimated = m.handoff_gap, m.decode_headers_wait, m.decode_queue_time, m.kv_estimated
+    if type(gap) is float and type(wait) is float and type(queued) is float and type(estimated) is float:
+        return four_doubles(_HANDOFF_KEYS, gap, wait, queued, estimated)
+    return attribute_fields([(key, value) for key, value in zip(_HANDOFF_KEYS, (gap, wait, queued, estimated))
+                             if value is not None])
 
 
 def _culprit_ids(stall: Attributed) -> dict[str, list[str]]:
