@@ -126,6 +126,14 @@ def attribute(tag: bytes, key: str, value: Any, repeats: bool) -> bytes:
     return field_
 
 
+def words_attribute(key: str, values: list[str]) -> bytes:
+    """A string array attribute's field; the usual one short word (a response's finish reason) cached
+    as a repeating value (an array's encoding is some ten calls and bytes objects)."""
+    if len(values) == 1 and len(values[0]) <= 32:
+        return attribute(b"\x4a", key, (values[0],), True)
+    return attribute(b"\x4a", key, values, False)
+
+
 # attributes whose values come from a small set, worth caching (see `attribute`)
 REPEATING: Final = frozenset({
     "gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model", "gen_ai.request.stream",
@@ -244,8 +252,6 @@ def encode_span(s: SpanData) -> bytes:
 # encodes what its spans share (trace id, context, the stage spans' names and kinds) once.
 
 _HEADS: Final[dict[tuple[str, int], bytes]] = {}
-# start_time_unix_nano (field 7) and end_time_unix_nano (8), fixed64 (little-endian), tags and all in one call
-_pack_times: Final = struct.Struct("<BQBQ").pack
 # an explicit (unset) status and the flags, as the SDK sends them; by whether the parent is remote
 _OK_TAILS: Final = {remote: b"\x7a\x00\x85\x01" + struct.pack("<I", _FLAG_HAS_IS_REMOTE | (remote and _FLAG_IS_REMOTE))
                     for remote in (False, True)}
@@ -309,8 +315,9 @@ def add_span(out: list[bytes], trace: bytes, span_id: int, context: bytes, head:
     `trace` from `trace_field`, `context` from `context_fields`, `head` from `span_head`, `attributes`
     encoded attribute fields, `tail` its events, links and `status_tail`."""
     size = len(trace) + 8 + len(context) + len(head) + 18 + len(attributes) + len(tail)
-    out.extend((b"\x12", _varint(size), trace, span_id.to_bytes(8, "big"), context, head,
-                _pack_times(0x39, start_ns, 0x41, end_ns), attributes, tail))
+    # start_time_unix_nano (field 7) and end_time_unix_nano (8) are fixed64: little-endian
+    out.extend((b"\x12", _varint(size), trace, span_id.to_bytes(8, "big"), context, head, b"\x39",
+                start_ns.to_bytes(8, "little"), b"\x41", end_ns.to_bytes(8, "little"), attributes, tail))
 
 
 def frame_prefix(resource: dict[str, Any], scope_name: str, scope_version: str) -> tuple[bytes, bytes]:

@@ -24,8 +24,8 @@ from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import MAX_NAME_LENGTH, OTHER, ModelNames
 from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData, add_span, attribute,
                                     attribute_fields, context_fields, events_field, float_attribute, four_doubles,
-                                    int_attribute, known_block, links_field, new_block, span_head, status_tail, str_attribute,
-                                    trace_field)
+                                    int_attribute, known_block, links_field, new_block, span_head, status_tail,
+                                    str_attribute, trace_field, words_attribute)
 from pdproxy.telemetry.stalls import (TOLERANCE_NS, Activity, Attributed, InstanceRecord, StallRecords, marked_cause,
                                       span_links)
 from pdproxy.telemetry.tracing import TraceIds, Tracing
@@ -533,7 +533,7 @@ class RequestTrace:
         if m.tpot is not None:
             a.append(float_attribute(n.TPOT, m.tpot))
         if scan.finish_reasons:
-            a.append(attribute(b"\x4a", "gen_ai.response.finish_reasons", scan.finish_reasons, False))
+            a.append(words_attribute("gen_ai.response.finish_reasons", scan.finish_reasons))
         if m.gaps and m.itl_mean is not None and m.itl_p50 is not None and m.itl_p99 is not None \
                 and m.itl_max is not None:  # measure() sets them all together
             a += (attribute(b"\x4a", n.ITL_UNIT, m.itl_unit, True), int_attribute(n.ITL_COUNT, len(m.gaps)),
@@ -625,13 +625,21 @@ _HANDOFF_KEYS: Final = (n.HANDOFF_GAP, n.DECODE_HEADERS_WAIT, n.DECODE_QUEUE_TIM
 
 
 def _handoff_fields(m: Measurement) -> bytes:
-    """The KV hand-off's times on pd.kv_transfer, those measured: all four (a P/D request whose decode
-    reported its queue time) in one pack."""
+    """The KV hand-off's times on pd.kv_transfer (doubles: measure() divides), those measured: all four
+    (a P/D request whose decode reported its queue time) in one pack."""
     gap, wait, queued, estimated = m.handoff_gap, m.decode_headers_wait, m.decode_queue_time, m.kv_estimated
-    if type(gap) is float and type(wait) is float and type(queued) is float and type(estimated) is float:
+    if gap is not None and wait is not None and queued is not None and estimated is not None:
         return four_doubles(_HANDOFF_KEYS, gap, wait, queued, estimated)
-    return attribute_fields([(key, value) for key, value in zip(_HANDOFF_KEYS, (gap, wait, queued, estimated))
-                             if value is not None])
+    fields = b""
+    if gap is not None:
+        fields += float_attribute(n.HANDOFF_GAP, gap)
+    if wait is not None:
+        fields += float_attribute(n.DECODE_HEADERS_WAIT, wait)
+    if queued is not None:
+        fields += float_attribute(n.DECODE_QUEUE_TIME, queued)
+    if estimated is not None:
+        fields += float_attribute(n.KV_ESTIMATED, estimated)
+    return fields
 
 
 def _culprit_ids(stall: Attributed) -> dict[str, list[str]]:
