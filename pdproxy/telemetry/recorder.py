@@ -578,10 +578,18 @@ class RequestTrace:
             address, status, attempts = self.decode_instance, self.decode_status, self.decode_attempts
         else:
             address = status = attempts = None
-        policy, reason = (decision.policy, decision.reason) if decision is not None else (None, None)
-        fallback = decision.fallback if decision is not None else None
+        policy: str | None = None
+        reason: str | None = None
+        fallback: str | None = None
+        if decision is not None:
+            policy, reason, fallback = decision.policy, decision.reason, decision.fallback
         on_decode = stage == PREFILL and self.pd_mode and self.decode_only
-        key = (stage, self.model_label, self.deployment, address, status, attempts, policy, reason, fallback, on_decode)
+        key: tuple
+        if address is None and decision is None and not on_decode:  # queue, kv_transfer: a shorter key to hash
+            key = (stage, self.model_label, self.deployment, status, attempts)
+        else:
+            key = (stage, self.model_label, self.deployment, address, status, attempts, policy, reason, fallback,
+                   on_decode)
         block = known_block(key)
         if block is None:
             attrs = self._stage_attributes(stage, address, status, attempts, policy, reason)
