@@ -8,7 +8,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-from pdproxy.telemetry.otlp import KIND_CLIENT, KIND_SERVER, SpanData, encode_span, export_framed, frame_prefix
+from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_SERVER, SpanData, attribute_fields, encode_span, export_framed,
+                                    four_doubles, frame_prefix, words_attribute)
 
 TRACE, ROOT, CHILD, CLIENT_SPAN = 0x0AF7651916CD43DD8448EB211C80319C, 0x1111, 0x2222, 0xB7AD6B7169203331
 ATTRS = {"gen_ai.operation.name": "chat", "gen_ai.request.stream": True, "gen_ai.usage.output_tokens": 300,
@@ -53,3 +54,15 @@ def test_span_events_match_the_sdk():
     resource, scope = frame_prefix(RESOURCE, "pdproxy", "9.9")
     decoded = ExportTraceServiceRequest.FromString(export_framed(resource, scope, [encode_span(ours)]))
     assert MessageToDict(decoded) == MessageToDict(encode_spans([theirs]))
+
+
+def test_packed_attributes_are_the_generic_encoding():
+    """The recorder's shortcuts (four doubles in one pack, a one-word array cached) write the bytes the
+    generic encoder writes, which the test above decodes against the SDK's."""
+    keys = ("pd.itl.mean", "pd.itl.p50", "pd.itl.p99", "k" * 200)  # the last: a two-byte length prefix
+    for values in ((0.0125, 1e-9, 3.5e6, -0.0), (1.0, 2.0, 3.0, float("inf"))):
+        assert four_doubles(keys, *values) == attribute_fields(zip(keys, values))
+    for words in (["stop"], ["length"], ["stop"], ["length", "stop"], ["x" * 40], ["é中"]):
+        for _ in range(2):  # the second time from the cache, when it caches
+            expected = attribute_fields([("gen_ai.response.finish_reasons", words)])
+            assert words_attribute("gen_ai.response.finish_reasons", words) == expected

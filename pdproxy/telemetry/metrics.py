@@ -56,23 +56,26 @@ def stamp(trace_id: str | None) -> Stamp | None:
 class HistogramSeries:
     """One label set of a `LoopHistogram`: per-bucket counts (not cumulative), sum, one exemplar per bucket.
 
-    An exemplar comes as a `Stamp` (its labels and time, made once per request) and is kept as
-    (stamp, value): the `Exemplar` objects are built only when a scrape asks for them."""
+    An exemplar comes as a `Stamp` (its labels and time, made once per request) and is kept as its
+    stamp and value, side by side in two lists (no tuple per observation): the `Exemplar` objects are
+    built only when a scrape asks for them."""
 
-    __slots__ = ("bounds", "counts", "sum", "exemplars")
+    __slots__ = ("bounds", "counts", "sum", "stamps", "values")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
         self.sum = 0.0
-        self.exemplars: list[tuple[Stamp, float] | None] = [None] * (len(bounds) + 1)
+        self.stamps: list[Stamp | None] = [None] * (len(bounds) + 1)  # each bucket's exemplar, if any
+        self.values: list[float] = [0.0] * (len(bounds) + 1)  # and its observed value
 
     def observe(self, value: float, exemplar: Stamp | None = None) -> None:
         i = bisect_left(self.bounds, value)  # le: a value equal to a bound falls in that bound's bucket
         self.counts[i] += 1
         self.sum += value
         if exemplar:
-            self.exemplars[i] = (exemplar, value)
+            self.stamps[i] = exemplar
+            self.values[i] = value
 
     def observe_sorted(self, values: Sequence[float], exemplar: Stamp | None = None,
                        exemplar_value: float | None = None) -> None:
@@ -89,7 +92,9 @@ class HistogramSeries:
             counts[-1] += total - below
         self.sum += sum(values)
         if exemplar and exemplar_value is not None:
-            self.exemplars[bisect_left(self.bounds, exemplar_value)] = (exemplar, exemplar_value)
+            i = bisect_left(self.bounds, exemplar_value)
+            self.stamps[i] = exemplar
+            self.values[i] = exemplar_value
 
 
 class LoopHistogram:
@@ -120,12 +125,12 @@ class LoopHistogram:
             if not any(series.counts):
                 continue  # a label set is exposed once it has been observed, as with prometheus_client
             total, buckets = 0, list[tuple]()
-            for le, count, kept in zip(self.les, series.counts, series.exemplars):
+            for le, count, kept, value in zip(self.les, series.counts, series.stamps, series.values):
                 total += count
                 if kept is None:
                     buckets.append((le, total))
                 else:
-                    (labels, at), value = kept
+                    labels, at = kept
                     buckets.append((le, total, Exemplar(labels, value, at)))
             family.add_metric(values, buckets, series.sum)
         yield family

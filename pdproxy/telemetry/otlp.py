@@ -126,6 +126,14 @@ def attribute(tag: bytes, key: str, value: Any, repeats: bool) -> bytes:
     return field_
 
 
+def words_attribute(key: str, values: list[str]) -> bytes:
+    """A string array attribute's field; the usual one short word (a response's finish reason) cached
+    as a repeating value (an array's encoding is some ten calls and bytes objects)."""
+    if len(values) == 1 and len(values[0]) <= 32:
+        return attribute(b"\x4a", key, (values[0],), True)
+    return attribute(b"\x4a", key, values, False)
+
+
 # attributes whose values come from a small set, worth caching (see `attribute`)
 REPEATING: Final = frozenset({
     "gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model", "gen_ai.request.stream",
@@ -170,6 +178,21 @@ def float_attribute(key: str, value: float) -> bytes:
     if prefix is None:
         prefix = _FLOAT_PREFIX[key] = _float_prefix(key)
     return prefix + _pack_double(value)
+
+
+_FOUR_DOUBLES: Final[dict[tuple[str, str, str, str], tuple[struct.Struct, bytes, bytes, bytes, bytes]]] = {}
+
+
+def four_doubles(keys: tuple[str, str, str, str], a: float, b: float, c: float, d: float) -> bytes:
+    """Four double attributes' fields that always go together (a span's ITL summary, the KV hand-off's
+    times), packed by one call into one bytes object: the same bytes as four `float_attribute`s."""
+    packer = _FOUR_DOUBLES.get(keys)
+    if packer is None:
+        prefixes = [_float_prefix(key) for key in keys]
+        layout = struct.Struct("<" + "".join(f"{len(prefix)}sd" for prefix in prefixes))
+        packer = _FOUR_DOUBLES[keys] = (layout, prefixes[0], prefixes[1], prefixes[2], prefixes[3])
+    layout, p0, p1, p2, p3 = packer
+    return layout.pack(p0, a, p1, b, p2, c, p3, d)
 
 
 def int_attribute(key: str, value: int) -> bytes:

@@ -23,9 +23,9 @@ from pdproxy.telemetry.measure import Measurement, Timeline, measure, stall_gaps
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import MAX_NAME_LENGTH, OTHER, ModelNames
 from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData, add_span, attribute,
-                                    attribute_fields, context_fields, events_field, float_attribute, int_attribute,
-                                    known_block, links_field, new_block, span_head, status_tail, str_attribute,
-                                    trace_field)
+                                    attribute_fields, context_fields, events_field, float_attribute, four_doubles,
+                                    int_attribute, known_block, links_field, new_block, span_head, status_tail,
+                                    str_attribute, trace_field, words_attribute)
 from pdproxy.telemetry.stalls import (TOLERANCE_NS, Activity, Attributed, InstanceRecord, StallRecords, marked_cause,
                                       span_links)
 from pdproxy.telemetry.tracing import TraceIds, Tracing
@@ -473,6 +473,8 @@ class RequestTrace:
             if events or links:
                 tail = events_field(events) + links_field(links) + tail
             fields = self._stage_block(stage, decision)
+            if stage == KV_TRANSFER:
+                fields += _handoff_fields(m)
             if measured:
                 fields += attribute_fields(measured)
             add_span(spans, trace, span_id or random.getrandbits(64), context, _STAGE_HEADS[stage], to_unix_ns(start),
@@ -531,12 +533,11 @@ class RequestTrace:
         if m.tpot is not None:
             a.append(float_attribute(n.TPOT, m.tpot))
         if scan.finish_reasons:
-            a.append(attribute(b"\x4a", "gen_ai.response.finish_reasons", scan.finish_reasons, False))
+            a.append(words_attribute("gen_ai.response.finish_reasons", scan.finish_reasons))
         if m.gaps and m.itl_mean is not None and m.itl_p50 is not None and m.itl_p99 is not None \
                 and m.itl_max is not None:  # measure() sets them all together
             a += (attribute(b"\x4a", n.ITL_UNIT, m.itl_unit, True), int_attribute(n.ITL_COUNT, len(m.gaps)),
-                  float_attribute(n.ITL_MEAN, m.itl_mean), float_attribute(n.ITL_P50, m.itl_p50),
-                  float_attribute(n.ITL_P99, m.itl_p99), float_attribute(n.ITL_MAX, m.itl_max),
+                  four_doubles(_ITL_KEYS, m.itl_mean, m.itl_p50, m.itl_p99, m.itl_max),
                   int_attribute(n.STALLS, m.stalls))
         if failed:
             a.append(attribute(b"\x4a", "error.type", m.error_type, True))
@@ -577,10 +578,18 @@ class RequestTrace:
             address, status, attempts = self.decode_instance, self.decode_status, self.decode_attempts
         else:
             address = status = attempts = None
-        policy, reason = (decision.policy, decision.reason) if decision is not None else (None, None)
-        fallback = decision.fallback if decision is not None else None
+        policy: str | None = None
+        reason: str | None = None
+        fallback: str | None = None
+        if decision is not None:
+            policy, reason, fallback = decision.policy, decision.reason, decision.fallback
         on_decode = stage == PREFILL and self.pd_mode and self.decode_only
-        key = (stage, self.model_label, self.deployment, address, status, attempts, policy, reason, fallback, on_decode)
+        key: tuple
+        if address is None and decision is None and not on_decode:  # queue, kv_transfer: a shorter key to hash
+            key = (stage, self.model_label, self.deployment, status, attempts)
+        else:
+            key = (stage, self.model_label, self.deployment, address, status, attempts, policy, reason, fallback,
+                   on_decode)
         block = known_block(key)
         if block is None:
             attrs = self._stage_attributes(stage, address, status, attempts, policy, reason)
@@ -606,14 +615,9 @@ class RequestTrace:
 
     @staticmethod
     def _stage_measurements(stage: str, m: Measurement, decision: Decision | None) -> list[tuple[str, Any]]:
-        """A stage span's attributes of this request alone: the KV hand-off's times, the routing
-        decision's scores and matched prefix."""
+        """A stage span's attributes of this request alone (after the KV hand-off's times: `_handoff_fields`):
+        the routing decision's scores and matched prefix."""
         attrs: list[tuple[str, Any]] = []
-        if stage == KV_TRANSFER:
-            for key, value in ((n.HANDOFF_GAP, m.handoff_gap), (n.DECODE_HEADERS_WAIT, m.decode_headers_wait),
-                               (n.DECODE_QUEUE_TIME, m.decode_queue_time), (n.KV_ESTIMATED, m.kv_estimated)):
-                if value is not None:
-                    attrs.append((key, value))
         if decision is not None:
             if decision.matched is not None:
                 attrs += ((n.ROUTE_MATCHED, decision.matched), (n.ROUTE_MATCHED_UNIT, decision.unit))
@@ -622,6 +626,28 @@ class RequestTrace:
                 if scores:
                     attrs.append((n.ROUTE_SCORES, [f"{address}={score:g}" for address, score in scores.items()]))
         return attrs
+
+
+_ITL_KEYS: Final = (n.ITL_MEAN, n.ITL_P50, n.ITL_P99, n.ITL_MAX)
+_HANDOFF_KEYS: Final = (n.HANDOFF_GAP, n.DECODE_HEADERS_WAIT, n.DECODE_QUEUE_TIME, n.KV_ESTIMATED)
+
+
+def _handoff_fields(m: Measurement) -> bytes:
+    """The KV hand-off's times on pd.kv_transfer (doubles: measure() divides), those measured: all four
+    (a P/D request whose decode reported its queue time) in one pack."""
+    gap, wait, queued, estimated = m.handoff_gap, m.decode_headers_wait, m.decode_queue_time, m.kv_estimated
+    if gap is not None and wait is not None and queued is not None and estimated is not None:
+        return four_doubles(_HANDOFF_KEYS, gap, wait, queued, estimated)
+    fields = b""
+    if gap is not None:
+        fields += float_attribute(n.HANDOFF_GAP, gap)
+    if wait is not None:
+        fields += float_attribute(n.DECODE_HEADERS_WAIT, wait)
+    if queued is not None:
+        fields += float_attribute(n.DECODE_QUEUE_TIME, queued)
+    if estimated is not None:
+        fields += float_attribute(n.KV_ESTIMATED, estimated)
+    return fields
 
 
 def _culprit_ids(stall: Attributed) -> dict[str, list[str]]:

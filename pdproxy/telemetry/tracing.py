@@ -71,7 +71,7 @@ class TraceIds:
         self.trace_hex = trace_id.to_bytes(16, "big").hex()  # formatted once: the legs' traceparent, the exemplars
 
     def traceparent(self, span_id: int) -> str:
-        return "00-" + self.trace_hex + "-" + span_id.to_bytes(8, "big").hex() + ("-01" if self.sampled else "-00")
+        return f"00-{self.trace_hex}-{span_id.to_bytes(8, 'big').hex()}-{'01' if self.sampled else '00'}"
 
 
 class Tracing:
