@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdproxy import jsonio
+from pdproxy.policies.request import prompt_of
 
 # bounds on the ids a stream reports, past which it is not continued: a step's tokens in one event
 # (several with speculative decoding), the output when the request sets no limit (a long context),
@@ -74,9 +75,7 @@ class Continuation:
 
     def tap(self) -> TokenTap:
         """The tap that reads this stream's ids, bounded by what the request can have produced."""
-        prompt = self.body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
-            prompt = prompt[0]  # a batch of one
+        prompt = prompt_of(self.body)  # a batch of one as its prompt
         given_ids = prompt if isinstance(prompt, list) and prompt else None
         text = self.body if self.chat else prompt  # chat: all the template may render (messages, documents, ...)
         # a token stands for at least one byte of text, plus what the chat template adds

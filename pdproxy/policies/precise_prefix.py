@@ -28,11 +28,10 @@ from typing import Any, ClassVar
 
 import aiohttp
 
-from pdproxy.blocks import chain_hashes
 from pdproxy.policies.base import Decision, Instance, Rotation
 from pdproxy.policies.cache_aware import CacheAware
 from pdproxy.policies.load_aware import LoadAware
-from pdproxy.policies.request import MAX_KEY_TOKENS, RequestView
+from pdproxy.policies.request import RequestView
 
 
 class PrecisePrefix:
@@ -92,7 +91,7 @@ class PrecisePrefix:
             chosen = self.rotation.least(instances, load)
             decision = Decision(self.name, "imbalanced", compared=instances, values=load)
         else:
-            keys = chain_hashes(tokens, block_size, limit=MAX_KEY_TOKENS // block_size)
+            keys = request.block_keys(block_size)
             matched = [s.index.matched_blocks(keys) for s in subs]
             best = max(matched)
             if best:

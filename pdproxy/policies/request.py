@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pdproxy.blocks import chain_hashes
+
 TOKEN_BLOCK, CHAR_BLOCK = 16, 64
 MAX_KEY_TOKENS, MAX_KEY_CHARS = 65_536, 262_144
 MAX_KEY_PARTS = 4096  # chat messages and content parts looked at for a key (a body's structure, not its text)
@@ -49,7 +51,7 @@ class PrefixKey:
 class RequestView:
     """A request as policies see it; every property is computed on first use and kept."""
 
-    __slots__ = ("body", "headers", "chat", "_prefix", "_done", "token_ids", "whole", "no_ids")
+    __slots__ = ("body", "headers", "chat", "_prefix", "_done", "token_ids", "whole", "no_ids", "_keys")
 
     def __init__(self, body: Mapping[str, Any] | None = None, headers: Mapping[str, str] | None = None,
                  chat: bool = False) -> None:
@@ -64,6 +66,7 @@ class RequestView:
         self.token_ids: list[int] | None = None
         self.whole = False
         self.no_ids = "no_token_ids"
+        self._keys: tuple[int, list[int]] | None = None  # (block size, block_keys of it)
 
     @property
     def prefix(self) -> PrefixKey | None:
@@ -74,6 +77,15 @@ class RequestView:
             except (TypeError, ValueError, RecursionError):
                 self._prefix = None  # unhashable or odd parts: not indexed, routed by load
         return self._prefix
+
+    def block_keys(self, block_size: int) -> list[int]:
+        """The chained keys of the token ids' first `MAX_KEY_TOKENS` in blocks of `block_size` (the engines'),
+        as their KV events key what they hold: hashed once per request, however many rules look them up (the
+        decode's and the prefill's precise choice, selective disaggregation)."""
+        if self._keys is None or self._keys[0] != block_size:
+            ids = self.token_ids if self.token_ids is not None else []
+            self._keys = (block_size, chain_hashes(ids, block_size, limit=MAX_KEY_TOKENS // block_size))
+        return self._keys[1]
 
     def header(self, name: str) -> str | None:
         value = self.headers.get(name)
@@ -86,12 +98,18 @@ class RequestView:
         return str(value)[:MAX_FIELD_CHARS]
 
 
+def prompt_of(body: Mapping[str, Any]) -> Any:
+    """A completion's `prompt`, a batch of one taken as its one prompt (text or token ids); anything else as is."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return prompt[0]
+    return prompt
+
+
 def _prefix_key(body: Mapping[str, Any], chat: bool) -> PrefixKey | None:
     if chat:
         return _chain(_chat_text(body.get("messages")), "chars")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    prompt = prompt_of(body)
     if isinstance(prompt, str):
         return _chain(prompt, "chars")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)):

@@ -20,8 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdproxy.blocks import chain_hashes
-from pdproxy.policies.request import MAX_KEY_TOKENS, RequestView
+from pdproxy.policies.request import RequestView
 
 DISAGGREGATED, DECODE_ONLY = "disaggregated", "decode_only"
 # why: few tokens left to compute / too many / no token ids to count them with / ids that leave part of it out
@@ -55,8 +54,7 @@ class SelectiveDisaggregation:
         held = None
         if sub is not None and sub.flowing:
             size = sub.index.block_size
-            keys = chain_hashes(tokens, size, limit=MAX_KEY_TOKENS // size) if size else []
-            held = sub.index.matched_blocks(keys) * size if size else 0
+            held = sub.index.matched_blocks(request.block_keys(size)) * size if size else 0
         uncached = len(tokens) - (held or 0)
         if uncached <= self.min_prefill_tokens:
             return Verdict(DECODE_ONLY, "short_uncached", uncached, held)

@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 
 from pdproxy import jsonio
-from pdproxy.policies.request import MAX_KEY_CHARS, MAX_KEY_PARTS, MAX_KEY_TOKENS, RequestView
+from pdproxy.policies.request import MAX_KEY_CHARS, MAX_KEY_PARTS, MAX_KEY_TOKENS, RequestView, prompt_of
 
 log = logging.getLogger("pdproxy.routing")
 
@@ -82,9 +82,7 @@ def tokenize_body(view: RequestView) -> Ask | None:
             return None
         ask = {**base, "messages": messages, **{k: body[k] for k in CHAT_FIELDS if body.get(k) is not None}}
         return Ask(ask, whole and not body.get("documents"), chars, None)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    prompt = prompt_of(body)
     if not isinstance(prompt, str) or not prompt or len(prompt) > MAX_PROMPT_CHARS:
         return None
     special = body.get("add_special_tokens", True)
@@ -116,9 +114,7 @@ def _chat_text_size(messages: list[Any]) -> tuple[int, bool]:
 
 def token_id_prompt(body: Mapping[str, Any]) -> list[int] | None:
     """A completion's prompt given as token ids (alone or as a batch of one), whole; None for any other."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
-        prompt = prompt[0]
+    prompt = prompt_of(body)
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt[:MAX_KEY_TOKENS]):
         return prompt
     return None
@@ -146,9 +142,7 @@ class LocalTokenizer:
     def tokenize(self, view: RequestView) -> None:
         if given(view) or view.chat:
             return
-        prompt = view.body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
+        prompt = prompt_of(view.body)
         if isinstance(prompt, str) and prompt:
             view.token_ids = self.tokenizer.encode(prompt[:MAX_LOCAL_CHARS]).ids
             view.whole = len(prompt) <= MAX_LOCAL_CHARS
