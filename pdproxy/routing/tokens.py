@@ -191,11 +191,12 @@ class RemoteTokenizer:
                 return
             if not target.ready(time.monotonic()):
                 continue  # another request went to probe it meanwhile
-            ids, reason, detail = await self._ask(target, ask, left)
+            ids, reason, detail, its_fault = await self._ask(target, ask, left)
             if ids is not None:
                 view.token_ids, view.whole = ids, ask.whole
                 return
-            if not self._failed(target, reason, detail):
+            self._failed(target, reason, detail, its_fault)
+            if not its_fault:
                 return  # the request's own doing (a 4xx, an odd prompt): another instance would answer the same
 
     def _ready(self) -> list[Target]:
@@ -205,19 +206,21 @@ class RemoteTokenizer:
         self._turn = (self._turn + 1) % n
         return [t for k in range(n) if (t := self.targets[(self._turn + k) % n]).ready(now)]
 
-    async def _ask(self, target: Target, ask: Ask, timeout: float) -> tuple[list[int] | None, str, str]:
-        """The ids, or why not: a failure reason (FAILURE_REASONS) and what happened."""
+    async def _ask(self, target: Target, ask: Ask, timeout: float) -> tuple[list[int] | None, str, str, bool]:
+        """The ids, or why not: a failure reason (FAILURE_REASONS), what happened, and whether the fault is the
+        instance's (no answer, any status but a 4xx) rather than the request's (a 4xx, an answer that cannot be
+        its prompt's)."""
         target.probing = target.failures > 0
         try:
             async with self.session.post(target.url + "/tokenize", json=ask.body, headers=self.headers,
                                          timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
                 if resp.status != 200:
-                    return None, "http_status", f"HTTP {resp.status}"
+                    return None, "http_status", f"HTTP {resp.status}", not 400 <= resp.status < 500
                 raw = await resp.content.read(MAX_ANSWER_BYTES + 1)
         except (asyncio.TimeoutError, TimeoutError):
-            return None, "timeout", f"no answer within {timeout:.2f}s"
+            return None, "timeout", f"no answer within {timeout:.2f}s", True
         except (aiohttp.ClientError, OSError) as exc:
-            return None, "connection", str(exc) or type(exc).__name__
+            return None, "connection", str(exc) or type(exc).__name__, True
         finally:
             target.probing = False
         try:
@@ -225,29 +228,28 @@ class RemoteTokenizer:
         except (ValueError, AttributeError):
             ids = None
         if not isinstance(ids, list) or not all(type(t) is int for t in ids):
-            return None, "bad_answer", "no list of token ids"
+            return None, "bad_answer", "no list of token ids", False
         if not ask.plausible(len(ids)):
-            return None, "bad_answer", f"{len(ids)} ids for {ask.chars} characters"
+            return None, "bad_answer", f"{len(ids)} ids for {ask.chars} characters", False
         if target.failures:
             log.info("%s/tokenize answers again; text and chat prompts route by token ids", target.url)
         target.failures, target.until = 0, 0.0
-        return ids, "", ""
+        return ids, "", "", False
 
-    def _failed(self, target: Target, reason: str, detail: str) -> bool:
-        """Count it; back the instance off (and say so) when the fault is its own: no answer, a 5xx."""
+    def _failed(self, target: Target, reason: str, detail: str, its_fault: bool) -> None:
+        """Count it; back the instance off (and say so) when the fault is its own."""
         self.count(target.address, reason)
-        if reason == "bad_answer" or detail.startswith("HTTP 4"):
+        if not its_fault:
             now = time.monotonic()
             if now - target.warned >= WARN_EVERY:
                 target.warned = now
                 log.warning("%s/tokenize: %s (%s); such requests route without token ids (routing fallback "
                             "tokenize_failed; counted in pdproxy_tokenize_failures_total, logged at most every "
                             "%.0fs)", target.url, reason, detail, WARN_EVERY)
-            return False
+            return
         target.failures += 1
         backoff = min(MAX_BACKOFF, FIRST_BACKOFF * 2 ** (target.failures - 1))
         target.until = time.monotonic() + backoff
         log.warning("%s/tokenize failed (%s: %s), %d time(s) in a row; not asked for %.0fs, meanwhile text and chat "
                     "prompts route by another instance's /tokenize or without token ids (routing fallback "
                     "tokenize_failed)", target.url, reason, detail, target.failures, backoff)
-        return True
