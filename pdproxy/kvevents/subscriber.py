@@ -270,8 +270,9 @@ class Subscription:
             return  # not trusted before a rebuild; the rebuild's replay will bring this batch
         expected = self.next_seq
         if expected is not None and seq != expected:
-            if abs(seq - expected) > MAX_SEQ_JUMP or seq < self._floor:
-                if abs(seq - expected) > MAX_SEQ_JUMP:
+            jumped = abs(seq - expected) > MAX_SEQ_JUMP
+            if jumped or seq < self._floor:
+                if jumped:
                     self.counts["sequence_jumps"] += 1
                     log.warning("kv events: %s sent sequence %d, expected %d; not believed, rebuilding its index",
                                 self.source.address, seq, expected)
