@@ -17,6 +17,7 @@ closing ones: finish reason, final usage, `[DONE]`; anything unusual) are parsed
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +43,8 @@ MAX_EVENT_BYTES = 16 * 1024 * 1024  # as migration.MAX_HEAD_BYTES: room for a 2M
 DONE_GRACE = 1.0  # seconds the end of a body may take after its [DONE] (vLLM: at once)
 # From this many events in one read, counting them in bulk costs less than reading each (orjson)
 BULK_EVENTS = 8
+# A JSON string's content: what may stand between a plain event's head and tail (`ResponseScan._adopt`)
+_JSON_TEXT = re.compile(rb'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
 
 
 class ClientGone(Exception):
@@ -70,6 +73,9 @@ class ResponseScan:
         self._keys: int | None = None  # `":` in one plain event of this stream (set by the first one)
         self._text_key = b'"content":"' if chat else b'"text":"'
         self._empty_text = self._text_key + b'"'
+        # the bytes of this stream's plain events before and after their text (`_adopt`): None until known
+        self._head: bytes | None = None
+        self._tail = b""
 
     @property
     def first_token_ns(self) -> int | None:
@@ -112,10 +118,61 @@ class ResponseScan:
             if cut > 0 and complete.count(b"\n\n", 0, cut) + 1 >= BULK_EVENTS and self._bulk(complete[:cut], now_ns):
                 complete = complete[cut + 2:]
         for event in complete.split(b"\n\n"):
-            # one plain event after the first (the id) sets the shape `_count_plain` checks
-            if not (self.fast and self._keys is None and self.response_id is not None
-                    and self._plain_event(event, now_ns)):
+            if not (self.fast and self.response_id is not None and self._plain(event, now_ns)):
                 self._event(event, now_ns)
+
+    def _plain(self, event: bytes, now_ns: int) -> bool:
+        """Record `event` without parsing it when it is plain; False: parse it. One plain event after the
+        first (the id) sets the shape `_count_plain` checks and the head and tail `_templated` compares."""
+        if self._head is not None:
+            return self._templated(event, self._head, now_ns)
+        return self._keys is None and self._plain_event(event, now_ns)
+
+    def _templated(self, event: bytes, head: bytes, now_ns: int) -> bool:
+        """`event` is this stream's head, a JSON string's content and its tail: the parse would read the
+        adopted event with another text (a token when it is not empty). Two compares and a match on
+        the text: a tenth of a parse."""
+        tail = self._tail
+        end = len(event) - len(tail)
+        if end < len(head) or not event.startswith(head) or not event.endswith(tail):
+            return False
+        if end > len(head):
+            text = event[len(head):end]
+            if _JSON_TEXT.fullmatch(text) is None or not (text.isascii() or _utf8(text)):
+                return False
+            self.chunk_times.append(now_ns)
+            self.chunk_tokens.append(0)
+        return True
+
+    def _adopt(self, event: bytes) -> None:
+        """Keep the bytes around the text of `event`, a plain event without usage, as the stream's head and
+        tail, when its parse says that the text is all that a later event with the same head and tail can
+        say differently: one choice, no finish reason, usage, metrics or error, and no output besides the
+        text (for chat: no reasoning or tool calls)."""
+        start = event.find(self._text_key) + len(self._text_key)
+        end = event.find(b'"', start)
+        text = event[start:end]
+        if b"\\" in text:
+            return  # the text's end is not the first quote after it
+        try:
+            obj = jsonio.loads(event[6:])
+            said = text.decode("utf-8", "surrogatepass")
+        except ValueError:
+            return
+        choices = obj.get("choices") if isinstance(obj, dict) else None
+        if (not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict)
+                or isinstance(obj.get("error"), dict) or isinstance(obj.get("usage"), dict)
+                or isinstance(obj.get("metrics"), dict) or choices[0].get("finish_reason")):
+            return
+        choice = choices[0]
+        part = choice.get("delta") if self.chat else choice
+        key = "content" if self.chat else "text"
+        if not isinstance(part, dict) or part.get(key) != said:
+            return
+        emptied = {**part, key: ""}
+        if self._has_output({**choice, "delta": emptied} if self.chat else emptied, streamed=True):
+            return
+        self._head, self._tail = event[:start], event[end:]
 
     def _bulk(self, events: bytes, now_ns: int) -> bool:
         """Record `events` if they are all plain (see `_count_plain`); False: nothing recorded."""
@@ -157,6 +214,7 @@ class ResponseScan:
         at = event.find(_USAGE)
         if at < 0 and self._keys is None:
             self._keys = event.count(b'":')  # the shape of this stream's plain events, for `_count_plain`
+            self._adopt(event)
         if at >= 0:
             end = event.find(b"}", at)
             usage = event[at + 8:end + 1]
@@ -467,6 +525,15 @@ class SlowReaders:
             deadline = time.monotonic() - self.timeout
             for writer in [w for w in self.writers if 0.0 < w.write_started < deadline]:
                 writer.cut_off()
+
+
+def _utf8(text: bytes) -> bool:
+    """Whether the readers take `text` (the exact one reads lone surrogates too)."""
+    try:
+        text.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _malformed() -> ProxyError:

@@ -107,3 +107,58 @@ def test_key_counts_of_two_unusual_events_cannot_pass_for_plain_ones():
     for scan in (fast, reference):
         scan.feed((plain + plain + two_choices + error).encode(), 1)
     assert learned(fast) == learned(reference) and fast.error == {"message": "boom", "type": "x", "code": 500}
+
+
+def test_plain_events_after_the_adopted_one_are_read_without_a_parse(monkeypatch):
+    """Single events of the adopted head and tail (a stream read event by event) cost no parse."""
+    for chat in (False, True):
+        if chat:
+            head = 'data: {"id":"c-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"'
+            tail = '"},"logprobs":null,"finish_reason":null}]}\n\n'
+        else:
+            head = 'data: {"id":"c-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"'
+            tail = '","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+        scan = ResponseScan(chat)
+        scan.feed((head + "a" + tail).encode(), 1)  # the stream's id
+        scan.feed((head + "b" + tail).encode(), 2)  # adopted
+        calls = []
+        monkeypatch.setattr("pdproxy.stream.jsonio.loads", lambda *a, **k: calls.append(a))
+        for i, text in enumerate(["c", "", "\\n\\u00e9\\\\", "é"]):
+            scan.feed((head + text + tail).encode(), 3 + i)
+        monkeypatch.undo()
+        assert calls == []
+        assert scan.chunk_times == [1, 2, 3, 5, 6] and scan.chunk_tokens == [0] * 5
+
+
+# texts between an adopted head and tail that are not a JSON string's content: each must be read as the parse reads it
+BROKEN_TEXTS = [b"a\x01b", b"a\nb", b"\\q", b"tail\\", b"\\u12", b'x"y', b'x","finish_reason":"stop', b"\xff\xfe",
+                b"\xed\xa0\x80", b"\\ud800", b"\\\\", b"\\/", b"\x7f"]
+
+
+def test_texts_the_parse_refuses_or_reads_otherwise_are_not_taken_for_plain_ones():
+    for chat in (False, True):
+        if chat:
+            head = b'data: {"id":"c-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"'
+            tail = b'"},"logprobs":null,"finish_reason":null}]}\n\n'
+        else:
+            head = b'data: {"id":"c-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"'
+            tail = b'","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+        for text in BROKEN_TEXTS:
+            fast, reference = ResponseScan(chat), ResponseScan(chat, fast=False)
+            for scan in (fast, reference):
+                for i, t in enumerate([b"a", b"b", text, b"c"]):
+                    scan.feed(head + t + tail, i)
+            assert learned(fast) == learned(reference) and fast.malformed == reference.malformed, text
+
+
+def test_an_event_with_more_than_its_text_to_say_is_not_adopted():
+    """Reasoning or tool calls beside the content: later events of the same bytes are read as the parse reads them."""
+    head = b'data: {"id":"c-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{'
+    for second in (b'"reasoning_content":"r","content":"b"},"finish_reason":null}]}',
+                   b'"content":"b","tool_calls":[{"id":"t"}]},"finish_reason":null}]}'):
+        events = [head + b'"content":"a"},"finish_reason":null}]}', head + second, head + second.replace(b'"b"', b'""')]
+        fast, reference = ResponseScan(True), ResponseScan(True, fast=False)
+        for scan in (fast, reference):
+            for i, e in enumerate(events):
+                scan.feed(b"data: " + e[6:] + b"\n\n", i)
+        assert learned(fast) == learned(reference) and len(fast.chunk_times) == 3
