@@ -122,11 +122,16 @@ class ResponseScan:
                 self._event(event, now_ns)
 
     def _plain(self, event: bytes, now_ns: int) -> bool:
-        """Record `event` without parsing it when it is plain; False: parse it. One plain event after the
-        first (the id) sets the shape `_count_plain` checks and the head and tail `_templated` compares."""
+        """Record `event` without parsing it when it is plain; False: parse it. Until one is adopted
+        (`_adopt`), events are parsed there, except those with usage: one of those that is plain sets
+        the shape `_count_plain` checks."""
         if self._head is not None:
             return self._templated(event, self._head, now_ns)
-        return self._keys is None and self._plain_event(event, now_ns)
+        if self._keys is not None:
+            return False
+        if _USAGE in event:
+            return self._plain_event(event, now_ns)
+        return self._adopt(event, now_ns)
 
     def _templated(self, event: bytes, head: bytes, now_ns: int) -> bool:
         """`event` is this stream's head, a JSON string's content and its tail: the parse would read the
@@ -144,35 +149,40 @@ class ResponseScan:
             self.chunk_tokens.append(0)
         return True
 
-    def _adopt(self, event: bytes) -> None:
-        """Keep the bytes around the text of `event`, a plain event without usage, as the stream's head and
-        tail, when its parse says that the text is all that a later event with the same head and tail can
-        say differently: one choice, no finish reason, usage, metrics or error, and no output besides the
-        text (for chat: no reasoning or tool calls)."""
-        start = event.find(self._text_key) + len(self._text_key)
-        end = event.find(b'"', start)
-        text = event[start:end]
-        if b"\\" in text:
-            return  # the text's end is not the first quote after it
+    def _adopt(self, event: bytes, now_ns: int) -> bool:
+        """Parse and record a single-line event (False: `_event` reads it); keep the bytes around its text as
+        the stream's head and tail when a second parse, of the event with another text, says that the
+        text is all they leave open, and the event says nothing else: one choice, no finish reason, usage,
+        metrics or error, and no output besides the text (for chat: no reasoning or tool calls)."""
+        if not event.startswith(_DATA) or b"\n" in event:
+            return False
         try:
             obj = jsonio.loads(event[6:])
-            said = text.decode("utf-8", "surrogatepass")
         except ValueError:
-            return
-        choices = obj.get("choices") if isinstance(obj, dict) else None
-        if (not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict)
-                or isinstance(obj.get("error"), dict) or isinstance(obj.get("usage"), dict)
-                or isinstance(obj.get("metrics"), dict) or choices[0].get("finish_reason")):
-            return
+            return False
+        if not isinstance(obj, dict):
+            return False
+        self._observe(obj, now_ns, streamed=True)
+        start = event.find(self._text_key) + len(self._text_key)
+        end = event.find(b'"', start)
+        choices = obj.get("choices")
+        if (start < len(self._text_key) or end < 0 or b"\\" in event[start:end] or not isinstance(choices, list)
+                or len(choices) != 1 or not isinstance(choices[0], dict) or isinstance(obj.get("error"), dict)
+                or isinstance(obj.get("usage"), dict) or isinstance(obj.get("metrics"), dict)
+                or choices[0].get("finish_reason")):
+            return True
         choice = choices[0]
         part = choice.get("delta") if self.chat else choice
         key = "content" if self.chat else "text"
-        if not isinstance(part, dict) or part.get(key) != said:
-            return
-        emptied = {**part, key: ""}
-        if self._has_output({**choice, "delta": emptied} if self.chat else emptied, streamed=True):
-            return
-        self._head, self._tail = event[:start], event[end:]
+        if not isinstance(part, dict) or self._has_output(_with_text(self.chat, choice, part, key, ""), streamed=True):
+            return True
+        try:
+            probe = jsonio.loads(event[6:start] + b"\\u0000" + event[end:])
+        except ValueError:
+            return True
+        if probe == {**obj, "choices": [_with_text(self.chat, choice, part, key, "\x00")]}:
+            self._head, self._tail = event[:start], event[end:]
+        return True
 
     def _bulk(self, events: bytes, now_ns: int) -> bool:
         """Record `events` if they are all plain (see `_count_plain`); False: nothing recorded."""
@@ -214,7 +224,6 @@ class ResponseScan:
         at = event.find(_USAGE)
         if at < 0 and self._keys is None:
             self._keys = event.count(b'":')  # the shape of this stream's plain events, for `_count_plain`
-            self._adopt(event)
         if at >= 0:
             end = event.find(b"}", at)
             usage = event[at + 8:end + 1]
@@ -525,6 +534,11 @@ class SlowReaders:
             deadline = time.monotonic() - self.timeout
             for writer in [w for w in self.writers if 0.0 < w.write_started < deadline]:
                 writer.cut_off()
+
+
+def _with_text(chat: bool, choice: dict[str, Any], part: dict[str, Any], key: str, text: str) -> dict[str, Any]:
+    """`choice` with its text (a chat delta's content) replaced."""
+    return {**choice, "delta": {**part, key: text}} if chat else {**part, key: text}
 
 
 def _utf8(text: bytes) -> bool:
