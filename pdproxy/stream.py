@@ -142,8 +142,7 @@ class ResponseScan:
         if end < len(head) or not event.startswith(head) or not event.endswith(tail):
             return False
         if end > len(head):
-            text = event[len(head):end]
-            if _JSON_TEXT.fullmatch(text) is None or not (text.isascii() or _utf8(text)):
+            if not _json_text(event[len(head):end]):
                 return False
             self.chunk_times.append(now_ns)
             self.chunk_tokens.append(0)
@@ -539,6 +538,20 @@ class SlowReaders:
 def _with_text(chat: bool, choice: dict[str, Any], part: dict[str, Any], key: str, text: str) -> dict[str, Any]:
     """`choice` with its text (a chat delta's content) replaced."""
     return {**choice, "delta": {**part, key: text}} if chat else {**part, key: text}
+
+
+def _json_text(text: bytes) -> bool:
+    """Whether `text` is a JSON string's content as the readers take it. A token's few bytes are looked
+    at one by one (no call); only one with an escape goes to the pattern."""
+    ascii = True
+    for c in text:
+        if c < 0x20 or c == 0x22:  # a control character or a quote: not inside a string
+            return False
+        if c == 0x5C:
+            return _JSON_TEXT.fullmatch(text) is not None and (text.isascii() or _utf8(text))
+        if c >= 0x80:
+            ascii = False
+    return ascii or _utf8(text)
 
 
 def _utf8(text: bytes) -> bool:
