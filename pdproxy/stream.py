@@ -6,12 +6,14 @@ learn when each token-bearing event arrived, how many tokens it carried (when th
 `usage` on every chunk) and what the response said about itself (id, usage, finish reasons,
 vLLM's per-request `metrics`, an in-band error).
 
-Speed: events are parsed one by one (orjson: ~3 us an event with what is learnt from it), except
-when a read brings many at once (a stream relayed faster than it is read): events of vLLM's
-compact shape that say nothing but "one choice, this text" are then counted with a handful of
-`bytes.count` calls over the whole read, and only the others (the first, with the id; the
-closing ones: finish reason, final usage, `[DONE]`; anything unusual) are parsed.
-`ResponseScan(fast=False)` is the reference that always parses; the tests check that both agree.
+Speed: a stream's events differ, most of the time, only in their text: "one choice, this text". The
+first such event after the one with the id is parsed (orjson) and its bytes before and after the
+text kept as the stream's head and tail, once a second parse has shown that the text is all they
+leave open; every later event with that head and tail is then read by comparing them and looking
+at the text's bytes (a tenth of a parse and its bookkeeping: some 12 k instructions an event under
+callgrind). The others (the first, with the id; the closing ones: finish reason, final usage,
+`[DONE]`; usage on every event; anything unusual) are parsed. `ResponseScan(fast=False)` is the
+reference that always parses; the tests check that both agree.
 """
 
 from __future__ import annotations
@@ -27,23 +29,11 @@ from pdproxy.errors import DECODE, ProxyError
 from pdproxy.serving.exchange import Exchange
 from pdproxy.upstream import Response, UpstreamError
 
-# Any of these in an event means it may say more than "one choice, this text": parse it. False
-# positives (the bytes inside a token's text) only cost a parse. `": ` catches JSON that is not
-# in the compact form the byte checks below assume.
-_NEEDS_PARSE = (b'"finish_reason":"', b'"error":', b'"metrics":', b'"tool_calls":', b'"reasoning', b'": ', b'" :')
-_USAGE = b'"usage":{'
-_FINISH = b'"finish_reason":"'
-_NEVER_PLAIN = (b'"error":', _USAGE, b'"metrics":', b'"tool_calls":', b'"reasoning')
-_CLOSING = (b'"finish_reason":"', _USAGE, b"[DONE]", b'"error":', b'"metrics":')
-_COMPLETION_TOKENS = b'"completion_tokens":'
 _DATA = b"data: {"
-_ONE_CHOICE = b'"choices":[{'
 _LAST_DONE = b"\n\ndata: [DONE]\n\n"
 MAX_EVENT_BYTES = 16 * 1024 * 1024  # as migration.MAX_HEAD_BYTES: room for a 2M-token prompt's ids
 DONE_GRACE = 1.0  # seconds the end of a body may take after its [DONE] (vLLM: at once)
-# From this many events in one read, counting them in bulk costs less than reading each (orjson)
-BULK_EVENTS = 8
-# A JSON string's content: what may stand between a plain event's head and tail (`ResponseScan._adopt`)
+# A JSON string's content: what may stand between a plain event's head and tail (`_json_text`)
 _JSON_TEXT = re.compile(rb'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
 
 
@@ -64,15 +54,12 @@ class ResponseScan:
         self.finish_reasons: list[str] = []
         self.server_metrics: dict[str, Any] | None = None
         self.error: dict[str, Any] | None = None
+        self.usage: dict[str, Any] | None = None
         self.done = False  # saw `data: [DONE]`
         self.malformed = 0
-        self._usage: dict[str, Any] | None = None
-        self._usage_raw: bytes | None = None  # latest usage seen by the fast path, parsed on demand
         self._buffer = b""
         self._completion_tokens = 0
-        self._keys: int | None = None  # `":` in one plain event of this stream (set by the first one)
         self._text_key = b'"content":"' if chat else b'"text":"'
-        self._empty_text = self._text_key + b'"'
         # the bytes of this stream's plain events before and after their text (`_adopt`): None until known
         self._head: bytes | None = None
         self._tail = b""
@@ -80,20 +67,6 @@ class ResponseScan:
     @property
     def first_token_ns(self) -> int | None:
         return self.chunk_times[0] if self.chunk_times else None
-
-    @property
-    def usage(self) -> dict[str, Any] | None:
-        if self._usage_raw is not None:
-            try:
-                self._usage = jsonio.loads(self._usage_raw)
-            except ValueError:
-                self._usage = None
-            self._usage_raw = None
-        return self._usage
-
-    @usage.setter
-    def usage(self, value: dict[str, Any] | None) -> None:
-        self._usage, self._usage_raw = value, None
 
     # -- streamed responses -------------------------------------------------------------
 
@@ -106,37 +79,20 @@ class ResponseScan:
             self._buffer = buffer
             return
         self._buffer = buffer[cut + 2:]
-        complete = buffer[:cut]
-        events = complete.count(b"\n\n") + 1
-        if self.fast and self._keys is not None and events >= BULK_EVENTS:
-            if self._bulk(complete, now_ns):
-                return
-            # usually the stream's closing events (finish reason, usage, [DONE]) came in this read too:
-            # count the plain events before the first of them in bulk, look at the rest one by one
-            first = min((at for at in map(complete.find, _CLOSING) if at >= 0), default=-1)
-            cut = complete.rfind(b"\n\n", 0, first) if first > 0 else -1
-            if cut > 0 and complete.count(b"\n\n", 0, cut) + 1 >= BULK_EVENTS and self._bulk(complete[:cut], now_ns):
-                complete = complete[cut + 2:]
-        for event in complete.split(b"\n\n"):
+        for event in buffer[:cut].split(b"\n\n"):
             if not (self.fast and self.response_id is not None and self._plain(event, now_ns)):
                 self._event(event, now_ns)
 
     def _plain(self, event: bytes, now_ns: int) -> bool:
-        """Record `event` without parsing it when it is plain; False: parse it. Until one is adopted
-        (`_adopt`), events are parsed there, except those with usage: one of those that is plain sets
-        the shape `_count_plain` checks."""
+        """Record `event` by its bytes when it has the stream's head and tail, else parse and record it
+        here until a head and tail are adopted (`_adopt`); False: `_event` reads it."""
         if self._head is not None:
             return self._templated(event, self._head, now_ns)
-        if self._keys is not None:
-            return False
-        if _USAGE in event:
-            return self._plain_event(event, now_ns)
         return self._adopt(event, now_ns)
 
     def _templated(self, event: bytes, head: bytes, now_ns: int) -> bool:
         """`event` is this stream's head, a JSON string's content and its tail: the parse would read the
-        adopted event with another text (a token when it is not empty). Two compares and a match on
-        the text: a tenth of a parse."""
+        adopted event with another text (a token when it is not empty)."""
         tail = self._tail
         end = len(event) - len(tail)
         if end < len(head) or not event.startswith(head) or not event.endswith(tail):
@@ -162,13 +118,14 @@ class ResponseScan:
         if not isinstance(obj, dict):
             return False
         self._observe(obj, now_ns, streamed=True)
+        choices = obj.get("choices")
+        if (not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict)
+                or isinstance(obj.get("error"), dict) or isinstance(obj.get("usage"), dict)
+                or isinstance(obj.get("metrics"), dict) or choices[0].get("finish_reason")):
+            return True
         start = event.find(self._text_key) + len(self._text_key)
         end = event.find(b'"', start)
-        choices = obj.get("choices")
-        if (start < len(self._text_key) or end < 0 or b"\\" in event[start:end] or not isinstance(choices, list)
-                or len(choices) != 1 or not isinstance(choices[0], dict) or isinstance(obj.get("error"), dict)
-                or isinstance(obj.get("usage"), dict) or isinstance(obj.get("metrics"), dict)
-                or choices[0].get("finish_reason")):
+        if start < len(self._text_key) or end < 0 or b"\\" in event[start:end]:
             return True
         choice = choices[0]
         part = choice.get("delta") if self.chat else choice
@@ -181,66 +138,6 @@ class ResponseScan:
             return True
         if probe == {**obj, "choices": [_with_text(self.chat, choice, part, key, "\x00")]}:
             self._head, self._tail = event[:start], event[end:]
-        return True
-
-    def _bulk(self, events: bytes, now_ns: int) -> bool:
-        """Record `events` if they are all plain (see `_count_plain`); False: nothing recorded."""
-        bearing = self._count_plain(events)
-        if bearing is None:
-            return False
-        if bearing:
-            self.chunk_times.extend([now_ns] * bearing)
-            self.chunk_tokens.extend([0] * bearing)
-        return True
-
-    def _count_plain(self, events: bytes) -> int | None:
-        """Token-bearing events among `events` (complete events joined by blank lines) when every one of
-        them is a single compact `data: {...}` line of the stream's usual shape: as many `":` (keys) as
-        the first plain event had, one choice each, no usage, error, metrics, tool calls or reasoning, no
-        finish reason. None otherwise. About fifteen `bytes.count`/`in` passes, whatever the number of events."""
-        n = events.count(b"\n\n") + 1
-        if (self._keys is None or not events.startswith(_DATA) or not events.endswith(b"}")
-                or events.count(_DATA) != n or events.count(b"\n") != 2 * (n - 1) or events.count(b"}\n\n") != n - 1
-                or events.count(b'":') != n * self._keys or events.count(self._text_key) != n
-                or events.count(_ONE_CHOICE) != n or _FINISH in events or b'": ' in events or b'" :' in events):
-            return None
-        for marker in _NEVER_PLAIN:  # key counts of different events could balance out: rule these out by name
-            if marker in events:
-                return None
-        return n - events.count(self._empty_text)
-
-    def _plain_event(self, event: bytes, now_ns: int) -> bool:
-        """One compact event with one choice and at most a flat `usage` object; False: parse it instead."""
-        if (not event.startswith(_DATA) or not event.endswith(b"}") or b"\n" in event
-                or event.count(_ONE_CHOICE) != 1 or event.count(self._text_key) != 1
-                or event.count(b"{") != event.count(b"}") or event.count(b"[") != event.count(b"]")):
-            return False
-        for marker in _NEEDS_PARSE:
-            if marker in event:
-                return False
-        bearing = self._empty_text not in event
-        tokens = 0
-        at = event.find(_USAGE)
-        if at < 0 and self._keys is None:
-            self._keys = event.count(b'":')  # the shape of this stream's plain events, for `_count_plain`
-        if at >= 0:
-            end = event.find(b"}", at)
-            usage = event[at + 8:end + 1]
-            counted = usage.find(_COMPLETION_TOKENS)
-            if b"{" in usage[1:] or counted < 0 or event.count(_USAGE) != 1:
-                return False
-            digits = usage[counted + len(_COMPLETION_TOKENS):].split(b",", 1)[0].split(b"}", 1)[0]
-            if not digits.isdigit():
-                return False
-            self._usage_raw = usage
-            completion = int(digits)
-            if completion > self._completion_tokens:
-                tokens = completion - self._completion_tokens
-                self._completion_tokens = completion
-                bearing = True  # a choice whose text the detokenizer holds back is a token all the same
-        if bearing:
-            self.chunk_times.append(now_ns)
-            self.chunk_tokens.append(tokens)
         return True
 
     def _event(self, event: bytes, now_ns: int) -> None:
@@ -543,15 +440,15 @@ def _with_text(chat: bool, choice: dict[str, Any], part: dict[str, Any], key: st
 def _json_text(text: bytes) -> bool:
     """Whether `text` is a JSON string's content as the readers take it. A token's few bytes are looked
     at one by one (no call); only one with an escape goes to the pattern."""
-    ascii = True
+    plain_ascii = True
     for c in text:
         if c < 0x20 or c == 0x22:  # a control character or a quote: not inside a string
             return False
         if c == 0x5C:
             return _JSON_TEXT.fullmatch(text) is not None and (text.isascii() or _utf8(text))
         if c >= 0x80:
-            ascii = False
-    return ascii or _utf8(text)
+            plain_ascii = False
+    return plain_ascii or _utf8(text)
 
 
 def _utf8(text: bytes) -> bool:

@@ -5,7 +5,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdproxy.stream import BULK_EVENTS, ResponseScan
+from pdproxy.stream import ResponseScan
 
 TEXTS = st.one_of(st.just(""), st.text(max_size=12),
                   st.sampled_from(['"', '\\', '": ', '"text":"', '"finish_reason":"x"', "data: {", "\n", "}"]))
@@ -43,7 +43,7 @@ def stream(draw):
     chat = draw(st.booleans())
     usage_each = draw(st.booleans())
     spaced = draw(st.integers(0, 5)) == 0
-    n = draw(st.integers(0, 40))  # past stream.BULK_EVENTS: reads of many events are counted in bulk
+    n = draw(st.integers(0, 40))
     events = [draw(event(chat, i + 1, usage_each, spaced)) for i in range(n)]
     if draw(st.booleans()):
         events.append("data: " + compact({"id": "cmpl-1", "choices": [], "usage": {"prompt_tokens": 3,
@@ -91,7 +91,7 @@ def test_a_read_of_many_plain_events_is_counted_without_parsing(monkeypatch):
     scan.feed(events("b"), 2)  # the shape of its plain events
     calls = []
     monkeypatch.setattr("pdproxy.stream.jsonio.loads", lambda *a, **k: calls.append(a))
-    texts = ["c", ""] + [chr(ord("d") + i) for i in range(BULK_EVENTS)]
+    texts = ["c", ""] + [chr(ord("d") + i) for i in range(8)]
     scan.feed(events(*texts), 3)
     assert calls == []
     assert scan.chunk_times == [1, 2] + [3] * (len(texts) - 1) and scan.chunk_tokens == [0] * (len(texts) + 1)
