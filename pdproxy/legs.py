@@ -124,6 +124,7 @@ _missing_kv_warned: set[str] = set()
 # far within what the exact reader (recursive) reads on any stack, so it reads it as orjson does.
 FAST_BRACKETS = 64
 _EXACT_SCALARS = frozenset({int, str, bool, type(None)})
+_LOOKED_AT_ONE_BY_ONE = 16  # values of a list or dict that cost less looked at in a loop than collected in C
 
 
 def kv_params(raw: bytes, instance: Instance) -> dict[str, Any] | None:
@@ -175,20 +176,25 @@ def read_fast(raw: bytes) -> dict[str, Any] | None:
 
 def _read_exactly(value: Any) -> bool:
     """Whether orjson's reading of `value` is the exact reader's: it holds no float (the one type
-    orjson reads differently: integers past 64 bits). A list's types are collected in C (block ids:
-    thousands of integers)."""
+    orjson reads differently: integers past 64 bits). A long list's types are collected in C first
+    (block ids: thousands of integers); a short one, or a dict's few values, are looked at one by one."""
     if isinstance(value, dict):
         items: list[Any] = list(value.values())
     elif isinstance(value, list):
         items = value
     else:
         return type(value) is not float
-    kinds = set(map(type, items))
-    if kinds <= _EXACT_SCALARS:
-        return True
-    if float in kinds:
-        return False
-    return all(_read_exactly(item) for item in items if type(item) not in _EXACT_SCALARS)
+    if len(items) > _LOOKED_AT_ONE_BY_ONE:
+        kinds = set(map(type, items))
+        if kinds <= _EXACT_SCALARS:
+            return True
+        if float in kinds:
+            return False
+    for item in items:
+        kind = type(item)
+        if kind is float or (kind is dict or kind is list) and not _read_exactly(item):
+            return False
+    return True
 
 
 # -- the first token's deadline ------------------------------------------------------------------
