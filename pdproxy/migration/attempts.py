@@ -106,7 +106,7 @@ async def read_head(response: Response, scan: ResponseScan, tap: TokenTap | None
             raise ProxyError(502, "decode instance ended the stream before its first token",
                              error_type="stream_truncated", stage=DECODE)
         received += len(data)
-        events += data.count(b"\n\n") + data.count(b"\r\n\r\n")
+        events += data.count(b"\n\n") + (data.count(b"\r\n\r\n") if b"\r" in data else 0)  # a CR: one memchr
         if received > MAX_HEAD_BYTES or events > MAX_HEAD_EVENTS:
             raise ProxyError(502, f"decode instance sent {events} events ({received} bytes) and no token",
                              error_type="no_first_token", stage=DECODE)
