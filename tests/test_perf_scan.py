@@ -109,22 +109,25 @@ def test_key_counts_of_two_unusual_events_cannot_pass_for_plain_ones():
     assert learned(fast) == learned(reference) and fast.error == {"message": "boom", "type": "x", "code": 500}
 
 
+# a plain event's bytes before and after its text, completions (False) and chat (True)
+AROUND_TEXT = {
+    False: (b'data: {"id":"c-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"',
+            b'","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'),
+    True: (b'data: {"id":"c-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+           b'"delta":{"content":"', b'"},"logprobs":null,"finish_reason":null}]}\n\n'),
+}
+
+
 def test_plain_events_after_the_adopted_one_are_read_without_a_parse(monkeypatch):
     """Single events of the adopted head and tail (a stream read event by event) cost no parse."""
-    for chat in (False, True):
-        if chat:
-            head = 'data: {"id":"c-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"'
-            tail = '"},"logprobs":null,"finish_reason":null}]}\n\n'
-        else:
-            head = 'data: {"id":"c-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"'
-            tail = '","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+    for chat, (head, tail) in AROUND_TEXT.items():
         scan = ResponseScan(chat)
-        scan.feed((head + "a" + tail).encode(), 1)  # the stream's id
-        scan.feed((head + "b" + tail).encode(), 2)  # adopted
+        scan.feed(head + b"a" + tail, 1)  # the stream's id
+        scan.feed(head + b"b" + tail, 2)  # adopted
         calls = []
         monkeypatch.setattr("pdproxy.stream.jsonio.loads", lambda *a, **k: calls.append(a))
         for i, text in enumerate(["c", "", "\\n\\u00e9\\\\", "é"]):
-            scan.feed((head + text + tail).encode(), 3 + i)
+            scan.feed(head + text.encode() + tail, 3 + i)
         monkeypatch.undo()
         assert calls == []
         assert scan.chunk_times == [1, 2, 3, 5, 6] and scan.chunk_tokens == [0] * 5
@@ -136,13 +139,7 @@ BROKEN_TEXTS = [b"a\x01b", b"a\nb", b"\\q", b"tail\\", b"\\u12", b'x"y', b'x","f
 
 
 def test_texts_the_parse_refuses_or_reads_otherwise_are_not_taken_for_plain_ones():
-    for chat in (False, True):
-        if chat:
-            head = b'data: {"id":"c-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":{"content":"'
-            tail = b'"},"logprobs":null,"finish_reason":null}]}\n\n'
-        else:
-            head = b'data: {"id":"c-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,"text":"'
-            tail = b'","logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
+    for chat, (head, tail) in AROUND_TEXT.items():
         for text in BROKEN_TEXTS:
             fast, reference = ResponseScan(chat), ResponseScan(chat, fast=False)
             for scan in (fast, reference):
@@ -160,5 +157,15 @@ def test_an_event_with_more_than_its_text_to_say_is_not_adopted():
         fast, reference = ResponseScan(True), ResponseScan(True, fast=False)
         for scan in (fast, reference):
             for i, e in enumerate(events):
-                scan.feed(b"data: " + e[6:] + b"\n\n", i)
+                scan.feed(e + b"\n\n", i)
         assert learned(fast) == learned(reference) and len(fast.chunk_times) == 3
+
+
+def test_only_the_choices_own_text_is_left_open_between_head_and_tail():
+    """The first `"text":"` of an event may be another object's: the second parse rules it out as the text."""
+    event = 'data: {{"id":"c-1","meta":{{"text":"{}"}},"choices":[{{"index":0,"text":"x","finish_reason":null}}]}}\n\n'
+    fast, reference = ResponseScan(False), ResponseScan(False, fast=False)
+    for scan in (fast, reference):
+        for i, meta in enumerate(["x", "x", "", "y"]):
+            scan.feed(event.format(meta).encode(), i)
+    assert learned(fast) == learned(reference) and fast.chunk_times == [0, 1, 2, 3]
