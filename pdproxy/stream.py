@@ -7,12 +7,12 @@ learn when each token-bearing event arrived, how many tokens it carried (when th
 vLLM's per-request `metrics`, an in-band error).
 
 Speed: a stream's events differ, most of the time, only in their text: "one choice, this text". The
-first such event after the one with the id is parsed (orjson) and its bytes before and after the
-text kept as the stream's head and tail, once a second parse has shown that the text is all they
-leave open; every later event with that head and tail is then read by comparing them and looking
-at the text's bytes (a tenth of a parse and its bookkeeping: some 12 k instructions an event under
-callgrind). The others (the first, with the id; the closing ones: finish reason, final usage,
-`[DONE]`; usage on every event; anything unusual) are parsed. `ResponseScan(fast=False)` is the
+first such event (a completion's first; a chat stream's second, after its role-only delta) is parsed
+(orjson) and its bytes before and after the text kept as the stream's head and tail, once a second
+parse has shown that the text is all they leave open; every later event with that head and tail is
+then read by comparing them and looking at the text's bytes (a tenth of a parse and its bookkeeping:
+some 12 k instructions an event under callgrind). The others (the closing ones: finish reason, final
+usage, `[DONE]`; usage on every event; anything unusual) are parsed. `ResponseScan(fast=False)` is the
 reference that always parses; the tests check that both agree.
 """
 
@@ -80,7 +80,8 @@ class ResponseScan:
             return
         self._buffer = buffer[cut + 2:]
         for event in buffer[:cut].split(b"\n\n"):
-            if not (self.fast and self.response_id is not None and self._plain(event, now_ns)):
+            # a chat stream's first event (its id) is a role-only delta, whose head and tail no later one has
+            if not (self.fast and (self.response_id is not None or not self.chat) and self._plain(event, now_ns)):
                 self._event(event, now_ns)
 
     def _plain(self, event: bytes, now_ns: int) -> bool:

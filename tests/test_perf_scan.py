@@ -169,3 +169,14 @@ def test_only_the_choices_own_text_is_left_open_between_head_and_tail():
         for i, meta in enumerate(["x", "x", "", "y"]):
             scan.feed(event.format(meta).encode(), i)
     assert learned(fast) == learned(reference) and fast.chunk_times == [0, 1, 2, 3]
+
+
+def test_a_completions_stream_is_read_without_a_parse_from_its_second_event(monkeypatch):
+    head, tail = AROUND_TEXT[False]
+    scan = ResponseScan(chat=False)
+    scan.feed(head + b"a" + tail, 1)  # the stream's id, and its head and tail
+    calls = []
+    monkeypatch.setattr("pdproxy.stream.jsonio.loads", lambda *a, **k: calls.append(a))
+    scan.feed(head + b"b" + tail, 2)
+    monkeypatch.undo()
+    assert calls == [] and scan.response_id == "c-1" and scan.chunk_times == [1, 2]
