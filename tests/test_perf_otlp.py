@@ -66,3 +66,98 @@ def test_packed_attributes_are_the_generic_encoding():
         for _ in range(2):  # the second time from the cache, when it caches
             expected = attribute_fields([("gen_ai.response.finish_reasons", words)])
             assert words_attribute("gen_ai.response.finish_reasons", words) == expected
+
+
+def test_field_writers_are_the_generic_encoding():
+    """The recorder's per-key writers (an int's or a string's prefix ready, several doubles in one pack)
+    write the bytes the generic encoder writes."""
+    from pdproxy.telemetry.otlp import DoubleFields, IntField, StrField
+
+    for key in ("pd.chunks", "k" * 200):  # the second: two-byte lengths
+        for value in (0, 1, 127, 128, 300, 2**40, 2**63 - 1, 2**63, -1, -(2**40)):
+            assert IntField(key).encode(value) == attribute_fields([(key, value)])
+        for text in ("", "r", "é中", "r" * 200, "x" * 20000):
+            assert StrField(key).encode(text) == attribute_fields([(key, text)])
+    keys = ("pd.e2e", "gen_ai.response.time_to_first_chunk", "k" * 200)
+    for values in ([0.25, 1e-9, -0.0], [float("inf"), 3.5e6, 7.0]):
+        assert DoubleFields(keys).encode(values) == attribute_fields(zip(keys, values))
+    assert DoubleFields([]).encode([]) == b""
+
+
+def _recorded_roots(bodies):
+    """Each request's root span attributes as a collector decodes them: requests with `bodies` through
+    the recorder's whole path (caches included), the same flow each time."""
+    import asyncio
+
+    from pdproxy.errors import DECODE, PREFILL
+    from pdproxy.policies.base import Decision
+    from pdproxy.telemetry.metrics import Metrics
+    from pdproxy.telemetry.models import ModelNames
+    from pdproxy.telemetry.recorder import Recorder
+    from pdproxy.telemetry.tracing import Tracing
+
+    head = '{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":'
+    events = [f'data: {head}{{"content":"t{i}"}},"finish_reason":null}}]}}\n\n'.encode() for i in range(4)]
+    events.append(f'data: {head}{{"content":"!"}},"finish_reason":"length"}}]}}\n\n'.encode())
+    events.append(b'data: {"id":"chatcmpl-1","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":5,'
+                  b'"total_tokens":45}}\n\n')
+    tracing = Tracing({"pd.mode": "pd"}, [], 8192, on_drop=lambda reason, count: None)
+    recorder = Recorder(Metrics(), tracing, stall_threshold=0.1, models=ModelNames(["m"]))
+
+    async def run():
+        for i, body in enumerate(bodies):
+            trace = recorder.begin(route="/v1/chat/completions", operation="chat", chat=True, headers={},
+                                   request_id=f"req-{i}", pd_mode=True)
+            trace.set_request(body)
+            trace.routed(PREFILL, Decision("round_robin", "rotation"))
+            trace.routed(DECODE, Decision("round_robin", "rotation"))
+            trace.admitted("127.0.0.1:8100", "127.0.0.1:8200")
+            trace.prefill_sent("127.0.0.1:8100", 1)
+            trace.prefill_done("127.0.0.1:8100", 200, 1, "received")
+            trace.decode_sent("127.0.0.1:8200")
+            trace.decode_headers(200)
+            for k, event in enumerate(events):
+                trace.scan.feed(event, trace.t.decode_sent + (k + 1) * 1_000_000)
+            trace.first_token()
+            trace.delivered()
+            trace.finish()
+        requests = [spans for spans, _ in tracing.queue]
+        if tracing.timer is not None:
+            tracing.timer.cancel()
+        return requests
+
+    roots = []
+    for spans in asyncio.run(run()):
+        decoded = MessageToDict(ExportTraceServiceRequest.FromString(
+            export_framed(tracing.resource_field, tracing.scope_field, [spans])))
+        named = {s["name"]: s for s in decoded["resourceSpans"][0]["scopeSpans"][0]["spans"]}
+        assert set(named) == {"chat m", "pd.queue", "pd.prefill", "pd.kv_transfer", "pd.decode"}
+        roots.append({a["key"]: a["value"] for a in named["chat m"]["attributes"]})
+    return roots
+
+
+def test_root_span_attributes_survive_the_cached_blocks():
+    """The root span's repeating attributes come from a block cached by their values: a request whose
+    values equal another's but for their type (temperature 1 and 1.0) gets its own encoding, and every
+    attribute the root has is there, the cached time as the first."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+    roots = _recorded_roots([{**body, "temperature": 1}, {**body, "temperature": 1.0}, {**body, "temperature": 1},
+                             {**body, "temperature": 0.5, "top_p": 1, "seed": 7}])
+    assert [r["gen_ai.request.temperature"] for r in roots] == [
+        {"intValue": "1"}, {"doubleValue": 1.0}, {"intValue": "1"}, {"doubleValue": 0.5}]
+    assert roots[3]["gen_ai.request.top_p"] == {"intValue": "1"} and roots[3]["gen_ai.request.seed"] == {"intValue": "7"}
+    assert "gen_ai.request.seed" not in roots[0] and "gen_ai.request.top_p" not in roots[0]
+    every = {"gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model", "pd.mode", "pd.deployment",
+             "http.response.status_code", "pd.prefill.instance", "pd.decode.instance", "pd.kv_transfer_params",
+             "gen_ai.request.stream", "gen_ai.request.max_tokens", "gen_ai.request.temperature", "pd.request_id",
+             "pd.e2e", "pd.chunks", "gen_ai.response.time_to_first_chunk", "gen_ai.response.id",
+             "gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens", "pd.tpot", "gen_ai.response.finish_reasons",
+             "pd.itl.unit", "pd.itl.count", "pd.itl.mean", "pd.itl.p50", "pd.itl.p99", "pd.itl.max", "pd.stalls",
+             "pd.migrations"}  # the 29 the root had before its blocks were cached by value
+    for i, root in enumerate(roots[:3]):
+        assert set(root) == every
+        assert root["pd.request_id"] == {"stringValue": f"req-{i}"}
+        assert root["gen_ai.response.finish_reasons"] == {"arrayValue": {"values": [{"stringValue": "length"}]}}
+        assert root["gen_ai.usage.output_tokens"] == {"intValue": "5"} and root["pd.chunks"] == {"intValue": "5"}
+        assert root["gen_ai.request.stream"] == {"boolValue": True}
+        assert root["pd.itl.count"] == {"intValue": "4"} and root["pd.itl.max"] == {"doubleValue": 0.001}

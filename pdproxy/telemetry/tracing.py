@@ -129,7 +129,7 @@ class Tracing:
         self.emit_encoded(b"".join([encode_span(s) for s in spans]), len(spans))
 
     def emit_encoded(self, spans: bytes, count: int) -> None:
-        """Queue one request's `count` spans, encoded and framed (`otlp.add_span`) into one buffer, all
+        """Queue one request's `count` spans, encoded and framed (`otlp.span_field`) into one buffer, all
         or none; called on the event loop."""
         if self.queued + count > self.queue_size:
             self.on_drop("queue_full", count)
