@@ -78,10 +78,31 @@ def test_field_writers_are_the_generic_encoding():
             assert IntField(key).encode(value) == attribute_fields([(key, value)])
         for text in ("", "r", "é中", "r" * 200, "x" * 20000):
             assert StrField(key).encode(text) == attribute_fields([(key, text)])
-    keys = ("pd.e2e", "gen_ai.response.time_to_first_chunk", "k" * 200)
-    for values in ([0.25, 1e-9, -0.0], [float("inf"), 3.5e6, 7.0]):
-        assert DoubleFields(keys).encode(values) == attribute_fields(zip(keys, values))
-    assert DoubleFields([]).encode([]) == b""
+    keys = ("pd.e2e", "gen_ai.response.time_to_first_chunk", "k" * 200, "pd.tpot", "a", "b", "c")
+    for values in ([0.25, 1e-9, -0.0, 1.0, 2.0, 3.0, 4.0], [float("inf"), 3.5e6, 7.0, -1.5, 0.0, 1e300, 5e-324]):
+        assert DoubleFields(keys).seven(*values) == attribute_fields(zip(keys, values))
+        assert DoubleFields(keys[:3]).three(*values[:3]) == attribute_fields(zip(keys[:3], values[:3]))
+
+
+def test_span_times_and_ids_at_their_real_sizes():
+    """A span's two times written as one number, and the legs' traceparent from the ids formatted once,
+    are what the plain encodings give: unix nanoseconds of today and of the far future, ids of any size."""
+    import random
+
+    from pdproxy.telemetry.otlp import span_field
+    from opentelemetry.context import Context
+
+    from pdproxy.telemetry.tracing import TraceIds
+
+    for start, end in ((1_764_900_000_123_456_789, 1_764_900_000_987_654_321), (0, 2**64 - 1), (2**64 - 2, 2**64 - 1)):
+        field = span_field(b"\x0a\x10" + bytes(16) + b"\x12\x08", 7, b"", b"\x2a\x01x\x30\x01", start, end, b"", b"")
+        assert field.endswith(b"\x39" + start.to_bytes(8, "little") + b"\x41" + end.to_bytes(8, "little"))
+    for trace_id, prefill, decode in ((2**128 - 1, 2**64 - 1, 1), (1, 2, 3),
+                                      (random.getrandbits(128), random.getrandbits(64), random.getrandbits(64))):
+        ids = TraceIds(Context(), trace_id, 5, prefill, decode, True, None)
+        assert ids.trace_hex == f"{trace_id:032x}"
+        for span_id in (prefill, decode, 5, 2**64 - 1):
+            assert ids.traceparent(span_id) == f"00-{trace_id:032x}-{span_id:016x}-01"
 
 
 def _recorded_roots(bodies):

@@ -23,7 +23,7 @@ import os
 import select
 import ssl
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 from urllib.parse import unquote, urlsplit
@@ -207,13 +207,17 @@ def int_attribute(key: str, value: int) -> bytes:
 
 
 class IntField:
-    """An int attribute's field for one key known in advance: its prefixes ready, no lookup by key."""
+    """An int attribute's field for one key known in advance: its prefixes ready, no lookup by key, and
+    the whole field of each value below 128 (counts, a short stream's tokens) ready too."""
 
     def __init__(self, key: str) -> None:
         self.key = key
         self.prefixes = _int_prefixes(key)
+        self.small = [self.prefixes[1] + _BYTES[value] for value in range(128)]
 
     def encode(self, value: int) -> bytes:
+        if 0 <= value < 128:
+            return self.small[value]
         if not 0 <= value < _INT_LIMIT:
             return attribute(b"\x4a", self.key, value, False)
         number = _varint(value)
@@ -228,6 +232,9 @@ class StrField:
 
     def encode(self, value: str) -> bytes:
         raw = value.encode()
+        kv = len(self.key) + 4 + len(raw)
+        if kv < 128:  # every length one byte: the usual id
+            return b"\x4a%b%b\x12%b\x0a%b%b" % (_BYTES[kv], self.key, _BYTES[len(raw) + 2], _BYTES[len(raw)], raw)
         size = _varint(len(raw))
         body = 1 + len(size) + len(raw)  # the AnyValue
         kv = len(self.key) + 1 + len(_varint(body)) + body
@@ -236,18 +243,20 @@ class StrField:
 
 class DoubleFields:
     """Double attributes' fields for a fixed list of keys, in that order, packed by one `struct` call:
-    the same bytes as a `float_attribute` each, for one call instead of one per value."""
+    the same bytes as a `float_attribute` each, for one call instead of one per value, the values passed
+    straight to the pack (no list of arguments built)."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
+    def __init__(self, keys: Sequence[str]) -> None:
         self.prefixes = [_float_prefix(key) for key in keys]
-        self.layout = struct.Struct("<" + "".join(f"{len(prefix)}sd" for prefix in self.prefixes))
+        self.pack: Callable[..., bytes] = struct.Struct("<" + "".join(f"{len(prefix)}sd" for prefix in self.prefixes)).pack
 
-    def encode(self, values: list[float]) -> bytes:
-        args: list[bytes | float] = []
-        for prefix, value in zip(self.prefixes, values):
-            args.append(prefix)
-            args.append(value)
-        return self.layout.pack(*args)
+    def three(self, a: float, b: float, c: float) -> bytes:
+        p = self.prefixes
+        return self.pack(p[0], a, p[1], b, p[2], c)
+
+    def seven(self, a: float, b: float, c: float, d: float, e: float, f: float, g: float) -> bytes:
+        p = self.prefixes
+        return self.pack(p[0], a, p[1], b, p[2], c, p[3], d, p[4], e, p[5], f, p[6], g)
 
 
 _BLOCKS: Final[dict[tuple, bytes]] = {}  # see `known_block`
@@ -358,10 +367,14 @@ def span_field(trace: bytes, span_id: int, context: bytes, head: bytes, start_ns
     attribute fields, `tail` its events, links and `status_tail`. One `%` of bytes operands: mypyc
     builds it as one allocation and copies (no list, no join's buffer protocol per part)."""
     size = len(trace) + 8 + len(context) + len(head) + 18 + len(attributes) + len(tail)
-    # start_time_unix_nano (field 7) and end_time_unix_nano (8) are fixed64: little-endian
-    return b"\x12%b%b%b%b%b\x39%b\x41%b%b%b" % (_varint(size), trace, span_id.to_bytes(8, "big"), context, head,
-                                                start_ns.to_bytes(8, "little"), end_ns.to_bytes(8, "little"),
-                                                attributes, tail)
+    # start_time_unix_nano (field 7) and end_time_unix_nano (8) are fixed64, little-endian: written by one
+    # `to_bytes` of start, end's tag and end as one number (unix ns fit 64 bits until the year 2554)
+    times = (start_ns | _END_TAG | end_ns << 72).to_bytes(17, "little")
+    return b"\x12%b%b%b%b%b\x39%b%b%b" % (_varint(size), trace, span_id.to_bytes(8, "big"), context, head, times,
+                                          attributes, tail)
+
+
+_END_TAG: Final = 0x41 << 64  # end_time_unix_nano's tag (field 8, fixed64), between the two times
 
 
 def frame_prefix(resource: dict[str, Any], scope_name: str, scope_version: str) -> tuple[bytes, bytes]:

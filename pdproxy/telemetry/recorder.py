@@ -14,7 +14,8 @@ import random
 from collections.abc import Callable
 from typing import Any, Final
 
-from pdproxy.errors import CLIENT_CAUSED, DECODE, KV_TRANSFER, PREFILL, QUEUE
+from pdproxy import errors
+from pdproxy.errors import CLIENT_CAUSED
 from pdproxy.policies.base import Decision
 from pdproxy.stream import ResponseScan
 from pdproxy.telemetry import names as n
@@ -31,6 +32,13 @@ from pdproxy.telemetry.stalls import (TOLERANCE_NS, Activity, Attributed, Instan
 from pdproxy.telemetry.tracing import TraceIds, Tracing
 
 log = logging.getLogger("pdproxy.recorder")
+# the stage names as statics: compiled, an imported name that is not Final is a module dict lookup at each
+# use, and a request's spans compare them some thirty times
+QUEUE: Final = errors.QUEUE
+PREFILL: Final = errors.PREFILL
+KV_TRANSFER: Final = errors.KV_TRANSFER
+DECODE: Final = errors.DECODE
+_getrandbits: Final = random.getrandbits  # the anonymous stage spans' ids: no module attribute lookup
 
 CLIENT_CLOSED: Final = 499  # nginx's convention for "client closed the request"
 _STAGE_SPANS: Final = {QUEUE: (n.QUEUE_SPAN, KIND_INTERNAL), PREFILL: (n.PREFILL_SPAN, KIND_CLIENT),
@@ -483,7 +491,7 @@ class RequestTrace:
                 fields += _handoff_fields(m)
             if measured:
                 fields += attribute_fields(measured)
-            spans.append(span_field(trace, span_id or random.getrandbits(64), context, _STAGE_HEADS[stage],
+            spans.append(span_field(trace, span_id or _getrandbits(64), context, _STAGE_HEADS[stage],
                                     to_unix_ns(start), to_unix_ns(stop), fields, tail))
         if self.recorder.tracing is not None:  # it is whenever there are ids
             self.recorder.tracing.emit_encoded(b"".join(spans), len(spans))
@@ -523,7 +531,7 @@ class RequestTrace:
         ttft, tpot = m.ttft, m.tpot
         if itl and ttft is not None and tpot is not None and m.itl_mean is not None and m.itl_p50 is not None \
                 and m.itl_p99 is not None and m.itl_max is not None:  # a stream's usual: its seven times in one pack
-            a.append(_ROOT_TIMES.encode([m.e2e, ttft, tpot, m.itl_mean, m.itl_p50, m.itl_p99, m.itl_max]))
+            a.append(_ROOT_TIMES.seven(m.e2e, ttft, tpot, m.itl_mean, m.itl_p50, m.itl_p99, m.itl_max))
         else:
             a.append(float_attribute(n.E2E, m.e2e))
             if ttft is not None:
@@ -681,17 +689,26 @@ _HANDOFF_KEYS: Final = (n.HANDOFF_GAP, n.DECODE_HEADERS_WAIT, n.DECODE_QUEUE_TIM
 
 
 def _handoff_fields(m: Measurement) -> bytes:
-    """The KV hand-off's times on pd.kv_transfer (doubles: measure() divides), those measured, in one pack
-    (a decode that reports its queue time: all four; the others: three)."""
-    times = (m.handoff_gap, m.decode_headers_wait, m.decode_queue_time, m.kv_estimated)
-    present = tuple([value is not None for value in times])
-    layout = _HANDOFF_LAYOUTS.get(present)
-    if layout is None:
-        layout = _HANDOFF_LAYOUTS[present] = DoubleFields([k for k, there in zip(_HANDOFF_KEYS, present) if there])
-    return layout.encode([value for value in times if value is not None])
+    """The KV hand-off's times on pd.kv_transfer (doubles: measure() divides), those measured: all four (a
+    decode that reports its queue time) or the other three in one pack, else one by one."""
+    gap, wait, queued, estimated = m.handoff_gap, m.decode_headers_wait, m.decode_queue_time, m.kv_estimated
+    if gap is not None and wait is not None and estimated is not None:
+        if queued is not None:
+            return four_doubles(_HANDOFF_KEYS, gap, wait, queued, estimated)
+        return _HANDOFF_THREE.three(gap, wait, estimated)
+    fields = b""
+    if gap is not None:
+        fields += float_attribute(n.HANDOFF_GAP, gap)
+    if wait is not None:
+        fields += float_attribute(n.DECODE_HEADERS_WAIT, wait)
+    if queued is not None:
+        fields += float_attribute(n.DECODE_QUEUE_TIME, queued)
+    if estimated is not None:
+        fields += float_attribute(n.KV_ESTIMATED, estimated)
+    return fields
 
 
-_HANDOFF_LAYOUTS: Final[dict[tuple[bool, ...], DoubleFields]] = {}  # by which of the four were measured (16 at most)
+_HANDOFF_THREE: Final = DoubleFields((n.HANDOFF_GAP, n.DECODE_HEADERS_WAIT, n.KV_ESTIMATED))
 
 
 def _culprit_ids(stall: Attributed) -> dict[str, list[str]]:
