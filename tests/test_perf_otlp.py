@@ -109,6 +109,7 @@ def _recorded_roots(bodies):
     """Each request's root span attributes as a collector decodes them: requests with `bodies` through
     the recorder's whole path (caches included), the same flow each time."""
     import asyncio
+    import base64
 
     from pdproxy.errors import DECODE, PREFILL
     from pdproxy.policies.base import Decision
@@ -124,12 +125,14 @@ def _recorded_roots(bodies):
                   b'"total_tokens":45}}\n\n')
     tracing = Tracing({"pd.mode": "pd"}, [], 8192, on_drop=lambda reason, count: None)
     recorder = Recorder(Metrics(), tracing, stall_threshold=0.1, models=ModelNames(["m"]))
+    legs = []  # each request's (prefill, decode) traceparent
 
     async def run():
         for i, body in enumerate(bodies):
             trace = recorder.begin(route="/v1/chat/completions", operation="chat", chat=True, headers={},
                                    request_id=f"req-{i}", pd_mode=True)
             trace.set_request(body)
+            legs.append((trace.leg_headers(PREFILL)["traceparent"], trace.leg_headers(DECODE)["traceparent"]))
             trace.routed(PREFILL, Decision("round_robin", "rotation"))
             trace.routed(DECODE, Decision("round_robin", "rotation"))
             trace.admitted("127.0.0.1:8100", "127.0.0.1:8200")
@@ -148,11 +151,20 @@ def _recorded_roots(bodies):
         return requests
 
     roots = []
-    for spans in asyncio.run(run()):
+    for spans, (prefill_parent, decode_parent) in zip(asyncio.run(run()), legs):
         decoded = MessageToDict(ExportTraceServiceRequest.FromString(
             export_framed(tracing.resource_field, tracing.scope_field, [spans])))
         named = {s["name"]: s for s in decoded["resourceSpans"][0]["scopeSpans"][0]["spans"]}
         assert set(named) == {"chat m", "pd.queue", "pd.prefill", "pd.kv_transfer", "pd.decode"}
+        root = named["chat m"]
+        # the stages tile the root, each where the last ended; the legs' traceparent names their spans
+        stages = [named[s] for s in ("pd.queue", "pd.prefill", "pd.kv_transfer", "pd.decode")]
+        edges = [root["startTimeUnixNano"]] + [s["endTimeUnixNano"] for s in stages[:-1]] + [root["endTimeUnixNano"]]
+        assert [(s["startTimeUnixNano"], s["endTimeUnixNano"]) for s in stages] == list(zip(edges, edges[1:]))
+        assert len(set(edges)) == 5 and all(s["parentSpanId"] == root["spanId"] for s in stages)
+        assert [base64.b64decode(named[s]["spanId"]).hex() for s in ("pd.prefill", "pd.decode")] == [
+            prefill_parent.split("-")[2], decode_parent.split("-")[2]]
+        assert base64.b64decode(root["traceId"]).hex() == prefill_parent.split("-")[1]
         roots.append({a["key"]: a["value"] for a in named["chat m"]["attributes"]})
     return roots
 
