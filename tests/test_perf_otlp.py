@@ -66,3 +66,131 @@ def test_packed_attributes_are_the_generic_encoding():
         for _ in range(2):  # the second time from the cache, when it caches
             expected = attribute_fields([("gen_ai.response.finish_reasons", words)])
             assert words_attribute("gen_ai.response.finish_reasons", words) == expected
+
+
+def test_field_writers_are_the_generic_encoding():
+    """The recorder's per-key writers (an int's or a string's prefix ready, several doubles in one pack)
+    write the bytes the generic encoder writes."""
+    from pdproxy.telemetry.otlp import DoubleFields, IntField, StrField
+
+    for key in ("pd.chunks", "k" * 200):  # the second: two-byte lengths
+        for value in (0, 1, 127, 128, 300, 2**40, 2**63 - 1, 2**63, -1, -(2**40)):
+            assert IntField(key).encode(value) == attribute_fields([(key, value)])
+        for text in ("", "r", "é中", "r" * 200, "x" * 20000):
+            assert StrField(key).encode(text) == attribute_fields([(key, text)])
+    keys = ("pd.e2e", "gen_ai.response.time_to_first_chunk", "k" * 200, "pd.tpot", "a", "b", "c")
+    for values in ([0.25, 1e-9, -0.0, 1.0, 2.0, 3.0, 4.0], [float("inf"), 3.5e6, 7.0, -1.5, 0.0, 1e300, 5e-324]):
+        assert DoubleFields(keys).seven(*values) == attribute_fields(zip(keys, values))
+        assert DoubleFields(keys[:3]).three(*values[:3]) == attribute_fields(zip(keys[:3], values[:3]))
+
+
+def test_span_times_and_ids_at_their_real_sizes():
+    """A span's two times written as one number, and the legs' traceparent from the ids formatted once,
+    are what the plain encodings give: unix nanoseconds of today and of the far future, ids of any size."""
+    import random
+
+    from pdproxy.telemetry.otlp import span_field
+    from opentelemetry.context import Context
+
+    from pdproxy.telemetry.tracing import TraceIds
+
+    for start, end in ((1_764_900_000_123_456_789, 1_764_900_000_987_654_321), (0, 2**64 - 1), (2**64 - 2, 2**64 - 1)):
+        field = span_field(b"\x0a\x10" + bytes(16) + b"\x12\x08", 7, b"", b"\x2a\x01x\x30\x01", start, end, b"", b"")
+        assert field.endswith(b"\x39" + start.to_bytes(8, "little") + b"\x41" + end.to_bytes(8, "little"))
+    for trace_id, prefill, decode in ((2**128 - 1, 2**64 - 1, 1), (1, 2, 3),
+                                      (random.getrandbits(128), random.getrandbits(64), random.getrandbits(64))):
+        ids = TraceIds(Context(), trace_id, 5, prefill, decode, True, None)
+        assert ids.trace_hex == f"{trace_id:032x}"
+        for span_id in (prefill, decode, 5, 2**64 - 1):
+            assert ids.traceparent(span_id) == f"00-{trace_id:032x}-{span_id:016x}-01"
+
+
+def _recorded_roots(bodies):
+    """Each request's root span attributes as a collector decodes them: requests with `bodies` through
+    the recorder's whole path (caches included), the same flow each time."""
+    import asyncio
+    import base64
+
+    from pdproxy.errors import DECODE, PREFILL
+    from pdproxy.policies.base import Decision
+    from pdproxy.telemetry.metrics import Metrics
+    from pdproxy.telemetry.models import ModelNames
+    from pdproxy.telemetry.recorder import Recorder
+    from pdproxy.telemetry.tracing import Tracing
+
+    head = '{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,"delta":'
+    events = [f'data: {head}{{"content":"t{i}"}},"finish_reason":null}}]}}\n\n'.encode() for i in range(4)]
+    events.append(f'data: {head}{{"content":"!"}},"finish_reason":"length"}}]}}\n\n'.encode())
+    events.append(b'data: {"id":"chatcmpl-1","choices":[],"usage":{"prompt_tokens":40,"completion_tokens":5,'
+                  b'"total_tokens":45}}\n\n')
+    tracing = Tracing({"pd.mode": "pd"}, [], 8192, on_drop=lambda reason, count: None)
+    recorder = Recorder(Metrics(), tracing, stall_threshold=0.1, models=ModelNames(["m"]))
+    legs = []  # each request's (prefill, decode) traceparent
+
+    async def run():
+        for i, body in enumerate(bodies):
+            trace = recorder.begin(route="/v1/chat/completions", operation="chat", chat=True, headers={},
+                                   request_id=f"req-{i}", pd_mode=True)
+            trace.set_request(body)
+            legs.append((trace.leg_headers(PREFILL)["traceparent"], trace.leg_headers(DECODE)["traceparent"]))
+            trace.routed(PREFILL, Decision("round_robin", "rotation"))
+            trace.routed(DECODE, Decision("round_robin", "rotation"))
+            trace.admitted("127.0.0.1:8100", "127.0.0.1:8200")
+            trace.prefill_sent("127.0.0.1:8100", 1)
+            trace.prefill_done("127.0.0.1:8100", 200, 1, "received")
+            trace.decode_sent("127.0.0.1:8200")
+            trace.decode_headers(200)
+            for k, event in enumerate(events):
+                trace.scan.feed(event, trace.t.decode_sent + (k + 1) * 1_000_000)
+            trace.first_token()
+            trace.delivered()
+            trace.finish()
+        requests = [spans for spans, _ in tracing.queue]
+        if tracing.timer is not None:
+            tracing.timer.cancel()
+        return requests
+
+    roots = []
+    for spans, (prefill_parent, decode_parent) in zip(asyncio.run(run()), legs):
+        decoded = MessageToDict(ExportTraceServiceRequest.FromString(
+            export_framed(tracing.resource_field, tracing.scope_field, [spans])))
+        named = {s["name"]: s for s in decoded["resourceSpans"][0]["scopeSpans"][0]["spans"]}
+        assert set(named) == {"chat m", "pd.queue", "pd.prefill", "pd.kv_transfer", "pd.decode"}
+        root = named["chat m"]
+        # the stages tile the root, each where the last ended; the legs' traceparent names their spans
+        stages = [named[s] for s in ("pd.queue", "pd.prefill", "pd.kv_transfer", "pd.decode")]
+        edges = [root["startTimeUnixNano"]] + [s["endTimeUnixNano"] for s in stages[:-1]] + [root["endTimeUnixNano"]]
+        assert [(s["startTimeUnixNano"], s["endTimeUnixNano"]) for s in stages] == list(zip(edges, edges[1:]))
+        assert len(set(edges)) == 5 and all(s["parentSpanId"] == root["spanId"] for s in stages)
+        assert [base64.b64decode(named[s]["spanId"]).hex() for s in ("pd.prefill", "pd.decode")] == [
+            prefill_parent.split("-")[2], decode_parent.split("-")[2]]
+        assert base64.b64decode(root["traceId"]).hex() == prefill_parent.split("-")[1]
+        roots.append({a["key"]: a["value"] for a in named["chat m"]["attributes"]})
+    return roots
+
+
+def test_root_span_attributes_survive_the_cached_blocks():
+    """The root span's repeating attributes come from a block cached by their values: a request whose
+    values equal another's but for their type (temperature 1 and 1.0) gets its own encoding, and every
+    attribute the root has is there, the cached time as the first."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}
+    roots = _recorded_roots([{**body, "temperature": 1}, {**body, "temperature": 1.0}, {**body, "temperature": 1},
+                             {**body, "temperature": 0.5, "top_p": 1, "seed": 7}])
+    assert [r["gen_ai.request.temperature"] for r in roots] == [
+        {"intValue": "1"}, {"doubleValue": 1.0}, {"intValue": "1"}, {"doubleValue": 0.5}]
+    assert roots[3]["gen_ai.request.top_p"] == {"intValue": "1"} and roots[3]["gen_ai.request.seed"] == {"intValue": "7"}
+    assert "gen_ai.request.seed" not in roots[0] and "gen_ai.request.top_p" not in roots[0]
+    every = {"gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model", "pd.mode", "pd.deployment",
+             "http.response.status_code", "pd.prefill.instance", "pd.decode.instance", "pd.kv_transfer_params",
+             "gen_ai.request.stream", "gen_ai.request.max_tokens", "gen_ai.request.temperature", "pd.request_id",
+             "pd.e2e", "pd.chunks", "gen_ai.response.time_to_first_chunk", "gen_ai.response.id",
+             "gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens", "pd.tpot", "gen_ai.response.finish_reasons",
+             "pd.itl.unit", "pd.itl.count", "pd.itl.mean", "pd.itl.p50", "pd.itl.p99", "pd.itl.max", "pd.stalls",
+             "pd.migrations"}  # the 29 the root had before its blocks were cached by value
+    for i, root in enumerate(roots[:3]):
+        assert set(root) == every
+        assert root["pd.request_id"] == {"stringValue": f"req-{i}"}
+        assert root["gen_ai.response.finish_reasons"] == {"arrayValue": {"values": [{"stringValue": "length"}]}}
+        assert root["gen_ai.usage.output_tokens"] == {"intValue": "5"} and root["pd.chunks"] == {"intValue": "5"}
+        assert root["gen_ai.request.stream"] == {"boolValue": True}
+        assert root["pd.itl.count"] == {"intValue": "4"} and root["pd.itl.max"] == {"doubleValue": 0.001}

@@ -46,11 +46,20 @@ EngineReadFailures = Callable[[], Iterable[tuple[str, str, int]]]
 ProxyLoad = Callable[[], tuple[int, int]]
 
 
-Stamp = tuple[dict[str, str], float]  # (exemplar labels, unix time): one per request, shared by its observations
+class Stamp:
+    """An exemplar's labels and unix time: one per request, shared by its observations. A class, not a
+    tuple: compiled, a fixed-shape tuple is unboxed when narrowed and boxed again (a new tuple, a new
+    float) each time a bucket keeps it; an instance is kept by reference."""
+
+    __slots__ = ("labels", "time")
+
+    def __init__(self, labels: dict[str, str], time: float) -> None:
+        self.labels = labels
+        self.time = time
 
 
 def stamp(trace_id: str | None) -> Stamp | None:
-    return ({"trace_id": trace_id}, time.time()) if trace_id else None
+    return Stamp({"trace_id": trace_id}, time.time()) if trace_id else None
 
 
 class HistogramSeries:
@@ -73,7 +82,7 @@ class HistogramSeries:
         i = bisect_left(self.bounds, value)  # le: a value equal to a bound falls in that bound's bucket
         self.counts[i] += 1
         self.sum += value
-        if exemplar:
+        if exemplar is not None:
             self.stamps[i] = exemplar
             self.values[i] = value
 
@@ -91,7 +100,7 @@ class HistogramSeries:
         else:
             counts[-1] += total - below
         self.sum += sum(values)
-        if exemplar and exemplar_value is not None:
+        if exemplar is not None and exemplar_value is not None:
             i = bisect_left(self.bounds, exemplar_value)
             self.stamps[i] = exemplar
             self.values[i] = exemplar_value
@@ -130,8 +139,7 @@ class LoopHistogram:
                 if kept is None:
                     buckets.append((le, total))
                 else:
-                    labels, at = kept
-                    buckets.append((le, total, Exemplar(labels, value, at)))
+                    buckets.append((le, total, Exemplar(kept.labels, value, kept.time)))
             family.add_metric(values, buckets, series.sum)
         yield family
 
@@ -348,7 +356,7 @@ class Metrics:
             counter = s.errors.get(key)
             if counter is None:
                 counter = s.errors[key] = self.errors.labels(*labels, *key)
-            counter.inc(exemplar=ex and ex[0])
+            counter.inc(exemplar=ex.labels if ex is not None else None)
         for stage, seconds in m.stages.items():
             s.stages[stage].observe(seconds, ex)
         s.e2e.observe(m.e2e, ex)

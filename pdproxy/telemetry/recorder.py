@@ -14,7 +14,8 @@ import random
 from collections.abc import Callable
 from typing import Any, Final
 
-from pdproxy.errors import CLIENT_CAUSED, DECODE, KV_TRANSFER, PREFILL, QUEUE
+from pdproxy import errors
+from pdproxy.errors import CLIENT_CAUSED
 from pdproxy.policies.base import Decision
 from pdproxy.stream import ResponseScan
 from pdproxy.telemetry import names as n
@@ -22,15 +23,22 @@ from pdproxy.telemetry.clock import now, to_unix_ns
 from pdproxy.telemetry.measure import Measurement, Timeline, measure, stall_gaps
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import MAX_NAME_LENGTH, OTHER, ModelNames
-from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, SpanData, add_span, attribute,
-                                    attribute_fields, context_fields, events_field, float_attribute, four_doubles,
-                                    int_attribute, known_block, links_field, new_block, span_head, status_tail,
-                                    str_attribute, trace_field, words_attribute)
+from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, DoubleFields, IntField, SpanData,
+                                    StrField, attribute_fields, context_fields, events_field, float_attribute,
+                                    four_doubles, int_attribute, known_block, links_field, new_block, span_field,
+                                    span_head, status_tail, str_attribute, trace_field, words_attribute)
 from pdproxy.telemetry.stalls import (TOLERANCE_NS, Activity, Attributed, InstanceRecord, StallRecords, marked_cause,
                                       span_links)
 from pdproxy.telemetry.tracing import TraceIds, Tracing
 
 log = logging.getLogger("pdproxy.recorder")
+# the stage names as statics: compiled, an imported name that is not Final is a module dict lookup at each
+# use, and a request's spans compare them some thirty times
+QUEUE: Final = errors.QUEUE
+PREFILL: Final = errors.PREFILL
+KV_TRANSFER: Final = errors.KV_TRANSFER
+DECODE: Final = errors.DECODE
+_getrandbits: Final = random.getrandbits  # the anonymous stage spans' ids: no module attribute lookup
 
 CLIENT_CLOSED: Final = 499  # nginx's convention for "client closed the request"
 _STAGE_SPANS: Final = {QUEUE: (n.QUEUE_SPAN, KIND_INTERNAL), PREFILL: (n.PREFILL_SPAN, KIND_CLIENT),
@@ -128,6 +136,9 @@ class RequestTrace:
         self._client_trace_headers = {} if ids else _trace_headers(headers)
         self.model: str | None = None  # as the client wrote it: never a label or span name as such
         self.model_label = OTHER  # what labels metrics and names spans (pdproxy/telemetry/models.py)
+        # the request's sampling attributes, (key, value, type): they repeat across requests, so they are
+        # part of the root span's cached block; `request_attrs` are the root's others (seed, disaggregation)
+        self.sampling: tuple[tuple[str, Any, type], ...] = ()
         self.request_attrs: dict[str, Any] = {}
         self.prefill_instance: str | None = None
         self.decode_instance: str | None = None
@@ -178,18 +189,21 @@ class RequestTrace:
     def set_request(self, body: dict[str, Any]) -> None:
         if isinstance(body.get("model"), str):
             self.model = body["model"]
-        attrs = self.request_attrs
-        attrs["gen_ai.request.stream"] = bool(body.get("stream"))
+        sampling: list[tuple[str, Any, type]] = [("gen_ai.request.stream", bool(body.get("stream")), bool)]
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         if isinstance(limit, int) and not isinstance(limit, bool):
-            attrs["gen_ai.request.max_tokens"] = limit
-        for key, attr in (("temperature", "gen_ai.request.temperature"), ("top_p", "gen_ai.request.top_p"),
-                          ("seed", "gen_ai.request.seed")):
-            if isinstance(body.get(key), (int, float)) and not isinstance(body.get(key), bool):
-                attrs[attr] = body[key]
+            sampling.append(("gen_ai.request.max_tokens", limit, int))
+        for key, attr in (("temperature", "gen_ai.request.temperature"), ("top_p", "gen_ai.request.top_p")):
+            value = body.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                sampling.append((attr, value, type(value)))  # the type too: 1 == 1.0, but they encode differently
+        self.sampling = tuple(sampling)
+        seed = body.get("seed")
+        if isinstance(seed, (int, float)) and not isinstance(seed, bool):
+            self.request_attrs["gen_ai.request.seed"] = seed
         if self.recorder.capture_content:
             content = body.get("messages") if self.chat else body.get("prompt")
-            attrs["gen_ai.input.messages"] = json.dumps(content)[:16384]
+            self.request_attrs["gen_ai.input.messages"] = json.dumps(content)[:16384]
 
     def routed(self, leg: str, decision: Decision) -> None:
         """A policy chose the instance for `leg`: on its span and counted."""
@@ -439,14 +453,14 @@ class RequestTrace:
         # semconv's `{operation} {model}` for a known model; the operation alone otherwise (bounded names)
         name = self.operation if self.model_label == OTHER else f"{self.operation} {self.model_label}"
         trace = trace_field(ids.trace_id)
-        spans: list[bytes] = []
-        add_span(spans, trace, ids.root, context_fields(ids.tracestate, ids.parent_span_id),
-                 span_head(name, KIND_SERVER), to_unix_ns(t.received), to_unix_ns(end),
-                 self._root_fields(m, error is not None), status_tail(error, ids.parent_remote))
+        spans = [span_field(trace, ids.root, context_fields(ids.tracestate, ids.parent_span_id),
+                            span_head(name, KIND_SERVER), to_unix_ns(t.received), to_unix_ns(end),
+                            self._root_fields(m, error is not None), status_tail(error, ids.parent_remote))]
         context = context_fields(ids.tracestate, ids.root)  # every stage span's: a child of the root
         bounds = m.bounds
         if self.prefill_leg and t.decode_sent is not None and DECODE not in bounds:
             bounds = {**bounds, DECODE: (end, end)}  # the decode leg was sent: keep vLLM's span's parent in the trace
+        blocks = self._stage_blocks()
         for stage, (start, stop) in bounds.items():
             span_id, leg = None, None
             if stage == PREFILL:
@@ -472,15 +486,15 @@ class RequestTrace:
                 tail = status_tail(self.error_message, False)
             if events or links:
                 tail = events_field(events) + links_field(links) + tail
-            fields = self._stage_block(stage, decision)
+            fields = blocks[stage]
             if stage == KV_TRANSFER:
                 fields += _handoff_fields(m)
             if measured:
                 fields += attribute_fields(measured)
-            add_span(spans, trace, span_id or random.getrandbits(64), context, _STAGE_HEADS[stage], to_unix_ns(start),
-                     to_unix_ns(stop), fields, tail)
+            spans.append(span_field(trace, span_id or _getrandbits(64), context, _STAGE_HEADS[stage],
+                                    to_unix_ns(start), to_unix_ns(stop), fields, tail))
         if self.recorder.tracing is not None:  # it is whenever there are ids
-            self.recorder.tracing.emit_encoded(b"".join(spans), 1 + len(bounds))
+            self.recorder.tracing.emit_encoded(b"".join(spans), len(spans))
 
     def _stall_events(self, stalls: list[Attributed]) -> list[tuple[int, str, dict[str, Any]]]:
         """Each stall's time and length on pd.decode (the longest ones), with its cause when attributed."""
@@ -499,19 +513,41 @@ class RequestTrace:
 
     def _root_fields(self, m: Measurement, failed: bool) -> bytes:
         """The root span's attributes, encoded: those that repeat across requests (operation, model,
-        mode, instances, status ...) as one block cached by their values, then the request's own."""
-        run = self.recorder.run_label
-        key = ("root", self.operation, self.model_label, self.pd_mode, self.deployment, m.status, run,
-               self.prefill_instance, self.decode_instance, m.failed_stage, self.kv_params)
+        mode, instances, status, sampling parameters, a one-word finish reason ...) as one block cached
+        by their values, then the request's own, each key's prefix ready (`otlp.IntField` ...)."""
+        scan = self.scan
+        reasons = scan.finish_reasons
+        # the usual one short word is part of the block; more, or longer, are encoded each time
+        reason = reasons[0] if len(reasons) == 1 and len(reasons[0]) <= 32 else None
+        itl = bool(m.gaps) and m.itl_mean is not None and m.itl_p50 is not None and m.itl_p99 is not None \
+            and m.itl_max is not None  # measure() sets them all together
+        key = ("root", self.operation, self.model_label, self.pd_mode, self.deployment, m.status,
+               self.recorder.run_label, self.prefill_instance, self.decode_instance, m.failed_stage, self.kv_params,
+               self.sampling, reason, m.itl_unit if itl else None, m.error_type if failed else None)
         fields = known_block(key)
         if fields is None:
-            fields = new_block(key, self._repeating_root_attributes(m).items())
-        a = [fields, str_attribute(n.REQUEST_ID, self.request_id), float_attribute(n.E2E, m.e2e),
-             int_attribute(n.CHUNKS, m.chunks)]
+            fields = new_block(key, self._repeating_root_attributes(m, reason, itl, failed).items())
+        a = [fields, _REQUEST_ID.encode(self.request_id), _CHUNKS.encode(m.chunks)]
+        ttft, tpot = m.ttft, m.tpot
+        if itl and ttft is not None and tpot is not None and m.itl_mean is not None and m.itl_p50 is not None \
+                and m.itl_p99 is not None and m.itl_max is not None:  # a stream's usual: its seven times in one pack
+            a.append(_ROOT_TIMES.seven(m.e2e, ttft, tpot, m.itl_mean, m.itl_p50, m.itl_p99, m.itl_max))
+        else:
+            a.append(float_attribute(n.E2E, m.e2e))
+            if ttft is not None:
+                a.append(float_attribute(_TTFT, ttft))
+            if tpot is not None:
+                a.append(float_attribute(n.TPOT, tpot))
+            if itl and m.itl_mean is not None and m.itl_p50 is not None and m.itl_p99 is not None \
+                    and m.itl_max is not None:
+                a.append(four_doubles(_ITL_KEYS, m.itl_mean, m.itl_p50, m.itl_p99, m.itl_max))
+        if itl:
+            a.append(_ITL_COUNT.encode(len(m.gaps)))
+            a.append(_STALLS.encode(m.stalls))
         if self.request_attrs:
             a.append(attribute_fields(self.request_attrs.items()))
         if self.decode_attempts:
-            a.append(int_attribute(n.MIGRATIONS, len(self.migrations)))
+            a.append(_MIGRATIONS.encode(len(self.migrations)))
         if self.prefill_reruns:
             a.append(int_attribute(n.PREFILL_RERUNS, self.prefill_reruns))
         if self.abandoned_handoffs:
@@ -521,29 +557,17 @@ class RequestTrace:
         if self.model is not None and self.model != self.model_label:
             # for reading the trace; no collector keys on it
             a.append(str_attribute(n.REQUESTED_MODEL, self.model[:MAX_NAME_LENGTH]))
-        if m.ttft is not None:
-            a.append(float_attribute("gen_ai.response.time_to_first_chunk", m.ttft))
-        scan = self.scan
         if scan.response_id is not None:
-            a.append(str_attribute("gen_ai.response.id", scan.response_id))
+            a.append(_RESPONSE_ID.encode(scan.response_id))
         if m.input_tokens is not None:
-            a.append(int_attribute("gen_ai.usage.input_tokens", m.input_tokens))
+            a.append(_INPUT_TOKENS.encode(m.input_tokens))
         if m.output_tokens is not None:
-            a.append(int_attribute("gen_ai.usage.output_tokens", m.output_tokens))
-        if m.tpot is not None:
-            a.append(float_attribute(n.TPOT, m.tpot))
-        if scan.finish_reasons:
-            a.append(words_attribute("gen_ai.response.finish_reasons", scan.finish_reasons))
-        if m.gaps and m.itl_mean is not None and m.itl_p50 is not None and m.itl_p99 is not None \
-                and m.itl_max is not None:  # measure() sets them all together
-            a += (attribute(b"\x4a", n.ITL_UNIT, m.itl_unit, True), int_attribute(n.ITL_COUNT, len(m.gaps)),
-                  four_doubles(_ITL_KEYS, m.itl_mean, m.itl_p50, m.itl_p99, m.itl_max),
-                  int_attribute(n.STALLS, m.stalls))
-        if failed:
-            a.append(attribute(b"\x4a", "error.type", m.error_type, True))
+            a.append(_OUTPUT_TOKENS.encode(m.output_tokens))
+        if reasons and reason is None:
+            a.append(words_attribute(_FINISH_REASONS, reasons))
         return b"".join(a)
 
-    def _repeating_root_attributes(self, m: Measurement) -> dict[str, Any]:
+    def _repeating_root_attributes(self, m: Measurement, reason: str | None, itl: bool, failed: bool) -> dict[str, Any]:
         a: dict[str, Any] = {
             "gen_ai.operation.name": self.operation,
             "gen_ai.provider.name": "vllm",
@@ -561,12 +585,35 @@ class RequestTrace:
             n.KV_PARAMS: self.kv_params,
         }
         a.update({k: v for k, v in repeating.items() if v is not None})
+        a.update({k: v for k, v, _ in self.sampling})
+        if reason is not None:
+            a[_FINISH_REASONS] = [reason]
+        if itl:
+            a[n.ITL_UNIT] = m.itl_unit
+        if failed:
+            a["error.type"] = m.error_type
         return a
 
+    def _stage_blocks(self) -> dict[str, bytes]:
+        """Each stage span's attributes that repeat across requests, encoded once per distinct set and
+        looked up once per request (by everything they are made of)."""
+        prefill = self.routes.get(PREFILL if self.prefill_leg else DECODE)
+        decode = self.routes.get(DECODE)
+        key = ("stages", self.model_label, self.deployment, self.pd_mode, self.decode_only, self.prefill_instance,
+               self.prefill_status, self.prefill_attempts, self.decode_instance, self.decode_status,
+               self.decode_attempts, _decision_key(prefill), _decision_key(decode))
+        blocks = _STAGE_BLOCKS.get(key)
+        if blocks is None:
+            blocks = {QUEUE: self._stage_block(QUEUE, None), PREFILL: self._stage_block(PREFILL, prefill),
+                      KV_TRANSFER: self._stage_block(KV_TRANSFER, None), DECODE: self._stage_block(DECODE, decode)}
+            if len(_STAGE_BLOCKS) < _STAGE_BLOCKS_MAX:
+                _STAGE_BLOCKS[key] = blocks
+        return blocks
+
     def _stage_block(self, stage: str, decision: Decision | None) -> bytes:
-        """A stage span's attributes that repeat across requests, encoded once per distinct set: every
-        stage span names its model and deployment (span-derived metrics split like the proxy's), its
-        instance and status, and the policy that chose the instance and why."""
+        """A stage span's attributes that repeat across requests (see `_stage_blocks`): every stage span
+        names its model and deployment (span-derived metrics split like the proxy's), its instance and
+        status, and the policy that chose the instance and why."""
         address: str | None
         status: int | None
         attempts: int | None
@@ -583,22 +630,12 @@ class RequestTrace:
         fallback: str | None = None
         if decision is not None:
             policy, reason, fallback = decision.policy, decision.reason, decision.fallback
-        on_decode = stage == PREFILL and self.pd_mode and self.decode_only
-        key: tuple
-        if address is None and decision is None and not on_decode:  # queue, kv_transfer: a shorter key to hash
-            key = (stage, self.model_label, self.deployment, status, attempts)
-        else:
-            key = (stage, self.model_label, self.deployment, address, status, attempts, policy, reason, fallback,
-                   on_decode)
-        block = known_block(key)
-        if block is None:
-            attrs = self._stage_attributes(stage, address, status, attempts, policy, reason)
-            if fallback is not None:
-                attrs[n.ROUTE_FALLBACK_REASON] = fallback
-            if on_decode:
-                attrs[n.PREFILL_ON_DECODE] = True
-            block = new_block(key, attrs.items())
-        return block
+        attrs = self._stage_attributes(stage, address, status, attempts, policy, reason)
+        if fallback is not None:
+            attrs[n.ROUTE_FALLBACK_REASON] = fallback
+        if stage == PREFILL and self.pd_mode and self.decode_only:
+            attrs[n.PREFILL_ON_DECODE] = True
+        return attribute_fields(attrs.items())
 
     def _stage_attributes(self, stage: str, address: str | None, status: int | None, attempts: int | None,
                           policy: str | None, reason: str | None) -> dict[str, Any]:
@@ -629,15 +666,36 @@ class RequestTrace:
 
 
 _ITL_KEYS: Final = (n.ITL_MEAN, n.ITL_P50, n.ITL_P99, n.ITL_MAX)
+_TTFT: Final = "gen_ai.response.time_to_first_chunk"
+_FINISH_REASONS: Final = "gen_ai.response.finish_reasons"
+# the root span's attributes of each request, their keys' encodings ready
+_ROOT_TIMES: Final = DoubleFields((n.E2E, _TTFT, n.TPOT, *_ITL_KEYS))
+_REQUEST_ID: Final = StrField(n.REQUEST_ID)
+_RESPONSE_ID: Final = StrField("gen_ai.response.id")
+_CHUNKS: Final = IntField(n.CHUNKS)
+_ITL_COUNT: Final = IntField(n.ITL_COUNT)
+_STALLS: Final = IntField(n.STALLS)
+_MIGRATIONS: Final = IntField(n.MIGRATIONS)
+_INPUT_TOKENS: Final = IntField("gen_ai.usage.input_tokens")
+_OUTPUT_TOKENS: Final = IntField("gen_ai.usage.output_tokens")
+# the stage spans' repeating attributes, by what they are made of (`RequestTrace._stage_blocks`), bounded
+_STAGE_BLOCKS: Final[dict[tuple, dict[str, bytes]]] = {}
+_STAGE_BLOCKS_MAX: Final = 4096
+
+
+def _decision_key(decision: Decision | None) -> tuple[str, str, str | None] | None:
+    return (decision.policy, decision.reason, decision.fallback) if decision is not None else None
 _HANDOFF_KEYS: Final = (n.HANDOFF_GAP, n.DECODE_HEADERS_WAIT, n.DECODE_QUEUE_TIME, n.KV_ESTIMATED)
 
 
 def _handoff_fields(m: Measurement) -> bytes:
-    """The KV hand-off's times on pd.kv_transfer (doubles: measure() divides), those measured: all four
-    (a P/D request whose decode reported its queue time) in one pack."""
+    """The KV hand-off's times on pd.kv_transfer (doubles: measure() divides), those measured: all four (a
+    decode that reports its queue time) or the other three in one pack, else one by one."""
     gap, wait, queued, estimated = m.handoff_gap, m.decode_headers_wait, m.decode_queue_time, m.kv_estimated
-    if gap is not None and wait is not None and queued is not None and estimated is not None:
-        return four_doubles(_HANDOFF_KEYS, gap, wait, queued, estimated)
+    if gap is not None and wait is not None and estimated is not None:
+        if queued is not None:
+            return four_doubles(_HANDOFF_KEYS, gap, wait, queued, estimated)
+        return _HANDOFF_THREE.three(gap, wait, estimated)
     fields = b""
     if gap is not None:
         fields += float_attribute(n.HANDOFF_GAP, gap)
@@ -648,6 +706,9 @@ def _handoff_fields(m: Measurement) -> bytes:
     if estimated is not None:
         fields += float_attribute(n.KV_ESTIMATED, estimated)
     return fields
+
+
+_HANDOFF_THREE: Final = DoubleFields((n.HANDOFF_GAP, n.DECODE_HEADERS_WAIT, n.KV_ESTIMATED))
 
 
 def _culprit_ids(stall: Attributed) -> dict[str, list[str]]:
