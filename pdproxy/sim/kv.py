@@ -202,6 +202,11 @@ class TransferLink:
         if gpu is not None and gpu.weight > 0:
             self.gpu, self.gpu_slot = gpu, gpu.slot()
 
+    @property
+    def busy_until(self) -> float:
+        """When the transfers already queued on the link are through (latency not included)."""
+        return self._busy_until
+
     def duration(self, nbytes: int) -> float:
         return nbytes / self.bandwidth if self.bandwidth > 0 else 0.0
 
