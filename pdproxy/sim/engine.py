@@ -152,7 +152,7 @@ class Engine:
             else None
         self.taking_from: collections.Counter[str] = collections.Counter()  # prefill engine -> KVs in our hands
         if self.intake is not None:  # same-GPU NIXL: the copy-in time-shares the GPU like a step
-            self.intake.share_gpu(self.gpu)
+            self.intake.share_gpu(self.gpu, self.gpu_slot)
         self._wakeup = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.steps = 0

@@ -36,7 +36,7 @@ from pdproxy.whatif.workload import Workload
 ROUNDS = 8
 GOOD_ENOUGH = 0.05  # worst error on GOAL at which the fit stops early
 MAX_SHARE = 4.0
-SHARE_MOVED = 0.15  # a change of the GPU sharing by more than this fraction voids the KV rate's bracket
+SHARE_MOVED = 0.15  # a move of the GPU sharing by more than this fraction voids the decode intake's bracket
 GOAL = ("TTFT p50", "TTFT p99", "tail ITL p99")  # the figures the fit is judged on
 
 
@@ -61,28 +61,6 @@ def kv_rate_field(setup: Setup, params: ModelParams) -> str | None:
     return "kv_intake_gbps" if setup.prefills >= 2 and params.preset.kv_intake_gbps > 0 else "kv_bandwidth_gbps"
 
 
-@dataclass
-class _Bracket:
-    """A parameter's values known to leave its figure too short (`low` side) or too long: once both sides are
-    known, the next value is their mean (geometric above 0), not the ratio's guess, which overshoots where the
-    figure is steep in the parameter. `rising`: the figure grows with the parameter."""
-
-    rising: bool
-    under: float | None = None  # the value nearest the target on the figure-too-short side
-    over: float | None = None  # ... on the figure-too-long side
-
-    def next(self, value: float, ratio: float, guess: float) -> float:
-        """`ratio`: recorded / predicted at `value`."""
-        if ratio > 1:  # predicted too short
-            self.under = value if self.under is None else (max if self.rising else min)(self.under, value)
-        else:
-            self.over = value if self.over is None else (min if self.rising else max)(self.over, value)
-        if self.under is None or self.over is None:
-            return guess
-        a, b = self.under, self.over
-        return math.sqrt(a * b) if a > 0 and b > 0 else (a + b) / 2
-
-
 def _ratio(rec: dict[str, float | None], pred: dict[str, float | None], names: tuple[str, ...]) -> float | None:
     logs = [math.log(r / p) for n in names if (r := rec.get(n)) and (p := pred.get(n))]
     return math.exp(sum(logs) / len(logs)) if logs else None
@@ -102,7 +80,8 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
     preset = params.preset
     out = RunFit(params)
     best_err = math.inf
-    kv_rate, share = _Bracket(rising=False), _Bracket(rising=True)
+    slow: float | None = None  # the fastest link known to leave the KV wait too long
+    fast: float | None = None  # the slowest link known to make it too short
     for n in range(rounds):
         trial = replace(params, preset=preset)
         pred = predict.prediction_figures(predict.run_setup(workload, setup, trial))
@@ -115,22 +94,22 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
             break
         compute = _ratio(rec, pred, ("tail ITL p99",) if pd else GOAL)
         changes: dict[str, Any] = {}
-        share_moved = False
         if compute is not None:
             stretch = (1.0 + preset.gpu_share * others) * compute
-            guess = min(max((stretch - 1.0) / others, 0.0), MAX_SHARE)
-            # P/D: a max gap is steep in the sharing (a stretched step meets more busy instances): bisect
-            changes["gpu_share"] = share.next(preset.gpu_share, compute, guess) if pd else guess
-            # the KV path's copies run at the GPU's shared pace: a large move of the sharing voids what the
-            # replays said of the KV rate, which waits for the next round
-            share_moved = abs(changes["gpu_share"] - preset.gpu_share) > SHARE_MOVED * max(preset.gpu_share, 0.1)
+            changes["gpu_share"] = min(max((stretch - 1.0) / others, 0.0), MAX_SHARE)
         bw = getattr(preset, rate_field) if rate_field else 0.0
         link = _ratio(rec, pred, ("KV wait p50", "KV wait p99")) or _ratio(rec, pred, ("TTFT p50", "TTFT p99"))
-        if share_moved:
-            kv_rate = _Bracket(rising=False)
+        if rate_field == "kv_intake_gbps" and abs(changes.get("gpu_share", preset.gpu_share) - preset.gpu_share) \
+                > SHARE_MOVED * max(preset.gpu_share, 0.1):
+            # the intake's copies run at the GPU's shared pace: what this replay said of its rate is void
+            slow = fast = None
         elif rate_field and bw > 0 and link is not None:
             # the KV wait falls as the rate rises, steeply near saturation: bisect once it is bracketed
-            changes[rate_field] = kv_rate.next(bw, link, bw / link)
+            if link > 1:  # recorded longer than predicted: slower
+                fast = bw if fast is None else min(fast, bw)
+            else:
+                slow = bw if slow is None else max(slow, bw)
+            changes[rate_field] = math.sqrt(slow * fast) if slow and fast else bw / link
         if not changes:
             break
         preset = replace(preset, **changes)
