@@ -106,6 +106,7 @@ H200_LLAMA8B = Preset(
     # 0.341 GB/s and 4.75 ms -> within +/-10.7 % at every measured point.
     kv_bandwidth_gbps=0.341,
     kv_latency_ms=4.75,
+    # run B's `pdproxy whatif --fit-run` (2P2D, four instances on one H200; run A's alone gives 0.12)
     kv_intake_gbps=0.13,
     max_model_len=4608,
     block_size=16,
