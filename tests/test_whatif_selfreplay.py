@@ -3,8 +3,9 @@
 * Every run prints the recorded set-up's error per figure; a recording whose figures are far from any
   model output (run A's record with every TTFT and gap made 50 times longer) is flagged "does not fit"
   for those figures, in the output, the JSON and the verdicts.
-* `--fit-run` fits GPU time-sharing and the KV link to the whole run: run A's own 2P2D (four vLLM
-  instances on one H200) then lands within ±15 % on TTFT p50, TTFT p99 and tail ITL p99.
+* `--fit-run` fits GPU time-sharing and the decodes' intake of KV from two prefills to the whole run: run
+  A's own 2P2D (four vLLM instances on one H200) then lands within ±15 % on TTFT p50, TTFT p99 and tail
+  ITL p99.
 * A predicted difference inside the stated error is "no measurable difference", never the deciding one.
 """
 
@@ -83,8 +84,11 @@ def test_fit_run_reproduces_run_a_2p2d_within_15_percent():
     before = fit.rounds[0]["figures"]
     for name in fitrun.GOAL:
         assert abs(got[name] - want[name]) / want[name] <= 0.15, (name, got[name], want[name])
-    assert abs(before["TTFT p50"] - want["TTFT p50"]) / want["TTFT p50"] > 0.5  # the preset alone was far off
-    assert fit.params.preset.gpu_share > 0 and fit.params.preset.kv_bandwidth_gbps < base.preset.kv_bandwidth_gbps
+    assert abs(before["TTFT p50"] - want["TTFT p50"]) / want["TTFT p50"] > 0.3  # the preset alone was far off
+    # two prefills feed each decode: the fit moves the decode's intake, the link stays the lone transfer's
+    p = fit.params.preset
+    assert p.gpu_share > 0 and p.kv_bandwidth_gbps == base.preset.kv_bandwidth_gbps
+    assert p.kv_intake_gbps != base.preset.kv_intake_gbps
 
 
 def _verdict(value: float, base: float) -> dict:

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from pdproxy.whatif import predict
 from pdproxy.whatif.predict import EXPECTED_ERROR
-from pdproxy.whatif.validate import Case, run_case
+from pdproxy.whatif.validate import Case, recorded_entry, run_case
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,3 +33,23 @@ def test_two_gpu_pd_self_replay_fitted_to_the_run_within_the_stated_error():
         assert abs(r.error) <= EXPECTED_ERROR[r.figure], (
             f"{r.figure}: predicted {r.predicted * 1e3:.1f} ms vs recorded {r.recorded * 1e3:.1f} ms "
             f"({r.error:+.0%}) is past the stated ±{EXPECTED_ERROR[r.figure]:.0%}")
+
+
+A = Path(__file__).parent / "fixtures" / "real-xpyd-2026-12-01b"
+
+
+def test_run_a_2p2d_predicted_from_its_singles_with_the_decode_intake_sized_on_run_b():
+    """The cross check of issue 40: four single instances move no KV, so their recording fits only the GPU
+    sharing; the 2P2D's KV path is the preset's (the link: lone transfers; the decodes' intake of KV from two
+    prefills: run B's fit). Without the intake the 2P2D's TTFT came out at a quarter of the recorded."""
+    case = Case("run A dp -> pd", str(A / "bench-dp-cc978f0c.jsonl.gz"), str(A / "bench-pd-88412b25.jsonl.gz"),
+                (str(A / "pd-a.jsonl.gz"),), "h200-llama8b", (("max_model_len", 8192), ("num_gpu_blocks", 4096)),
+                source_traces=(str(A / "pd-dp.jsonl.gz"),))
+    rows = {r.figure: r for r in run_case(case, fit=True)}
+    for figure, bound in (("TTFT p50", 0.25), ("tail ITL p99", 0.35)):
+        r = rows[figure]
+        assert r.error is not None and abs(r.error) <= bound, (figure, r.predicted, r.recorded)
+    # ordered as measured against the singles' own recording: 2P2D's TTFT far longer, its streams far smoother
+    singles = predict.figures(recorded_entry(case.source, case.source_traces))
+    assert rows["TTFT p50"].predicted > 10 * singles["TTFT p50"]
+    assert rows["tail ITL p99"].predicted < singles["tail ITL p99"] / 10

@@ -93,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "off in the others)")
     stall.add_argument("--no-kv-pull-stalls-decode", dest="kv_pull_stalls_decode", action="store_false",
                        help="decode: keep stepping during KV pulls (the one-GPU and instant presets' default)")
+    g.add_argument("--kv-intake-gbps", type=float, default=None,
+                   help="decode: GB/s at which it takes in a KV that lands while another prefill's pull is still "
+                        "in its hands, one at a time (several prefills feeding it at once; 0 = no such intake, "
+                        "the presets' default)")
     g.add_argument("--gpu-share", type=float, default=None,
                    help="instances time-sharing one GPU: how much each other instance stepping at the same time "
                         "stretches a step (0 = a GPU of its own, the presets' default; 1 = full time-slicing); "
@@ -161,7 +165,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         max_model_len=args.max_model_len, kv_bandwidth_gbps=args.kv_bandwidth_gbps, kv_latency_ms=args.kv_latency_ms,
         kv_bytes_per_token=args.kv_bytes_per_token, frontend_overhead_ms=args.frontend_overhead_ms,
         kv_pull_overhead_ms=args.kv_pull_overhead_ms, kv_pull_stalls_decode=args.kv_pull_stalls_decode,
-        gpu_share=args.gpu_share,
+        gpu_share=args.gpu_share, kv_intake_gbps=args.kv_intake_gbps,
     )
     faults = FaultRates(
         error_rate=args.error_rate, error_status=args.error_status, slow_start_seconds=args.slow_start_seconds,

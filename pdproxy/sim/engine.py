@@ -25,7 +25,9 @@ delays every running stream: the stall the simulator exists to show.
 A decode-side request carrying remote-prefill params first gets blocks for its whole prompt, then
 waits (counted as waiting, like vLLM's WAITING_FOR_REMOTE_KVS) while the KV is pulled; after a
 successful pull only the last prompt token is recomputed (a one-token step), and a failed pull
-finishes the request with an error.
+finishes the request with an error. A KV that lands while a pull from another prefill is still in the
+decode's hands goes through the decode's intake first (preset `kv_intake_gbps`): one at a time, at the
+intake's rate, as the recorded 2P2D runs' decodes took in KV from two prefills.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from pdproxy.sim.kv import BlockPool, KVLeases, KVPuller, PullOutcome, RemoteKV
+from pdproxy.sim.kv import BlockPool, KVLeases, KVPuller, PullOutcome, RemoteKV, TransferLink
 from pdproxy.sim.metrics import SimMetrics
 from pdproxy.sim.prefix_cache import UNBOUNDED_BLOCKS, PrefixCache
 from pdproxy.sim.settings import SimSettings
@@ -144,6 +146,13 @@ class Engine:
         self.ready: collections.deque[Sequence] = collections.deque()  # KV loaded, one token to go
         self.running: list[Sequence] = []
         self.loading: set[Sequence] = set()
+        # several prefills feeding this decode at once: KV taken in one at a time (None: no such intake)
+        intake = p.kv_intake_gbps * 1e9 / settings.time_scale
+        self.intake = TransferLink(intake, 0.0, clock) if puller is not None and intake > 0 and not p.instant \
+            else None
+        self.taking_from: collections.Counter[str] = collections.Counter()  # prefill engine -> KVs in our hands
+        if self.intake is not None:  # same-GPU NIXL: the copy-in time-shares the GPU like a step
+            self.intake.share_gpu(self.gpu, self.gpu_slot)
         self._wakeup = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.steps = 0
@@ -217,6 +226,8 @@ class Engine:
             if stall_on_pull and self.loading:
                 # the KV being copied in holds the GPU for the transfer's own link time: no step now
                 until = max(seq.stalls_until for seq in self.loading)
+                if self.intake is not None and self.intake.in_flight:
+                    until = max(until, self.intake.busy_until)
                 if until > now:
                     ideal_end = None
                     await self.clock.sleep_until(until)
@@ -438,7 +449,14 @@ class Engine:
         assert seq.remote is not None and self.puller is not None
         if seq.pull_started is not None:
             seq.pull_started.set()
-        outcome = await self.puller.pull(seq.remote, fail=seq.kv_fail)
+        source = seq.remote.engine_id
+        self.taking_from[source] += 1
+        try:
+            outcome = await self.puller.pull(seq.remote, fail=seq.kv_fail)
+            if outcome.ok and self.intake is not None and seq.state is not FINISHED and self._fed_by_others(source):
+                await self.intake.transfer(outcome.nbytes)
+        finally:
+            self.taking_from[source] -= 1
         seq.pull = outcome
         if seq.state is FINISHED:
             return  # aborted during the pull; blocks already freed
@@ -457,6 +475,10 @@ class Engine:
             self._finish(seq, "error", self.clock.now(), error=f"KV load failed: {outcome.message}")
         self._publish()
         self._wake()
+
+    def _fed_by_others(self, source: str) -> bool:
+        """Whether a pull from another prefill is in flight or being taken in (the intake's condition)."""
+        return any(n > 0 for engine_id, n in self.taking_from.items() if engine_id != source)
 
     # ---- instant preset: no loop at all ----------------------------------------------------------
     def _run_instantly(self, seq: Sequence) -> None:

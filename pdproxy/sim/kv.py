@@ -198,9 +198,16 @@ class TransferLink:
         self.gpu: SharedGPU | None = None
         self.gpu_slot = 0
 
-    def share_gpu(self, gpu: SharedGPU | None) -> None:
+    def share_gpu(self, gpu: SharedGPU | None, slot: int | None = None) -> None:
+        """Copies on `gpu`, under an instance's own `slot` (a decode's intake: its copies do not stretch its
+        own steps, as between `pdproxy sim` processes) or a slot of their own."""
         if gpu is not None and gpu.weight > 0:
-            self.gpu, self.gpu_slot = gpu, gpu.slot()
+            self.gpu, self.gpu_slot = gpu, gpu.slot() if slot is None else slot
+
+    @property
+    def busy_until(self) -> float:
+        """When the transfers already queued on the link are through (latency not included)."""
+        return self._busy_until
 
     def duration(self, nbytes: int) -> float:
         return nbytes / self.bandwidth if self.bandwidth > 0 else 0.0

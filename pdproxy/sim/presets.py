@@ -74,6 +74,16 @@ class Preset:
     # on one GPU (1.5 s same-GPU transfers left the streams alone). On in the 2-GPU preset, whose link is
     # fitted so that the whole pull reproduces the 62 ms (benchmarks/sim_calibration.py checks it).
     kv_pull_stalls_decode: bool = False
+    # decode: its intake of a remote KV while several prefills feed it at once (GB/s; 0 = no such intake).
+    # A KV that lands while a pull from another prefill is still in the decode's hands (in flight or being
+    # taken in) is taken in one at a time, at this rate, before its request may step; with
+    # kv_pull_stalls_decode no step starts meanwhile. Seen in the recorded 2P2D runs on one H200
+    # (tests/fixtures/xpyd, run B): decode-0, fed by one prefill for its first 18 s, took every request into
+    # its engine queue within 30 ms (five pulls in flight); from the moment a second prefill fed it, requests
+    # waited up to 16 s before its engine queue (`decode_intake` in `pdproxy report`'s split), and run A's
+    # decodes, fed by both prefills from the start, 3-13 s. One prefill feeding a decode (vllm023 1P1D,
+    # 217 requests) never shows it. Sized by `pdproxy whatif --fit-run` on a recording with several prefills.
+    kv_intake_gbps: float = 0.0
     # several instances time-sharing one GPU's compute: each other instance stepping at the same time
     # stretches a step by this fraction (0: a GPU per instance; 1: full time-slicing). The simulator applies
     # it between `pdproxy sim` processes that share a --gpu-share-file; the what-if to every instance of a
@@ -96,6 +106,8 @@ H200_LLAMA8B = Preset(
     # 0.341 GB/s and 4.75 ms -> within +/-10.7 % at every measured point.
     kv_bandwidth_gbps=0.341,
     kv_latency_ms=4.75,
+    # run B's `pdproxy whatif --fit-run` (2P2D, four instances on one H200; run A's alone gives 0.12)
+    kv_intake_gbps=0.13,
     max_model_len=4608,
     block_size=16,
     # 0.9 x 141 GB - 16 GB weights - ~4 GB activations ~ 106 GB; 2 MiB per 16-token block.

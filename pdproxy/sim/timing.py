@@ -171,7 +171,8 @@ class SharedGPU:
         return sum(1 for s, until in self.busy_until.items() if s != slot and until > now)
 
     def mark(self, slot: int, until: float) -> None:
-        self.busy_until[slot] = until
+        """An instance's steps and the KV it copies in share its slot: busy until the later of the two."""
+        self.busy_until[slot] = max(self.busy_until.get(slot, 0.0), until)
 
     def stretch(self, slot: int, now: float, seconds: float) -> float:
         """The step's duration on the shared GPU, starting `now`; marks this instance busy for it."""

@@ -9,12 +9,17 @@ eight rounds, fewer once within 5 %; the best round is kept):
   is stretched by that fraction per other instance stepping (or sending KV) meanwhile; fitted on the tail
   ITL p99 (P/D), or on TTFT p50, p99 and tail ITL p99 together (single instances, whose TTFT is compute
   and queueing);
-* the KV link's bandwidth (P/D): transfers queue on the prefill's outgoing link; fitted on the KV wait
-  (the proxy's traces), else on the TTFT.
+* the KV path (P/D), fitted on the KV wait (the proxy's traces), else on the TTFT: where several prefills
+  feed a decode (P >= 2) and the preset has a decode intake, the intake's rate (`kv_intake_gbps`: a KV
+  landing while another prefill's pull is in the decode's hands is taken in one at a time; the recorded
+  2P2D runs' decodes waited seconds before their engine queue for it), the link staying the lone
+  transfer's; otherwise the prefill's outgoing link's bandwidth (transfers queue on it).
 
 Every candidate set-up is then predicted with the fitted parameters. What is fitted is a mechanism, so it
-carries to set-ups with other P:D ratios; a figure neither mechanism drives (the decode's intake before
-its engine queue, vLLM's scheduler jitter) stays as far off as the self-replay shows.
+carries to set-ups with other P:D ratios (the intake engages only where several prefills feed one decode,
+the link wherever KV moves); a figure neither mechanism drives (vLLM's scheduler jitter) stays as far off
+as the self-replay shows. A recording with no KV transfer (single instances) fits neither KV parameter:
+the preset's stand (the intake's is sized on run B, tests/fixtures/xpyd).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pdproxy.whatif.workload import Workload
 ROUNDS = 8
 GOOD_ENOUGH = 0.05  # worst error on GOAL at which the fit stops early
 MAX_SHARE = 4.0
+SHARE_MOVED = 0.15  # a move of the GPU sharing by more than this fraction voids the decode intake's bracket
 GOAL = ("TTFT p50", "TTFT p99", "tail ITL p99")  # the figures the fit is judged on
 
 
@@ -42,8 +48,17 @@ class RunFit:
 
     def to_dict(self) -> dict[str, Any]:
         p = self.params.preset
-        return {"gpu_share": p.gpu_share, "kv_bandwidth_gbps": p.kv_bandwidth_gbps, "rounds": self.rounds,
-                "best_round": self.best}
+        return {"gpu_share": p.gpu_share, "kv_bandwidth_gbps": p.kv_bandwidth_gbps,
+                "kv_intake_gbps": p.kv_intake_gbps, "rounds": self.rounds, "best_round": self.best}
+
+
+def kv_rate_field(setup: Setup, params: ModelParams) -> str | None:
+    """The KV rate a recording of `setup` can fit: the decode's intake where several prefills feed one
+    decode (it then sets the KV wait, the lone-transfer link does not), else the prefill's link; None
+    without KV transfers."""
+    if setup.mode != "pd":
+        return None
+    return "kv_intake_gbps" if setup.prefills >= 2 and params.preset.kv_intake_gbps > 0 else "kv_bandwidth_gbps"
 
 
 def _ratio(rec: dict[str, float | None], pred: dict[str, float | None], names: tuple[str, ...]) -> float | None:
@@ -60,6 +75,7 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
             rounds: int = ROUNDS) -> RunFit:
     rec = predict.figures(recorded)
     pd = setup.mode == "pd"
+    rate_field = kv_rate_field(setup, params)
     others = max(setup.gpus - 1, 1)
     preset = params.preset
     out = RunFit(params)
@@ -71,7 +87,7 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
         pred = predict.prediction_figures(predict.run_setup(workload, setup, trial))
         err = worst(rec, pred)
         out.rounds.append({"gpu_share": round(preset.gpu_share, 4), "kv_bandwidth_gbps": preset.kv_bandwidth_gbps,
-                           "figures": pred, "worst_error": err})
+                           "kv_intake_gbps": preset.kv_intake_gbps, "figures": pred, "worst_error": err})
         if err < best_err:
             best_err, out.params, out.best = err, trial, n
         if err <= GOOD_ENOUGH:
@@ -81,15 +97,19 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
         if compute is not None:
             stretch = (1.0 + preset.gpu_share * others) * compute
             changes["gpu_share"] = min(max((stretch - 1.0) / others, 0.0), MAX_SHARE)
-        bw = preset.kv_bandwidth_gbps
+        bw = getattr(preset, rate_field) if rate_field else 0.0
         link = _ratio(rec, pred, ("KV wait p50", "KV wait p99")) or _ratio(rec, pred, ("TTFT p50", "TTFT p99"))
-        if pd and bw > 0 and link is not None:
-            # the KV wait falls as the link gets faster, steeply near saturation: bisect once it is bracketed
-            if link > 1:  # recorded longer than predicted: slower link
+        if rate_field == "kv_intake_gbps" and abs(changes.get("gpu_share", preset.gpu_share) - preset.gpu_share) \
+                > SHARE_MOVED * max(preset.gpu_share, 0.1):
+            # the intake's copies run at the GPU's shared pace: what this replay said of its rate is void
+            slow = fast = None
+        elif rate_field and bw > 0 and link is not None:
+            # the KV wait falls as the rate rises, steeply near saturation: bisect once it is bracketed
+            if link > 1:  # recorded longer than predicted: slower
                 fast = bw if fast is None else min(fast, bw)
             else:
                 slow = bw if slow is None else max(slow, bw)
-            changes["kv_bandwidth_gbps"] = math.sqrt(slow * fast) if slow and fast else bw / link
+            changes[rate_field] = math.sqrt(slow * fast) if slow and fast else bw / link
         if not changes:
             break
         preset = replace(preset, **changes)
@@ -101,6 +121,11 @@ def render(fit: RunFit, setup: str) -> str:
     p = fit.params.preset
     r = fit.rounds[fit.best]
     return (f"Fitted to the whole recorded run ({setup}, {len(fit.rounds)} replays, best round {fit.best + 1}): "
-            f"GPU time-sharing {p.gpu_share:.2f} per other busy instance, KV link {p.kv_bandwidth_gbps:.3g} GB/s; "
+            f"GPU time-sharing {p.gpu_share:.2f} per other busy instance, KV link {p.kv_bandwidth_gbps:.3g} GB/s, "
+            f"decode intake {_intake(p.kv_intake_gbps)}; "
             f"worst self-replay error on {', '.join(GOAL)} {r['worst_error']:.0%} (in-sample: fitted on this "
             "recording; the cross-set-up validation in docs/whatif.md says how far it carries)")
+
+
+def _intake(gbps: float) -> str:
+    return f"{gbps:.3g} GB/s (while several prefills feed a decode)" if gbps > 0 else "none"
