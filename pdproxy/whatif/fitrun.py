@@ -10,7 +10,11 @@ eight rounds, fewer once within 5 %; the best round is kept):
   ITL p99 (P/D), or on TTFT p50, p99 and tail ITL p99 together (single instances, whose TTFT is compute
   and queueing);
 * the KV link's bandwidth (P/D): transfers queue on the prefill's outgoing link; fitted on the KV wait
-  (the proxy's traces), else on the TTFT.
+  (the proxy's traces), else on the TTFT;
+* `frontend_stream_ms` (single instances: vLLM's API server, pdproxy/sim/timing.py `FrontEnd`): a request's
+  intake takes that much longer per stream the server is serving; moved by the TTFT p50's miss over the
+  streams an instance serves (what the GPU sharing leaves of it), from the preset's value sized on the
+  recorded spans.
 
 Every candidate set-up is then predicted with the fitted parameters. What is fitted is a mechanism, so it
 carries to set-ups with other P:D ratios; a figure neither mechanism drives (the decode's intake before
@@ -29,6 +33,7 @@ from pdproxy.whatif.setups import Setup
 from pdproxy.whatif.workload import Workload
 
 ROUNDS = 8
+MAX_STREAM_MS = 10.0  # per stream: beyond it the front end would be a model of something else
 GOOD_ENOUGH = 0.05  # worst error on GOAL at which the fit stops early
 MAX_SHARE = 4.0
 GOAL = ("TTFT p50", "TTFT p99", "tail ITL p99")  # the figures the fit is judged on
@@ -42,8 +47,8 @@ class RunFit:
 
     def to_dict(self) -> dict[str, Any]:
         p = self.params.preset
-        return {"gpu_share": p.gpu_share, "kv_bandwidth_gbps": p.kv_bandwidth_gbps, "rounds": self.rounds,
-                "best_round": self.best}
+        return {"gpu_share": p.gpu_share, "kv_bandwidth_gbps": p.kv_bandwidth_gbps,
+                "frontend_stream_ms": p.frontend_stream_ms, "rounds": self.rounds, "best_round": self.best}
 
 
 def _ratio(rec: dict[str, float | None], pred: dict[str, float | None], names: tuple[str, ...]) -> float | None:
@@ -61,6 +66,7 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
     rec = predict.figures(recorded)
     pd = setup.mode == "pd"
     others = max(setup.gpus - 1, 1)
+    streams = _streams_per_instance(workload, setup)
     preset = params.preset
     out = RunFit(params)
     best_err = math.inf
@@ -71,13 +77,17 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
         pred = predict.prediction_figures(predict.run_setup(workload, setup, trial))
         err = worst(rec, pred)
         out.rounds.append({"gpu_share": round(preset.gpu_share, 4), "kv_bandwidth_gbps": preset.kv_bandwidth_gbps,
-                           "figures": pred, "worst_error": err})
+                           "frontend_stream_ms": round(preset.frontend_stream_ms, 3), "figures": pred,
+                           "worst_error": err})
         if err < best_err:
             best_err, out.params, out.best = err, trial, n
         if err <= GOOD_ENOUGH:
             break
+        front = None if pd else _front_stream_ms(preset.frontend_stream_ms, rec, pred, streams)
         compute = _ratio(rec, pred, ("tail ITL p99",) if pd else GOAL)
         changes: dict[str, Any] = {}
+        if front is not None:
+            changes["frontend_stream_ms"] = front
         if compute is not None:
             stretch = (1.0 + preset.gpu_share * others) * compute
             changes["gpu_share"] = min(max((stretch - 1.0) / others, 0.0), MAX_SHARE)
@@ -97,10 +107,26 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
     return out
 
 
+def _streams_per_instance(workload: Workload, setup: Setup) -> float:
+    """The streams one instance serves in the recorded run: its closed-loop clients, spread over the instances."""
+    clients = sum(c.concurrency or 0 for c in workload.classes)
+    return clients / max(setup.singles or setup.decodes, 1)
+
+
+def _front_stream_ms(current: float, rec: dict[str, float | None], pred: dict[str, float | None],
+                     streams: float) -> float | None:
+    """The front end's time per stream that closes the TTFT p50 miss (None: nothing to fit it on)."""
+    r, p = rec.get("TTFT p50"), pred.get("TTFT p50")
+    if not r or p is None or streams < 1:
+        return None
+    return min(max(current + (r - p) * 1e3 / streams, 0.0), MAX_STREAM_MS)
+
+
 def render(fit: RunFit, setup: str) -> str:
     p = fit.params.preset
     r = fit.rounds[fit.best]
     return (f"Fitted to the whole recorded run ({setup}, {len(fit.rounds)} replays, best round {fit.best + 1}): "
-            f"GPU time-sharing {p.gpu_share:.2f} per other busy instance, KV link {p.kv_bandwidth_gbps:.3g} GB/s; "
+            f"GPU time-sharing {p.gpu_share:.2f} per other busy instance, KV link {p.kv_bandwidth_gbps:.3g} GB/s, "
+            f"front end {p.frontend_stream_ms:.2f} ms per stream served; "
             f"worst self-replay error on {', '.join(GOAL)} {r['worst_error']:.0%} (in-sample: fitted on this "
             "recording; the cross-set-up validation in docs/whatif.md says how far it carries)")
