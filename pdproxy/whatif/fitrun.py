@@ -83,8 +83,9 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
             best_err, out.params, out.best = err, trial, n
         if err <= GOOD_ENOUGH:
             break
-        front = None if pd else _front_stream_ms(preset.frontend_stream_ms, rec, pred, streams)
-        compute = _ratio(rec, pred, ("tail ITL p99",) if pd else GOAL)
+        # time-sharing needs company: a lone instance's only free parameter here is its front end
+        compute = _ratio(rec, pred, ("tail ITL p99",) if pd else GOAL) if setup.gpus > 1 else None
+        front = None if pd else _front_stream_ms(preset.frontend_stream_ms, rec, pred, compute or 1.0, streams)
         changes: dict[str, Any] = {}
         if front is not None:
             changes["frontend_stream_ms"] = front
@@ -113,13 +114,14 @@ def _streams_per_instance(workload: Workload, setup: Setup) -> float:
     return clients / max(setup.singles or setup.decodes, 1)
 
 
-def _front_stream_ms(current: float, rec: dict[str, float | None], pred: dict[str, float | None],
+def _front_stream_ms(current: float, rec: dict[str, float | None], pred: dict[str, float | None], compute: float,
                      streams: float) -> float | None:
-    """The front end's time per stream that closes the TTFT p50 miss (None: nothing to fit it on)."""
+    """The front end's time per stream that closes what is left of the TTFT p50 miss once the compute is
+    stretched by `compute` (the GPU sharing's correction of the same round); None: nothing to fit it on."""
     r, p = rec.get("TTFT p50"), pred.get("TTFT p50")
     if not r or p is None or streams < 1:
         return None
-    return min(max(current + (r - p) * 1e3 / streams, 0.0), MAX_STREAM_MS)
+    return min(max(current + (r - p * compute) * 1e3 / streams, 0.0), MAX_STREAM_MS)
 
 
 def render(fit: RunFit, setup: str) -> str:
