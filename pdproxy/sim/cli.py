@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="per-request API-server latency before the engine queue (preset: 8 ms)")
     g.add_argument("--frontend-request-ms", type=float, default=None,
                    help="API-server intake work per request, done one request at a time: requests arriving "
-                        "together queue for it (preset: 2 ms)")
+                        "together queue for it (preset: 1 ms)")
     g.add_argument("--frontend-stream-ms", type=float, default=None,
                    help="extra API-server time of a request's intake per stream the instance is serving "
                         "(preset: 1 ms; recorded vLLM 0.23: ~11 ms beside 4 streams, ~23 ms beside 16)")
