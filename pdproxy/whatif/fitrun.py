@@ -72,6 +72,8 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
     best_err = math.inf
     slow: float | None = None  # the fastest link known to leave the KV wait too long
     fast: float | None = None  # the slowest link known to make it too short
+    short: float | None = None  # the largest front end per stream known to leave the TTFT p50 too short
+    long: float | None = None  # the smallest known to make it too long
     for n in range(rounds):
         trial = replace(params, preset=preset)
         pred = predict.prediction_figures(predict.run_setup(workload, setup, trial))
@@ -88,7 +90,13 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
         front = None if pd else _front_stream_ms(preset.frontend_stream_ms, rec, pred, compute or 1.0, streams)
         changes: dict[str, Any] = {}
         if front is not None:
-            changes["frontend_stream_ms"] = front
+            # the TTFT p50 jumps as clients fall in and out of step: bisect once it is bracketed
+            ms = preset.frontend_stream_ms
+            if front > ms:
+                short = ms if short is None else max(short, ms)
+            elif front < ms:
+                long = ms if long is None else min(long, ms)
+            changes["frontend_stream_ms"] = (short + long) / 2 if short is not None and long is not None else front
         if compute is not None:
             stretch = (1.0 + preset.gpu_share * others) * compute
             changes["gpu_share"] = min(max((stretch - 1.0) / others, 0.0), MAX_SHARE)
