@@ -39,7 +39,7 @@ SIM_LOOPBACK_MS = 2.0
 H200_KV_PULL_OVERHEAD_MS = 4.0
 # vLLM's API server under load (tests/fixtures/vllm023, `llm_request` spans: time to first token less the
 # engine's queue and prefill, i.e. arrival -> engine queue plus the first output's way back): 2.0-2.4 ms for
-# the lone calibration requests of 128-512 tokens (their intake work, done one at a time), 11.4 ms (median)
+# the lone calibration requests of 128-512 tokens, 11.4 ms (median)
 # beside the 1-GPU single's 4 streams and 23.1 ms beside the 2-GPU single's 16; plus the proxy-side HTTP
 # hops around it, 2.8 ms at 4 streams and 6.2 at 16. About 1 ms more per stream served. Of a lone request's
 # 2 ms about half is its intake (parsing; tokenising grows it by 0.4 ms per 1k prompt tokens), done one request
