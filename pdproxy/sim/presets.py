@@ -37,6 +37,15 @@ SIM_LOOPBACK_MS = 2.0
 # (decode front end 8 + this 4 + first step 4.8 + ~2 loopback + ~2 for the simulated read's
 # HTTP round trip), inside the measured 18-27 ms hand-off, which also held the toy proxy's time.
 H200_KV_PULL_OVERHEAD_MS = 4.0
+# vLLM's API server under load (tests/fixtures/vllm023, `llm_request` spans: time to first token less the
+# engine's queue and prefill, i.e. arrival -> engine queue plus the first output's way back): 2.0-2.4 ms for
+# the lone calibration requests of 128-512 tokens, 11.4 ms (median)
+# beside the 1-GPU single's 4 streams and 23.1 ms beside the 2-GPU single's 16; plus the proxy-side HTTP
+# hops around it, 2.8 ms at 4 streams and 6.2 at 16. About 1 ms more per stream served. Of a lone request's
+# 2 ms about half is its intake (parsing; tokenising grows it by 0.4 ms per 1k prompt tokens), done one request
+# at a time; the rest is the first output's way back, which does not hold the next request's intake.
+H200_FRONTEND_REQUEST_MS = 1.0
+H200_FRONTEND_STREAM_MS = 1.0
 
 
 def _prefill_points() -> Points:
@@ -89,6 +98,12 @@ class Preset:
     # it between `pdproxy sim` processes that share a --gpu-share-file; the what-if to every instance of a
     # set-up (all on the recorded GPUs). Fitted to a recording by `pdproxy whatif --fit-run`.
     gpu_share: float = 0.0
+    # vLLM's API server under load (pdproxy/sim/timing.py `FrontEnd`): each request's intake work, one at a
+    # time (requests arriving together queue for it), and the extra intake time per stream the server is
+    # serving meanwhile; a lone request still takes frontend_overhead_ms. `pdproxy whatif --fit-run` fits
+    # frontend_stream_ms to a single-instance recording's TTFT.
+    frontend_request_ms: float = 0.0
+    frontend_stream_ms: float = 0.0
     instant: bool = False  # no engine loop at all: every answer is produced immediately
     notes: tuple[str, ...] = field(default=())
 
@@ -99,6 +114,8 @@ H200_LLAMA8B = Preset(
     decode_step_ms=tuple(REAL_DECODE_ITL_MS.items()),
     prefill_extra_ms=_prefill_points(),
     frontend_overhead_ms=H200_FRONTEND_MS,
+    frontend_request_ms=H200_FRONTEND_REQUEST_MS,
+    frontend_stream_ms=H200_FRONTEND_STREAM_MS,
     kv_pull_overhead_ms=H200_KV_PULL_OVERHEAD_MS,
     # 32 layers x (K, V) x 8 KV heads x 128 dims x 2 bytes = 131072 B/token (16.8 MB per 128 tokens).
     kv_bytes_per_token=32 * 2 * 8 * 128 * 2,

@@ -30,7 +30,7 @@ from pdproxy.sim.protocol import (APIError, GenerationRequest, error_body, parse
                                   parse_json, parse_tokenize)
 from pdproxy.sim.render import DONE, Renderer, request_metrics, usage
 from pdproxy.sim.settings import SimSettings
-from pdproxy.sim.timing import GPUShareFile, PreciseClock, kv_bytes
+from pdproxy.sim.timing import FrontEnd, GPUShareFile, PreciseClock, kv_bytes
 from pdproxy.sim import tokens
 from pdproxy.sim.generation import Generation
 
@@ -93,7 +93,7 @@ class SimServer:
         self.link.share_gpu(self.gpu)  # the KV it sends keeps this instance busy on the shared GPU
         self.faults = FaultBook(s.faults, s.seed)
         self.journal = Journal(s.journal_size)
-        self.frontend_delay = s.scaled(s.preset.frontend_overhead_ms)
+        self.frontend = FrontEnd(s.preset, s.time_scale)  # the API server's time, growing with its load
         tokens.configure(s.tokens_per_word)
         self._engine_task: asyncio.Task[None] | None = None
         self.tracer = None
@@ -179,8 +179,9 @@ class SimServer:
         if hold_kv:
             target, reason = 1, "length"  # a prefill for a remote decode stops after one token
 
-        if self.frontend_delay:  # the API server's share of TTFT, parsing above included
-            await self.clock.sleep_until(arrival + faults.slow_start + self.frontend_delay)
+        frontend = self.frontend
+        if not s.instant:  # the API server's share of TTFT, parsing above included
+            await self.clock.sleep_until(arrival + faults.slow_start + frontend.intake(arrival + faults.slow_start))
         seq = Sequence(req.internal_id, req.prompt_tokens, target, reason, arrival, hold_kv=hold_kv,
                        remote=remote if self.puller else None, kv_fail=faults.kv_load_failure,
                        block_hashes=self._block_hashes(req, remote))
@@ -189,11 +190,13 @@ class SimServer:
             seq.num_computed = req.prompt_tokens - 1
         submitted = self.clock.now()
         self.engine.submit(seq)
+        frontend.streams += 1
         try:
             if req.stream:
                 return await self._stream(request, req, seq, faults)
             return await self._respond(request, req, seq, faults)
         finally:
+            frontend.streams -= 1
             if not seq.finished:
                 self.engine.abort(seq)  # client went away (handler cancelled) or the write failed
             elif self.tracer is not None and seq.finish_reason in ("length", "stop"):

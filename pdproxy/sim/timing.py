@@ -95,6 +95,41 @@ def kv_link_seconds(shape: KVLinkShape, tokens: int, time_scale: float = 1.0) ->
                                                                        time_scale)
 
 
+class FrontEndShape(Protocol):
+    """The preset fields the API server's time per request depends on."""
+
+    frontend_overhead_ms: float
+    frontend_request_ms: float
+    frontend_stream_ms: float
+
+
+class FrontEnd:
+    """vLLM's API server in front of one engine: the time from a request's arrival until the engine sees it.
+
+    It grows with the load the server carries (recorded vLLM 0.23, tests/fixtures/vllm023: the API server's
+    part of TTFT is ~2 ms for a lone request, 11 ms beside 4 streams and 23 ms beside 16), through two
+    mechanisms of one event loop: each request's own intake work (parsing, tokenisation) runs one at a time,
+    so requests arriving together wait for each other (`frontend_request_ms`, FIFO); and every stream it is
+    serving takes a turn of that loop for its tokens (detokenisation, the SSE write) before the new
+    request's next step comes round (`frontend_stream_ms` per stream in flight). A lone request takes
+    `frontend_overhead_ms`, as calibrated. The simulator's server and the what-if's instances both use it.
+    """
+
+    def __init__(self, shape: FrontEndShape, time_scale: float = 1.0) -> None:
+        scale = time_scale / 1000.0
+        self.fixed = shape.frontend_overhead_ms * scale
+        self.request = shape.frontend_request_ms * scale
+        self.per_stream = shape.frontend_stream_ms * scale
+        self.streams = 0  # requests between intake and their last chunk
+        self.busy_until = 0.0  # the intake work queued so far ends then
+
+    def intake(self, now: float) -> float:
+        """Seconds from arrival (`now`) until the engine sees the request; queues its intake work."""
+        start = max(now, self.busy_until)
+        self.busy_until = start + self.request
+        return start - now + self.fixed + self.per_stream * self.streams
+
+
 class PreciseClock:
     """`await clock.sleep_until(t)` on the `time.perf_counter()` timeline with sub-ms accuracy.
 

@@ -14,6 +14,10 @@ eight rounds, fewer once within 5 %; the best round is kept):
   landing while another prefill's pull is in the decode's hands is taken in one at a time; the recorded
   2P2D runs' decodes waited seconds before their engine queue for it), the link staying the lone
   transfer's; otherwise the prefill's outgoing link's bandwidth (transfers queue on it).
+* `frontend_stream_ms` (single instances: vLLM's API server, pdproxy/sim/timing.py `FrontEnd`): a request's
+  intake takes that much longer per stream the server is serving; moved by the TTFT p50's miss over the
+  streams an instance serves (what the GPU sharing leaves of it), from the preset's value sized on the
+  recorded spans.
 
 Every candidate set-up is then predicted with the fitted parameters. What is fitted is a mechanism, so it
 carries to set-ups with other P:D ratios (the intake engages only where several prefills feed one decode,
@@ -34,6 +38,7 @@ from pdproxy.whatif.setups import Setup
 from pdproxy.whatif.workload import Workload
 
 ROUNDS = 8
+MAX_STREAM_MS = 10.0  # per stream: beyond it the front end would be a model of something else
 GOOD_ENOUGH = 0.05  # worst error on GOAL at which the fit stops early
 MAX_SHARE = 4.0
 SHARE_MOVED = 0.15  # a move of the GPU sharing by more than this fraction voids the decode intake's bracket
@@ -49,7 +54,8 @@ class RunFit:
     def to_dict(self) -> dict[str, Any]:
         p = self.params.preset
         return {"gpu_share": p.gpu_share, "kv_bandwidth_gbps": p.kv_bandwidth_gbps,
-                "kv_intake_gbps": p.kv_intake_gbps, "rounds": self.rounds, "best_round": self.best}
+                "kv_intake_gbps": p.kv_intake_gbps,
+                "frontend_stream_ms": p.frontend_stream_ms, "rounds": self.rounds, "best_round": self.best}
 
 
 def kv_rate_field(setup: Setup, params: ModelParams) -> str | None:
@@ -77,23 +83,38 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
     pd = setup.mode == "pd"
     rate_field = kv_rate_field(setup, params)
     others = max(setup.gpus - 1, 1)
+    streams = _streams_per_instance(workload, setup)
     preset = params.preset
     out = RunFit(params)
     best_err = math.inf
     slow: float | None = None  # the fastest link known to leave the KV wait too long
     fast: float | None = None  # the slowest link known to make it too short
+    short: float | None = None  # the largest front end per stream known to leave the TTFT p50 too short
+    long: float | None = None  # the smallest known to make it too long
     for n in range(rounds):
         trial = replace(params, preset=preset)
         pred = predict.prediction_figures(predict.run_setup(workload, setup, trial))
         err = worst(rec, pred)
         out.rounds.append({"gpu_share": round(preset.gpu_share, 4), "kv_bandwidth_gbps": preset.kv_bandwidth_gbps,
-                           "kv_intake_gbps": preset.kv_intake_gbps, "figures": pred, "worst_error": err})
+                           "kv_intake_gbps": preset.kv_intake_gbps,
+                           "frontend_stream_ms": round(preset.frontend_stream_ms, 3),
+                           "figures": pred, "worst_error": err})
         if err < best_err:
             best_err, out.params, out.best = err, trial, n
         if err <= GOOD_ENOUGH:
             break
-        compute = _ratio(rec, pred, ("tail ITL p99",) if pd else GOAL)
+        # time-sharing needs company: a lone instance's only free parameter here is its front end
+        compute = _ratio(rec, pred, ("tail ITL p99",) if pd else GOAL) if setup.gpus > 1 else None
+        front = None if pd else _front_stream_ms(preset.frontend_stream_ms, rec, pred, compute or 1.0, streams)
         changes: dict[str, Any] = {}
+        if front is not None:
+            # the TTFT p50 jumps as clients fall in and out of step: bisect once it is bracketed
+            ms = preset.frontend_stream_ms
+            if front > ms:
+                short = ms if short is None else max(short, ms)
+            elif front < ms:
+                long = ms if long is None else min(long, ms)
+            changes["frontend_stream_ms"] = (short + long) / 2 if short is not None and long is not None else front
         if compute is not None:
             stretch = (1.0 + preset.gpu_share * others) * compute
             changes["gpu_share"] = min(max((stretch - 1.0) / others, 0.0), MAX_SHARE)
@@ -117,12 +138,29 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
     return out
 
 
+def _streams_per_instance(workload: Workload, setup: Setup) -> float:
+    """The streams one instance serves in the recorded run: its closed-loop clients, spread over the instances."""
+    clients = sum(c.concurrency or 0 for c in workload.classes)
+    return clients / max(setup.singles or setup.decodes, 1)
+
+
+def _front_stream_ms(current: float, rec: dict[str, float | None], pred: dict[str, float | None], compute: float,
+                     streams: float) -> float | None:
+    """The front end's time per stream that closes what is left of the TTFT p50 miss once the compute is
+    stretched by `compute` (the GPU sharing's correction of the same round); None: nothing to fit it on."""
+    r, p = rec.get("TTFT p50"), pred.get("TTFT p50")
+    if not r or p is None or streams < 1:
+        return None
+    return min(max(current + (r - p * compute) * 1e3 / streams, 0.0), MAX_STREAM_MS)
+
+
 def render(fit: RunFit, setup: str) -> str:
     p = fit.params.preset
     r = fit.rounds[fit.best]
     return (f"Fitted to the whole recorded run ({setup}, {len(fit.rounds)} replays, best round {fit.best + 1}): "
             f"GPU time-sharing {p.gpu_share:.2f} per other busy instance, KV link {p.kv_bandwidth_gbps:.3g} GB/s, "
-            f"decode intake {_intake(p.kv_intake_gbps)}; "
+            f"decode intake {_intake(p.kv_intake_gbps)}, "
+            f"front end {p.frontend_stream_ms:.2f} ms per stream served; "
             f"worst self-replay error on {', '.join(GOAL)} {r['worst_error']:.0%} (in-sample: fitted on this "
             "recording; the cross-set-up validation in docs/whatif.md says how far it carries)")
 

@@ -25,7 +25,7 @@ from pdproxy.sim.kv import PullOutcome, PullRejected, RemoteKV, TransferLink
 from pdproxy.sim.prefix_cache import block_hashes
 from pdproxy.sim.presets import SIM_LOOPBACK_MS, Preset
 from pdproxy.sim.settings import SimSettings
-from pdproxy.sim.timing import SharedGPU, kv_bytes
+from pdproxy.sim.timing import FrontEnd, SharedGPU, kv_bytes
 from pdproxy.whatif import virtual
 from pdproxy.whatif.setups import Setup
 from pdproxy.whatif.workload import Request, Workload
@@ -54,6 +54,7 @@ class Outcome:
     prefill_instance: str | None = None
     decode_instance: str | None = None
     queue: float = 0.0  # engine queue of the first leg
+    frontend: float = 0.0  # the API server's time of the leg that streams (pdproxy.sim.timing.FrontEnd)
     prefill_done: float | None = None  # P/D: the prefill's answer reached the proxy
     kv_queued: float | None = None  # P/D: wait for the prefill's link
     kv_transfer: float | None = None  # P/D: the transfer itself, queueing included
@@ -79,21 +80,29 @@ class _Instance:
         self.link = TransferLink(bandwidth if bandwidth > 0 else 0.0, self.settings.scaled(preset.kv_latency_ms),
                                  clock)  # type: ignore[arg-type]
         self.link.share_gpu(cluster.gpu)
-        self.frontend = self.settings.scaled(preset.frontend_overhead_ms)
+        self.frontend = FrontEnd(preset, self.settings.time_scale)
         self.loopback = cluster.params.loopback_ms / 1000.0
 
     async def generate(self, request_id: str, prompt_tokens: int, target: int, hashes: list[int],
-                       hold_kv: bool = False, remote: RemoteKV | None = None) -> Sequence:
-        """One HTTP leg, as SimServer.generate times it: transit, front end, engine until done."""
+                       hold_kv: bool = False, remote: RemoteKV | None = None) -> tuple[Sequence, float]:
+        """One HTTP leg, as SimServer.generate times it: transit, front end, engine until done.
+
+        Also returns the leg's front-end time (the API server's, loopback not included)."""
         arrival = self.clock.now()
-        await self.clock.sleep(self.loopback + self.frontend)
-        seq = Sequence(request_id, prompt_tokens, target, "length", arrival, hold_kv=hold_kv, remote=remote,
-                       block_hashes=[] if remote is not None else hashes)
-        self.engine.submit(seq)
-        waiter = seq.wait(target)
-        if waiter is not None:
-            await waiter
-        return seq
+        await self.clock.sleep(self.loopback)
+        frontend = self.frontend.intake(self.clock.now())
+        await self.clock.sleep(frontend)
+        self.frontend.streams += 1
+        try:
+            seq = Sequence(request_id, prompt_tokens, target, "length", arrival, hold_kv=hold_kv, remote=remote,
+                           block_hashes=[] if remote is not None else hashes)
+            self.engine.submit(seq)
+            waiter = seq.wait(target)
+            if waiter is not None:
+                await waiter
+        finally:
+            self.frontend.streams -= 1
+        return seq, frontend
 
 
 class _Puller:
@@ -206,7 +215,7 @@ class _Cluster:
         if prefill is not None:
             prefill.inflight += 1
             try:
-                pseq = await prefill.generate(f"{req.request_id}-p", req.prompt_tokens, 1, hashes, hold_kv=True)
+                pseq, _ = await prefill.generate(f"{req.request_id}-p", req.prompt_tokens, 1, hashes, hold_kv=True)
             finally:
                 prefill.inflight -= 1
             out.queue = (pseq.scheduled_at or pseq.queued_at) - pseq.queued_at
@@ -220,7 +229,7 @@ class _Cluster:
         times = self.tokens[rid] = out.token_times
         decode.inflight += 1
         try:
-            dseq = await decode.generate(rid, req.prompt_tokens, req.output_tokens, hashes, remote=remote)
+            dseq, out.frontend = await decode.generate(rid, req.prompt_tokens, req.output_tokens, hashes, remote=remote)
         finally:
             decode.inflight -= 1
             self.tokens.pop(rid, None)
