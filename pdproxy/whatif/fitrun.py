@@ -58,6 +58,25 @@ class RunFit:
                 "frontend_stream_ms": p.frontend_stream_ms, "rounds": self.rounds, "best_round": self.best}
 
 
+@dataclass
+class Bracket:
+    """The search for a parameter whose figure moves one way with it: each replay proposes a value; once one
+    value is known to be too low and another too high, the next is the middle of the two instead."""
+
+    geometric: bool = False  # the middle of a rate spanning decades is its geometric mean
+    low: float | None = None  # the largest value known to be too low
+    high: float | None = None  # the smallest value known to be too high
+
+    def next(self, current: float, proposed: float) -> float:
+        if proposed > current:
+            self.low = current if self.low is None else max(self.low, current)
+        elif proposed < current:
+            self.high = current if self.high is None else min(self.high, current)
+        if self.low is None or self.high is None:
+            return proposed
+        return math.sqrt(self.low * self.high) if self.geometric else (self.low + self.high) / 2
+
+
 def kv_rate_field(setup: Setup, params: ModelParams) -> str | None:
     """The KV rate a recording of `setup` can fit: the decode's intake where several prefills feed one
     decode (it then sets the KV wait, the lone-transfer link does not), else the prefill's link; None
@@ -87,10 +106,10 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
     preset = params.preset
     out = RunFit(params)
     best_err = math.inf
-    slow: float | None = None  # the fastest link known to leave the KV wait too long
-    fast: float | None = None  # the slowest link known to make it too short
-    short: float | None = None  # the largest front end per stream known to leave the TTFT p50 too short
-    long: float | None = None  # the smallest known to make it too long
+    # the TTFT p50 jumps as clients fall in and out of step, and the KV wait falls steeply near the link's
+    # saturation: both parameters are bisected once bracketed rather than moved by their ratio again
+    front_search = Bracket()
+    rate_search = Bracket(geometric=True)
     for n in range(rounds):
         trial = replace(params, preset=preset)
         pred = predict.prediction_figures(predict.run_setup(workload, setup, trial))
@@ -108,13 +127,7 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
         front = None if pd else _front_stream_ms(preset.frontend_stream_ms, rec, pred, compute or 1.0, streams)
         changes: dict[str, Any] = {}
         if front is not None:
-            # the TTFT p50 jumps as clients fall in and out of step: bisect once it is bracketed
-            ms = preset.frontend_stream_ms
-            if front > ms:
-                short = ms if short is None else max(short, ms)
-            elif front < ms:
-                long = ms if long is None else min(long, ms)
-            changes["frontend_stream_ms"] = (short + long) / 2 if short is not None and long is not None else front
+            changes["frontend_stream_ms"] = front_search.next(preset.frontend_stream_ms, front)
         if compute is not None:
             stretch = (1.0 + preset.gpu_share * others) * compute
             changes["gpu_share"] = min(max((stretch - 1.0) / others, 0.0), MAX_SHARE)
@@ -123,14 +136,10 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
         if rate_field == "kv_intake_gbps" and abs(changes.get("gpu_share", preset.gpu_share) - preset.gpu_share) \
                 > SHARE_MOVED * max(preset.gpu_share, 0.1):
             # the intake's copies run at the GPU's shared pace: what this replay said of its rate is void
-            slow = fast = None
+            rate_search = Bracket(geometric=True)
         elif rate_field and bw > 0 and link is not None:
-            # the KV wait falls as the rate rises, steeply near saturation: bisect once it is bracketed
-            if link > 1:  # recorded longer than predicted: slower
-                fast = bw if fast is None else min(fast, bw)
-            else:
-                slow = bw if slow is None else max(slow, bw)
-            changes[rate_field] = math.sqrt(slow * fast) if slow and fast else bw / link
+            # recorded longer than predicted (link > 1): slower
+            changes[rate_field] = rate_search.next(bw, bw / link)
         if not changes:
             break
         preset = replace(preset, **changes)
