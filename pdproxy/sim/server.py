@@ -190,13 +190,13 @@ class SimServer:
             seq.num_computed = req.prompt_tokens - 1
         submitted = self.clock.now()
         self.engine.submit(seq)
-        frontend.streams += 1
+        frontend.in_flight += 1
         try:
             if req.stream:
                 return await self._stream(request, req, seq, faults)
             return await self._respond(request, req, seq, faults)
         finally:
-            frontend.streams -= 1
+            frontend.in_flight -= 1
             if not seq.finished:
                 self.engine.abort(seq)  # client went away (handler cancelled) or the write failed
             elif self.tracer is not None and seq.finish_reason in ("length", "stop"):

@@ -111,7 +111,8 @@ class FrontEnd:
     mechanisms of one event loop: each request's own intake work (parsing, tokenisation) runs one at a time,
     so requests arriving together wait for each other (`frontend_request_ms`, FIFO); and every stream it is
     serving takes a turn of that loop for its tokens (detokenisation, the SSE write) before the new
-    request's next step comes round (`frontend_stream_ms` per stream in flight). A lone request takes
+    request's next step comes round (`frontend_stream_ms` per request in flight, counted from its intake:
+    a request still in prefill is a stream about to start). A lone request takes
     `frontend_overhead_ms`, as calibrated. The simulator's server and the what-if's instances both use it.
     """
 
@@ -120,14 +121,14 @@ class FrontEnd:
         self.fixed = shape.frontend_overhead_ms * scale
         self.request = shape.frontend_request_ms * scale
         self.per_stream = shape.frontend_stream_ms * scale
-        self.streams = 0  # requests between intake and their last chunk
+        self.in_flight = 0  # requests between intake and their last chunk: the streams it serves or is about to
         self.busy_until = 0.0  # the intake work queued so far ends then
 
     def intake(self, now: float) -> float:
         """Seconds from arrival (`now`) until the engine sees the request; queues its intake work."""
         start = max(now, self.busy_until)
         self.busy_until = start + self.request
-        return start - now + self.fixed + self.per_stream * self.streams
+        return start - now + self.fixed + self.per_stream * self.in_flight
 
 
 class PreciseClock:

@@ -92,7 +92,7 @@ class _Instance:
         await self.clock.sleep(self.loopback)
         frontend = self.frontend.intake(self.clock.now())
         await self.clock.sleep(frontend)
-        self.frontend.streams += 1
+        self.frontend.in_flight += 1
         try:
             seq = Sequence(request_id, prompt_tokens, target, "length", arrival, hold_kv=hold_kv, remote=remote,
                            block_hashes=[] if remote is not None else hashes)
@@ -101,7 +101,7 @@ class _Instance:
             if waiter is not None:
                 await waiter
         finally:
-            self.frontend.streams -= 1
+            self.frontend.in_flight -= 1
         return seq, frontend
 
 
