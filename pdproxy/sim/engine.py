@@ -188,6 +188,18 @@ class Engine:
         self.loading.discard(seq)
         self._finish(seq, "abort", self.clock.now())
 
+    def kill(self, message: str) -> None:
+        """The instance's process died (the what-if replaying a recorded failure): its KV pulls stop, the KV it
+        held for decodes is gone, it stops sharing the GPU, and every request in it fails. The caller stops
+        `run()`."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self.leases is not None:
+            self.leases.release_all()
+        if self.gpu is not None:
+            self.gpu.leave(self.gpu_slot, self.clock.now())
+        self._fail_all(message)
+
     def _wake(self) -> None:
         self._wakeup.set()
 

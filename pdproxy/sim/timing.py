@@ -210,6 +210,11 @@ class SharedGPU:
         """An instance's steps and the KV it copies in share its slot: busy until the later of the two."""
         self.busy_until[slot] = max(self.busy_until.get(slot, 0.0), until)
 
+    def leave(self, slot: int, now: float) -> None:
+        """The instance in `slot` stopped (the what-if's replay of a killed instance): from `now` on it stretches
+        no one's steps."""
+        self.busy_until[slot] = min(self.busy_until.get(slot, 0.0), now)
+
     def stretch(self, slot: int, now: float, seconds: float) -> float:
         """The step's duration on the shared GPU, starting `now`; marks this instance busy for it."""
         if seconds <= 0:

@@ -28,8 +28,9 @@ from pdproxy import policies
 from pdproxy.bench import html, records, table, traces
 from pdproxy.bench.report_cli import add_slo_arguments, slo_from, write_outputs
 from pdproxy.sim.presets import DEFAULT_PRESET, PRESETS
-from pdproxy.whatif import predict, recorded as recorded_run, setups
-from pdproxy.whatif.model import ModelParams
+from pdproxy.config import Settings
+from pdproxy.whatif import failures, predict, recorded as recorded_run, setups
+from pdproxy.whatif.model import Death, ModelParams
 from pdproxy.whatif.workload import Workload, WorkloadError, load, warm_from
 
 CALIBRATED_NOTE = ("calibrated on the given spans: the stated error is the shipped presets'; replaying a run's own "
@@ -64,9 +65,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--max-model-len", type=int, help="as the recorded instances had it (default: the recording's, "
                                                      "else the preset's)")
     m.add_argument("--num-gpu-blocks", type=int, help="KV blocks per instance (default: the preset's)")
-    m.add_argument("--policy", default=None, help="single set-ups' routing policy (default cache_aware)")
-    m.add_argument("--prefill-policy", default=None, help="P/D prefill routing policy (default cache_aware)")
-    m.add_argument("--decode-policy", default=None, help="P/D decode routing policy (default load_aware)")
+    m.add_argument("--policy", default=None, help="single set-ups' routing policy (default: as a recording of single "
+                                                  "instances names it on its spans, else cache_aware)")
+    m.add_argument("--prefill-policy", default=None, help="P/D prefill routing policy (default: as a P/D recording "
+                                                          "names it, else cache_aware)")
+    m.add_argument("--decode-policy", default=None, help="P/D decode routing policy (default: as a P/D recording "
+                                                         "names it, else load_aware)")
+    m.add_argument("--migrate-mid-stream", action="store_true",
+                   help="the proxy continues a stream whose decode dies on another decode (pdproxy's flag; matters "
+                        "only when the recording shows an instance dying)")
     m.add_argument("--calibrate", action="store_true",
                    help="fit prefill, decode and KV-transfer curves from the --traces' vLLM spans, print the fit "
                         "and its residuals, and predict with it (default: the preset)")
@@ -138,7 +145,9 @@ def choose_preset(args: argparse.Namespace, wl: Workload, idx: traces.TraceIndex
     return DEFAULT_PRESET
 
 
-def model_params(args: argparse.Namespace, wl: Workload, preset_name: str) -> ModelParams:
+def model_params(args: argparse.Namespace, wl: Workload, preset_name: str,
+                 routing: dict[str, str] | None = None) -> ModelParams:
+    """`routing`: the recorded proxy's policies per leg (recorded.routing), the defaults the flags override."""
     preset = PRESETS[preset_name]
     over: dict[str, Any] = {}
     mml = args.max_model_len or wl.max_model_len
@@ -151,12 +160,18 @@ def model_params(args: argparse.Namespace, wl: Workload, preset_name: str) -> Mo
         if preset.num_gpu_blocks and -(-preset.max_model_len // preset.block_size) > preset.num_gpu_blocks:
             raise setups.SetupError(f"max-model-len {preset.max_model_len} does not fit in {preset.num_gpu_blocks} "
                                     "KV blocks: raise --num-gpu-blocks (vLLM refuses to start in this case too)")
-    chosen = {"single_policy": args.policy or "cache_aware", "prefill_policy": args.prefill_policy or "cache_aware",
-              "decode_policy": args.decode_policy or "load_aware"}
+    rec = setups.recorded(wl.conditions)
+    found = recorded_run.policies(routing or {}, rec.mode) if rec is not None else {}
+    chosen = {"single_policy": "cache_aware", "prefill_policy": "cache_aware", "decode_policy": "load_aware", **found}
+    if found:
+        wl.notes.append("routing as the recorded proxy's spans name it (pd.route.policy): "
+                        + ", ".join(f"{k.removesuffix('_policy')} {v}" for k, v in found.items()))
+    flags = {"single_policy": args.policy, "prefill_policy": args.prefill_policy, "decode_policy": args.decode_policy}
+    chosen.update({k: v for k, v in flags.items() if v})
     for name in chosen.values():
         if name not in policies.POLICIES:
             raise setups.SetupError(f"unknown routing policy {name!r}; choose one of {', '.join(policies.POLICIES)}")
-    return ModelParams(preset, **chosen)
+    return ModelParams(preset, **chosen, proxy=Settings(migrate_mid_stream=args.migrate_mid_stream))
 
 
 def _one(job: tuple[Workload, setups.Setup, ModelParams]) -> predict.Prediction:
@@ -212,8 +227,18 @@ def run(args: argparse.Namespace) -> int:
                             "KV wait (self-replay) and the preset, and serve --calibrate")
         gpus, chosen = choose_setups(args, wl)
         idx = traces.read_traces(args.traces) if args.traces else None
-        params = model_params(args, wl, choose_preset(args, wl, idx))
+        params = model_params(args, wl, choose_preset(args, wl, idx), recorded_run.routing(idx) if idx else None)
         recorded = recorded_run.entry(args.records[0] if args.records else None, idx)
+        rec_setup = next((s for s in chosen if s.recorded), None)
+        deaths: tuple[Death, ...] = ()
+        if idx is not None and rec_setup is not None:
+            found, notes = failures.read(idx, wl, rec_setup.mode)
+            deaths = tuple(found)
+            wl.notes.extend(notes)
+            if deaths:
+                wl.notes.append("an instance failure is the run's, not its set-up's: the set-ups compared, the "
+                                "recorded one included, are predicted without it; the self-replay (and the fit) "
+                                "replay it")
         if not args.records:
             wl.notes.append("self-replay against the proxy's traces: TTFT (time to first chunk), per-request max ITL "
                             "(pd.itl.max) and the KV wait as the proxy saw them")
@@ -226,7 +251,6 @@ def run(args: argparse.Namespace) -> int:
             params = replace(params, preset=calibration.preset)
         wl.check(params.preset.max_model_len)
         fitted = None
-        rec_setup = next((s for s in chosen if s.recorded), None)
         if args.fit_run is None and args.preset is None and recorded_preset(wl, idx) == params.preset.name:
             args.fit_run = False  # simulated instances: their timings are the preset's, what misses is the host's
             wl.notes.append("not fitted to the run: the recording names the simulator's preset, whose timings the "
@@ -239,11 +263,12 @@ def run(args: argparse.Namespace) -> int:
         elif args.fit_run is not False and rec_setup is not None and recorded is not None:
             from pdproxy.whatif import fitrun
 
-            fitted = fitrun.fit_run(wl, rec_setup, params, recorded)
+            fitted = fitrun.fit_run(wl, rec_setup, params, recorded, deaths=deaths)
             err.print(fitrun.render(fitted, rec_setup.name))
             params = fitted.params
         preds = predictions(wl, chosen, params, args.jobs)
-        rep = predict.build_report(wl, preds, slo=slo_from(args), recorded=recorded)
+        replayed = predict.run_setup(wl, rec_setup, params, deaths) if deaths and rec_setup is not None else None
+        rep = predict.build_report(wl, preds, slo=slo_from(args), recorded=recorded, replayed=replayed)
         if calibration is not None:
             rep["whatif"]["calibration"] = calibration.to_dict()
             rep["whatif"]["calibration_notes"] = [CALIBRATED_NOTE]

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdproxy.whatif import predict
-from pdproxy.whatif.model import ModelParams
+from pdproxy.whatif.model import Death, ModelParams
 from pdproxy.whatif.setups import Setup
 from pdproxy.whatif.workload import Workload
 
@@ -97,7 +97,9 @@ def worst(rec: dict[str, float | None], pred: dict[str, float | None]) -> float:
 
 
 def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dict[str, Any],
-            rounds: int = ROUNDS) -> RunFit:
+            rounds: int = ROUNDS, deaths: tuple[Death, ...] = ()) -> RunFit:
+    """`deaths`: the instances the recorded run lost (pdproxy/whatif/failures.py), replayed in every round so
+    that the capacity they took with them is not fitted into the parameters."""
     rec = predict.figures(recorded)
     pd = setup.mode == "pd"
     rate_field = kv_rate_field(setup, params)
@@ -112,7 +114,7 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
     rate_search = Bracket(geometric=True)
     for n in range(rounds):
         trial = replace(params, preset=preset)
-        pred = predict.prediction_figures(predict.run_setup(workload, setup, trial))
+        pred = predict.prediction_figures(predict.run_setup(workload, setup, trial, deaths))
         err = worst(rec, pred)
         out.rounds.append({"gpu_share": round(preset.gpu_share, 4), "kv_bandwidth_gbps": preset.kv_bandwidth_gbps,
                            "kv_intake_gbps": preset.kv_intake_gbps,

@@ -13,12 +13,15 @@ does: prefill and decode instance chosen when the request is admitted, in-flight
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdproxy import policies
+from pdproxy.config import Settings
+from pdproxy.legs import MAX_BACKOFF
 from pdproxy.policies.load_aware import LoadAware, Reading
 from pdproxy.sim.engine import Engine, Sequence
 from pdproxy.sim.kv import PullOutcome, PullRejected, RemoteKV, TransferLink
@@ -39,6 +42,44 @@ class ModelParams:
     decode_policy: str = "load_aware"
     policy_params: dict[str, Any] = field(default_factory=dict)
     loopback_ms: float = SIM_LOOPBACK_MS  # one HTTP leg's cost (request and first answer), left out of the curves
+    # the proxy's retries, ejection, health checks and --migrate-mid-stream: what it does when an instance dies
+    proxy: Settings = field(default_factory=Settings)
+
+
+@dataclass(frozen=True)
+class Death:
+    """An instance that dies (its process killed) `at` seconds into the replay: `role` prefill, decode or single,
+    `index` its place in its pool. Its requests' connections break; the proxy does the rest (`_Cluster.serve`)."""
+
+    role: str
+    index: int
+    at: float
+
+
+class _Failed(Exception):
+    """The request fails: the proxy has no attempt left (the client gets this error)."""
+
+
+class _Broken(Exception):
+    """One leg's connection failed because its instance is dead; `reached`: the instance had the request (a
+    decode may have read its KV), else the connection was refused."""
+
+    def __init__(self, message: str, reached: bool) -> None:
+        super().__init__(message)
+        self.reached = reached
+
+
+class _Budget:
+    """pdproxy.migration.Budget on the virtual clock: attempts left, and until when."""
+
+    def __init__(self, retries: int, deadline: float) -> None:
+        self.left, self.deadline = retries, deadline
+
+    def take(self, now: float) -> bool:
+        if self.left <= 0 or now >= self.deadline:
+            return False
+        self.left -= 1
+        return True
 
 
 @dataclass
@@ -82,16 +123,45 @@ class _Instance:
         self.link.share_gpu(cluster.gpu)
         self.frontend = FrontEnd(preset, self.settings.time_scale)
         self.loopback = cluster.params.loopback_ms / 1000.0
+        self.task: asyncio.Future[None] | None = None  # the engine's step loop
+        # what pdproxy's pool knows of it (pdproxy/pool.py): dead, found down by a health check, ejected
+        self.dead = False
+        self.probe_failed = False
+        self.failures = 0  # failures in a row it is to blame for
+        self.ejections = 0
+        self.ejected_until = 0.0
+
+    def available(self, now: float) -> bool:
+        return not self.probe_failed and now >= self.ejected_until
+
+    def die(self, health_check_interval: float) -> None:
+        """The process is killed: its engine stops, every request in it fails with a broken connection, and the
+        proxy's next health check (every `health_check_interval` s) finds it down."""
+        self.dead = True
+        if self.task is not None:
+            self.task.cancel()
+        self.engine.kill(f"instance {self.address} died")
+        now = self.clock.now()
+        if self.link.gpu is not None:
+            self.link.gpu.leave(self.link.gpu_slot, now)
+        if health_check_interval > 0:
+            check = (math.floor(now / health_check_interval) + 1) * health_check_interval
+            asyncio.get_running_loop().call_at(check, setattr, self, "probe_failed", True)
 
     async def generate(self, request_id: str, prompt_tokens: int, target: int, hashes: list[int],
                        hold_kv: bool = False, remote: RemoteKV | None = None) -> tuple[Sequence, float]:
         """One HTTP leg, as SimServer.generate times it: transit, front end, engine until done.
 
-        Also returns the leg's front-end time (the API server's, loopback not included)."""
+        Also returns the leg's front-end time (the API server's, loopback not included). Raises `_Broken` when
+        the instance is dead or dies before the leg is done."""
+        if self.dead:
+            raise _Broken(f"{self.address} is unreachable (connection refused)", reached=False)
         arrival = self.clock.now()
         await self.clock.sleep(self.loopback)
         frontend = self.frontend.intake(self.clock.now())
         await self.clock.sleep(frontend)
+        if self.dead:
+            raise _Broken(f"{self.address} dropped the connection", reached=True)
         self.frontend.in_flight += 1
         try:
             seq = Sequence(request_id, prompt_tokens, target, "length", arrival, hold_kv=hold_kv, remote=remote,
@@ -102,6 +172,8 @@ class _Instance:
                 await waiter
         finally:
             self.frontend.in_flight -= 1
+        if self.dead and seq.finish_reason not in ("length", "stop"):
+            raise _Broken(f"{self.address} broke the stream (its process died)", reached=True)
         return seq, frontend
 
 
@@ -122,6 +194,8 @@ class _Puller:
             # the overhead, then the simulated read's HTTP round trip (both in `pdproxy sim`'s hand-off)
             await self.clock.sleep(self.overhead + self.cluster.params.loopback_ms / 1000.0)
             prefill = self.cluster.by_engine[remote.engine_id]
+            if prefill.dead:
+                return PullOutcome(False, reason="unreachable", message=f"cannot read KV from {prefill.address}")
             leases = prefill.engine.leases
             assert leases is not None
             try:
@@ -134,6 +208,8 @@ class _Puller:
             finally:
                 if not lease.stale:
                     leases.release(lease.request_id)
+            if prefill.dead:
+                return PullOutcome(False, reason="unreachable", message=f"{prefill.address} died during the read")
             self.cluster.transfers[remote.request_id] = (queued, total)
             return PullOutcome(True, nbytes=nbytes, seconds=total)
         finally:
@@ -198,63 +274,171 @@ class _Cluster:
                         time.monotonic())  # wall time: the policy judges staleness by it, and it is fresh
             await asyncio.sleep(interval)
 
+    # -- pdproxy's pools (pdproxy/pool.py) and retries (pdproxy/legs.py), on the virtual clock ----------------------
+    def _choose(self, policy: Any, pool: list[_Instance], view: policies.RequestView | None,
+                exclude: _Instance | None = None) -> _Instance:
+        """`Pool.candidates` then the policy: the instances in rotation, else those that pass their health check
+        (panic routing), `exclude` (the one that just failed) only when nothing else is left."""
+        now = self.clock.now()
+        others = [i for i in pool if i is not exclude]
+        found = [i for i in others if i.available(now)] or [i for i in others if not i.probe_failed]
+        if not found and exclude is not None and not exclude.probe_failed:
+            found = [exclude]
+        if not found:
+            raise _Failed(f"no healthy {pool[0].role} instance available (all fail their health checks)")
+        chosen, _ = policy.choose(found, view)
+        return chosen  # type: ignore[no-any-return]
+
+    def _charge(self, pool: list[_Instance], inst: _Instance) -> None:
+        """`Pool.failed`: ejected after --eject-after-failures in a row, while the pool's share allows."""
+        p = self.params.proxy
+        inst.failures += 1
+        now = self.clock.now()
+        if not p.eject_after_failures or inst.failures < p.eject_after_failures or now < inst.ejected_until:
+            return
+        if sum(now < i.ejected_until for i in pool) >= min(len(pool) - 1, int(len(pool) * p.max_ejection_percent / 100)):
+            return
+        inst.ejections += 1
+        inst.ejected_until = now + p.eject_seconds * min(inst.ejections, 6)
+        inst.failures = 0
+
+    async def _retry(self, policy: Any, pool: list[_Instance], failed: _Instance, budget: _Budget, tries: int,
+                     why: str) -> _Instance:
+        """`legs.retry`: the instance for the next attempt, after the backoff (its mean: no jitter)."""
+        self._charge(pool, failed)
+        if not budget.take(self.clock.now()):
+            raise _Failed(why)
+        chosen = self._choose(policy, pool, None, exclude=failed)
+        p = self.params.proxy
+        await self.clock.sleep(min(p.retry_backoff * 2 ** (tries - 1), MAX_BACKOFF))
+        return chosen
+
+    async def _prefill(self, rid: str, prompt_tokens: int, hashes: list[int], inst: _Instance) -> tuple[_Instance,
+                                                                                                     Sequence]:
+        """The prefill leg, retried on another prefill when it fails (--prefill-retries)."""
+        budget, tries = None, 1
+        while True:
+            inst.inflight += 1
+            try:
+                seq, _ = await inst.generate(f"{rid}{tries}", prompt_tokens, 1, hashes, hold_kv=True)
+                why = None if seq.held_blocks is not None else (seq.error or "prefill returned no KV")
+            except _Broken as exc:
+                why = str(exc)
+            finally:
+                inst.inflight -= 1
+            if why is None:
+                inst.failures = inst.ejections = 0
+                return inst, seq
+            budget = budget or _Budget(self.params.proxy.prefill_retries, math.inf)
+            inst = await self._retry(self.prefill_policy, self.prefills, inst, budget, tries, why)
+            tries += 1
+
     async def serve(self, req: Request, seq_no: int) -> Outcome:
-        clock = self.clock
-        out = Outcome(req, seq_no, clock.now())
+        out = Outcome(req, seq_no, self.clock.now())
+        try:
+            await self._serve(req, out)
+        except _Failed as exc:
+            out.error = str(exc)
+        return out
+
+    async def _serve(self, req: Request, out: Outcome) -> None:
+        """pdproxy's P/D flow (pdproxy/pd.py): place, prefill, decode; a decode that fails before its first token
+        is retried on another decode, with a new prefill when the failed one may have read the KV; one that
+        breaks after it goes on elsewhere with --migrate-mid-stream, else the request fails."""
+        clock, p = self.clock, self.params.proxy
         ids = req.token_ids()
         view = policies.RequestView({"prompt": ids})
         hashes = block_hashes(ids, self.preset.block_size) if self.preset.block_size else []
         prefill = None
         if self.prefill_policy is not None:
-            prefill, _ = self.prefill_policy.choose(self.prefills, view)
-        assert self.decode_policy is not None
-        decode, _ = self.decode_policy.choose(self.decodes, view)
+            prefill = self._choose(self.prefill_policy, self.prefills, view)
+        decode = self._choose(self.decode_policy, self.decodes, view)
         out.prefill_instance = prefill.address if prefill else None
-        out.decode_instance = decode.address
-        remote = None
+        prompt, target, legs = req.prompt_tokens, req.output_tokens, 0
+        remote, pseq = None, None
+
+        async def prefill_on(inst: _Instance) -> tuple[_Instance, RemoteKV]:
+            nonlocal pseq, legs
+            legs += 1
+            inst, pseq = await self._prefill(f"{req.request_id}-p{legs}.", prompt, hashes, inst)
+            assert pseq.held_blocks is not None
+            return inst, RemoteKV(inst.settings.engine_id, pseq.request_id, pseq.held_blocks, inst.address, 0,
+                                  prompt, 1)
+
         if prefill is not None:
-            prefill.inflight += 1
-            try:
-                pseq, _ = await prefill.generate(f"{req.request_id}-p", req.prompt_tokens, 1, hashes, hold_kv=True)
-            finally:
-                prefill.inflight -= 1
+            prefill, remote = await prefill_on(prefill)
+            assert pseq is not None
             out.queue = (pseq.scheduled_at or pseq.queued_at) - pseq.queued_at
             out.prefill_done = clock.now()  # the leg's one loopback (request and answer) was paid at its start
-            if pseq.held_blocks is None:
-                out.error = pseq.error or "prefill returned no KV"
-                return out
-            remote = RemoteKV(prefill.settings.engine_id, pseq.request_id, pseq.held_blocks, prefill.address, 0,
-                              req.prompt_tokens, 1)
-        rid = f"{req.request_id}-d"
-        times = self.tokens[rid] = out.token_times
-        decode.inflight += 1
-        try:
-            dseq, out.frontend = await decode.generate(rid, req.prompt_tokens, req.output_tokens, hashes, remote=remote)
-        finally:
-            decode.inflight -= 1
-            self.tokens.pop(rid, None)
-        if dseq.finish_reason not in ("length", "stop"):
-            out.error = dseq.error or f"finished with {dseq.finish_reason}"
-            return out
+        times = out.token_times
+        budget = _Budget(p.decode_retries, clock.now() + p.decode_deadline)
+        tries, spent = 1, False  # spent: a failed decode may have read the hand-off's KV, never given out again
+        while True:
+            if spent and prefill is not None:
+                prefill, remote = await prefill_on(self._choose(self.prefill_policy, self.prefills, None,
+                                                                exclude=prefill))
+                spent = False
+            legs += 1
+            rid, before = f"{req.request_id}-d{legs}", len(times)
+            self.tokens[rid] = times
+            decode.inflight += 1
+            try:
+                dseq, out.frontend = await decode.generate(rid, prompt, target, hashes, remote=remote)
+                why = None if dseq.finish_reason in ("length", "stop") else (dseq.error or
+                                                                             f"finished with {dseq.finish_reason}")
+                reached = True
+            except _Broken as exc:
+                why, reached = str(exc), exc.reached
+            finally:
+                decode.inflight -= 1
+                self.tokens.pop(rid, None)
+            if why is None:
+                decode.failures = decode.ejections = 0
+                break
+            got = len(times) - before
+            if not got:  # before its first token: nothing reached the client (pd.py `_decode`)
+                spent = spent or reached
+                decode = await self._retry(self.decode_policy, self.decodes, decode, budget, tries, why)
+                tries += 1
+                continue
+            # mid-stream (pd.py `_migrate`): the prompt and the tokens delivered prefilled anew, the rest decoded
+            self._charge(self.decodes, decode)
+            if not p.migrate_mid_stream or not budget.take(clock.now()):
+                raise _Failed(why)
+            prompt, target = prompt + got, target - got
+            if prefill is not None:
+                prefill, remote = await prefill_on(self._choose(self.prefill_policy, self.prefills, None))
+            decode = self._choose(self.decode_policy, self.decodes, None, exclude=decode)
+        out.decode_instance = decode.address
         if prefill is None:
             out.queue = (dseq.scheduled_at or dseq.queued_at) - dseq.queued_at
         else:
             out.decode_queue = (dseq.scheduled_at or dseq.queued_at) - dseq.arrival
-            q = self.transfers.pop(f"{req.request_id}-p", None)
+            assert pseq is not None
+            q = self.transfers.pop(pseq.request_id, None)
             if q is not None:
                 out.kv_queued, out.kv_transfer = q
         out.first_token = times[0] if times else None
         out.end = clock.now()
-        return out
 
 
-async def _replay(workload: Workload, setup: Setup, params: ModelParams, clock: virtual.VirtualClock) -> list[Outcome]:
+async def _replay(workload: Workload, setup: Setup, params: ModelParams, clock: virtual.VirtualClock,
+                  deaths: tuple[Death, ...]) -> list[Outcome]:
     cluster = _Cluster(setup, params, clock)
     for req in workload.warm_prompts():
         hashes = block_hashes(req.token_ids(), cluster.preset.block_size) if cluster.preset.block_size else []
         for inst in cluster.instances:
             inst.engine.warm(hashes)
-    engines = [asyncio.ensure_future(i.engine.run()) for i in cluster.instances]
+    engines = []
+    for inst in cluster.instances:
+        inst.task = asyncio.ensure_future(inst.engine.run())
+        engines.append(inst.task)
+    loop = asyncio.get_running_loop()
+    for death in deaths:
+        pool = cluster.prefills if death.role == "prefill" else cluster.decodes
+        if death.index >= len(pool):
+            raise ValueError(f"set-up {setup.name} has no {death.role} instance #{death.index} to die")
+        loop.call_at(death.at, pool[death.index].die, params.proxy.health_check_interval)
     feeder = asyncio.ensure_future(cluster.feed_load())
     outcomes: list[Outcome] = []
     counter = iter(range(1 << 62))
@@ -301,9 +485,10 @@ async def _replay(workload: Workload, setup: Setup, params: ModelParams, clock: 
     return outcomes
 
 
-def simulate(workload: Workload, setup: Setup, params: ModelParams) -> list[Outcome]:
-    """Replay `workload` on `setup` in virtual time; one outcome per request sent."""
-    return virtual.run(lambda clock: _replay(workload, setup, params, clock))
+def simulate(workload: Workload, setup: Setup, params: ModelParams, deaths: tuple[Death, ...] = ()) -> list[Outcome]:
+    """Replay `workload` on `setup` in virtual time, with the instances in `deaths` dying on the way; one outcome
+    per request sent."""
+    return virtual.run(lambda clock: _replay(workload, setup, params, clock, deaths))
 
 
 def median_gap(out: Outcome) -> float | None:

@@ -18,7 +18,7 @@ from pdproxy.bench import report as bench_report, stats
 from pdproxy.bench.records import Run
 from pdproxy.bench.traces import TraceIndex, TraceInfo
 from pdproxy.bench.verdict import Slo, decide
-from pdproxy.whatif.model import ModelParams, Outcome, median_gap, simulate
+from pdproxy.whatif.model import Death, ModelParams, Outcome, median_gap, simulate
 from pdproxy.whatif.setups import Setup
 from pdproxy.whatif.workload import Workload
 
@@ -142,9 +142,9 @@ def prediction_figures(pred: Prediction) -> dict[str, float | None]:
             "KV wait p50": kv["p50"], "KV wait p99": kv["p99"], "completed": float(len(ok))}
 
 
-def run_setup(workload: Workload, setup: Setup, params: ModelParams) -> Prediction:
-    outcomes = simulate(workload, setup, params)
-    label = setup.name + (" (recorded)" if setup.recorded else "")
+def run_setup(workload: Workload, setup: Setup, params: ModelParams, deaths: tuple[Death, ...] = ()) -> Prediction:
+    outcomes = simulate(workload, setup, params, deaths)
+    label = setup.name + (" (recorded)" if setup.recorded else "") + (", its lost instances dying" if deaths else "")
     recs = [_record(o, label, workload.warmup_seconds) for o in outcomes]
     infos = {}
     for o, rec in zip(outcomes, recs):
@@ -250,10 +250,20 @@ def _label(c: dict[str, Any]) -> str:
     return c["criterion"] + (f" vs {c['baseline']}" if c.get("baseline") else "")
 
 
+def replay_entry(pred: Prediction) -> dict[str, Any]:
+    """One prediction's report entry on its own: the recorded set-up replayed with the failures of its run,
+    which the self-replay checks and no verdict compares."""
+    idx = TraceIndex()
+    idx.by_request.update(pred.traces)
+    return bench_report.build([pred.run], idx, unit="chunk", verdict=False)["runs"][0]
+
+
 def build_report(workload: Workload, predictions: list[Prediction], slo: Slo | None = None,
-                 errors: dict[str, float] = EXPECTED_ERROR, recorded: dict[str, Any] | None = None) -> dict[str, Any]:
+                 errors: dict[str, float] = EXPECTED_ERROR, recorded: dict[str, Any] | None = None,
+                 replayed: Prediction | None = None) -> dict[str, Any]:
     """The predicted runs as `pdproxy report` builds them; `recorded` (the recording's own report entry)
-    turns on the self-replay check of the recorded set-up's prediction."""
+    turns on the self-replay check of the recorded set-up's prediction, or of `replayed` when the recorded run
+    lost instances (the recorded set-up with those failures; the predictions compared run without them)."""
     idx = TraceIndex()
     for p in predictions:
         idx.by_request.update(p.traces)
@@ -270,7 +280,9 @@ def build_report(workload: Workload, predictions: list[Prediction], slo: Slo | N
     entries = report["runs"]
     base_i = next((i for i, p in enumerate(predictions) if p.setup.recorded), None)
     base = entries[base_i if base_i is not None else 0]
-    replay = self_replay(recorded, entries[base_i], errors) if recorded is not None and base_i is not None else None
+    replay = None
+    if recorded is not None and base_i is not None:
+        replay = self_replay(recorded, replay_entry(replayed) if replayed is not None else entries[base_i], errors)
     misfit = replay["misfit"] if replay else []
     verdicts = []
     for e in entries:

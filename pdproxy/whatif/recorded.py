@@ -7,6 +7,7 @@ end-to-end time and per-request ITL summary (`pd.itl.*`), its KV wait from `pd.k
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from pdproxy.bench import records, report as bench_report, traces
@@ -40,3 +41,23 @@ def entry(bench: str | None, idx: traces.TraceIndex | None) -> dict[str, Any] | 
     if bench:
         return bench_report.build([records.read_run(bench)], idx, verdict=False)["runs"][0]
     return from_traces(idx) if idx is not None else None
+
+
+def routing(idx: traces.TraceIndex) -> dict[str, str]:
+    """The routing policy of each leg (prefill, decode) as the recorded proxy named it on the leg's span
+    (`pd.route.policy`): the self-replay routes as the run did. Legs whose spans say nothing are left out."""
+    seen: dict[str, Counter[str]] = {}
+    for info in idx.by_request.values():
+        for leg in ("prefill", "decode"):
+            policy = (info.stage_attrs.get(leg) or {}).get("pd.route.policy")
+            if isinstance(policy, str):
+                seen.setdefault(leg, Counter())[policy] += 1
+    return {leg: counts.most_common(1)[0][0] for leg, counts in seen.items()}
+
+
+def policies(routing: dict[str, str], mode: str) -> dict[str, str]:
+    """The model's policy fields (`ModelParams`) the recorded routing sets: P/D legs as recorded; a run of single
+    instances routes with its decode pool's policy."""
+    if mode == "single":
+        return {"single_policy": routing["decode"]} if "decode" in routing else {}
+    return {f"{leg}_policy": policy for leg, policy in routing.items()}

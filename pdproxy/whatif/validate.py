@@ -13,8 +13,8 @@ from typing import Any
 
 from pdproxy.bench import records, report as bench_report, traces
 from pdproxy.sim.presets import PRESETS
-from pdproxy.whatif import predict, recorded as recorded_run, setups, workload
-from pdproxy.whatif.model import ModelParams
+from pdproxy.whatif import failures, predict, recorded as recorded_run, setups, workload
+from pdproxy.whatif.model import Death, ModelParams
 
 FIGURES = predict.FIGURES
 
@@ -81,28 +81,53 @@ def source_workload(case: Case) -> workload.Workload:
     return wl
 
 
+def _proxy_traces(files: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(t for t in files if "vllm-spans" not in t)
+
+
+def lost(wl: workload.Workload, setup: setups.Setup, trace_files: tuple[str, ...]) -> tuple[Death, ...]:
+    """The instances the run of `wl` lost, from its proxy's traces (pdproxy/whatif/failures.py)."""
+    if not trace_files:
+        return ()
+    return tuple(failures.read(traces.read_traces(list(trace_files)), wl, setup.mode)[0])
+
+
 def fitted(case: Case, params: ModelParams) -> ModelParams:
-    """The model fitted to the source run as a whole (`pdproxy whatif --fit-run`), never to the target."""
+    """The model fitted to the source run as a whole (`pdproxy whatif --fit-run`), never to the target; the
+    source run's failures replayed as the fit's replays do."""
     from pdproxy.whatif import fitrun
 
     wl = source_workload(case)
     own = setups.recorded(wl.conditions)
     if own is None:
         raise ValueError(f"{case.source}: its conditions do not say its set-up")
-    proxy_traces = tuple(t for t in case.source_traces if "vllm-spans" not in t)
-    return fitrun.fit_run(wl, own, params, recorded_entry(case.source, proxy_traces)).params
+    proxy_traces = _proxy_traces(case.source_traces)
+    return fitrun.fit_run(wl, own, params, recorded_entry(case.source, proxy_traces),
+                          deaths=lost(wl, own, proxy_traces)).params
+
+
+def case_params(case: Case, preset: Any) -> ModelParams:
+    """The preset with the source run's routing, as `pdproxy whatif` reads it from the proxy's spans."""
+    own = setups.recorded(records.read_run(case.source).conditions)
+    files = _proxy_traces(case.source_traces)
+    routing = recorded_run.routing(traces.read_traces(list(files))) if files and own is not None else {}
+    return ModelParams(preset, **(recorded_run.policies(routing, own.mode) if own is not None else {}))
 
 
 def run_case(case: Case, calibrate: bool = False, fit: bool = False) -> list[Row]:
+    """The target run as the model predicts it from the source's workload: the target set-up with the target
+    run's own failures (a recording with a failure is compared with a replay of it)."""
     wl = source_workload(case)
     target = records.read_run(case.target)
     preset = replace(PRESETS[case.preset], **dict(case.overrides))
     if calibrate:
         preset = calibrated(case, preset)
-    params = ModelParams(preset)
+    params = case_params(case, preset)
     if fit:
         params = fitted(case, params)
-    pred = predict.run_setup(wl, target_setup(case, target), params)
+    setup = target_setup(case, target)
+    deaths = lost(workload.from_bench(case.target), setup, _proxy_traces(case.target_traces))
+    pred = predict.run_setup(wl, setup, params, deaths)
     recorded = recorded_entry(case.target, case.target_traces)
     predicted = predict.build_report(wl, [pred])["runs"][0]
     return [Row(case.name, name, get(recorded), get(predicted)) for name, get in FIGURES]
