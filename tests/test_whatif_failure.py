@@ -116,3 +116,17 @@ def test_cli_says_what_the_recording_lost_and_predicts_the_set_ups_without_it(tm
     rep = json.loads(out.read_text())
     assert rep["whatif"]["self_replay"]["setup"] == "2P2D (recorded), its lost instances dying"
     assert [e["label"] for e in rep["runs"]] == ["2P2D (recorded)", "1P3D"]
+
+
+def test_round_robin_pairs_fit_the_link_not_the_intake():
+    """Round robin on pools of one size feeds each decode from one prefill: the decodes' intake never engages in
+    a healthy run, so a recording of it can fit only the link (run B fitted the intake before, which the lost
+    decode's queue then filled)."""
+    from pdproxy.whatif.fitrun import kv_rate_field
+
+    preset = PRESETS["h200-llama8b"]
+    rr = ModelParams(preset, prefill_policy="round_robin", decode_policy="round_robin")
+    assert kv_rate_field(setups.parse_setup("2P2D"), rr) == "kv_bandwidth_gbps"
+    assert kv_rate_field(setups.parse_setup("2P1D"), rr) == "kv_intake_gbps"  # one decode fed by two prefills
+    assert kv_rate_field(setups.parse_setup("2P2D"), ModelParams(preset)) == "kv_intake_gbps"  # load_aware decodes
+    assert kv_rate_field(setups.parse_setup("1P3D"), ModelParams(preset)) == "kv_bandwidth_gbps"

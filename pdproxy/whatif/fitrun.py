@@ -80,10 +80,13 @@ class Bracket:
 def kv_rate_field(setup: Setup, params: ModelParams) -> str | None:
     """The KV rate a recording of `setup` can fit: the decode's intake where several prefills feed one
     decode (it then sets the KV wait, the lone-transfer link does not), else the prefill's link; None
-    without KV transfers."""
+    without KV transfers. Round robin on pools of one size pairs each decode with one prefill (the two
+    rotations turn together: run B), so no decode is fed by several until an instance dies."""
     if setup.mode != "pd":
         return None
-    return "kv_intake_gbps" if setup.prefills >= 2 and params.preset.kv_intake_gbps > 0 else "kv_bandwidth_gbps"
+    paired = setup.prefills == setup.decodes and params.prefill_policy == params.decode_policy == "round_robin"
+    several = setup.prefills >= 2 and not paired
+    return "kv_intake_gbps" if several and params.preset.kv_intake_gbps > 0 else "kv_bandwidth_gbps"
 
 
 def _ratio(rec: dict[str, float | None], pred: dict[str, float | None], names: tuple[str, ...]) -> float | None:
