@@ -114,7 +114,7 @@ def test_cli_says_what_the_recording_lost_and_predicts_the_set_ups_without_it(tm
     assert "lost decode instance 127.0.0.1:8201 at 17.1 s" in r.stdout
     assert "routing as the recorded proxy's spans name it" in r.stdout and "round_robin" in r.stdout
     rep = json.loads(out.read_text())
-    assert rep["whatif"]["self_replay"]["setup"] == "2P2D (recorded), its lost instances dying"
+    assert rep["whatif"]["self_replay"]["setup"] == "2P2D (recorded, its failures replayed)"
     assert [e["label"] for e in rep["runs"]] == ["2P2D (recorded)", "1P3D"]
 
 

@@ -144,7 +144,8 @@ def prediction_figures(pred: Prediction) -> dict[str, float | None]:
 
 def run_setup(workload: Workload, setup: Setup, params: ModelParams, deaths: tuple[Death, ...] = ()) -> Prediction:
     outcomes = simulate(workload, setup, params, deaths)
-    label = setup.name + (" (recorded)" if setup.recorded else "") + (", its lost instances dying" if deaths else "")
+    label = setup.name + {(True, False): " (recorded)", (True, True): " (recorded, its failures replayed)",
+                          (False, True): " (its failures replayed)"}.get((setup.recorded, bool(deaths)), "")
     recs = [_record(o, label, workload.warmup_seconds) for o in outcomes]
     infos = {}
     for o, rec in zip(outcomes, recs):
