@@ -162,7 +162,8 @@ def model_params(args: argparse.Namespace, wl: Workload, preset_name: str,
                                     "KV blocks: raise --num-gpu-blocks (vLLM refuses to start in this case too)")
     rec = setups.recorded(wl.conditions)
     found = recorded_run.policies(routing or {}, rec.mode) if rec is not None else {}
-    chosen = {"single_policy": "cache_aware", "prefill_policy": "cache_aware", "decode_policy": "load_aware", **found}
+    chosen: dict[str, Any] = {"single_policy": "cache_aware", "prefill_policy": "cache_aware",
+                              "decode_policy": "load_aware", **found}
     if found:
         wl.notes.append("routing as the recorded proxy's spans name it (pd.route.policy): "
                         + ", ".join(f"{k.removesuffix('_policy')} {v}" for k, v in found.items()))

@@ -55,7 +55,7 @@ def routing(idx: traces.TraceIndex) -> dict[str, str]:
     return {leg: counts.most_common(1)[0][0] for leg, counts in seen.items()}
 
 
-def policies(routing: dict[str, str], mode: str) -> dict[str, str]:
+def policies(routing: dict[str, str], mode: str) -> dict[str, Any]:
     """The model's policy fields (`ModelParams`) the recorded routing sets: P/D legs as recorded; a run of single
     instances routes with its decode pool's policy."""
     if mode == "single":
