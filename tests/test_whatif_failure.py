@@ -145,3 +145,18 @@ def test_run_b_fitted_self_replay_within_15_percent_with_its_death():
     rows = {r.figure: r.error for r in validate.run_case(case, fit=True)}
     for figure in ("TTFT p50", "TTFT p99", "tail ITL p99"):
         assert abs(rows[figure]) <= 0.15, (figure, rows)
+
+
+def test_the_last_decode_dying_fails_what_follows_and_the_replay_ends():
+    """1P1D losing its decode: every request after fails (no healthy decode, as pdproxy answers 503), and a
+    closed loop of such requests still runs out its recorded duration instead of spinning at one instant."""
+    reqs = [Request(f"c{i}", "loop", i, 0.0, 600, 20) for i in range(4)]
+    wl = Workload("test", [ClassPlan("loop", 2, reqs)], duration=7.0)  # the health check at 5 s finds it down
+    params = ModelParams(replace(PRESETS["h200-llama8b"], gpu_share=0.0))
+    outs = simulate(wl, setups.parse_setup("1P1D"), params, (Death("decode", 0, 1.0),))
+    before = [o for o in outs if o.end is not None and o.end <= 1.0]
+    after = [o for o in outs if o.start > 1.0]
+    assert before and all(o.error is None for o in before)
+    assert after and all(o.error is not None for o in after)
+    assert any("no healthy decode instance" in (o.error or "") for o in after)  # once the health check found it
+    assert max(o.start for o in outs) < 7.0 + 0.01

@@ -339,6 +339,9 @@ class _Cluster:
             await self._serve(req, out)
         except _Failed as exc:
             out.error = str(exc)
+            # the proxy's error answer takes a round trip too: a closed-loop client whose every request fails
+            # at once (no instance left) must not stop the clock
+            await self.clock.sleep(max(self.params.loopback_ms / 1000.0, 0.001))
         return out
 
     async def _serve(self, req: Request, out: Outcome) -> None:
