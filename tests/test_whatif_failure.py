@@ -160,3 +160,11 @@ def test_the_last_decode_dying_fails_what_follows_and_the_replay_ends():
     assert after and all(o.error is not None for o in after)
     assert any("no healthy decode instance" in (o.error or "") for o in after)  # once the health check found it
     assert max(o.start for o in outs) < 7.0 + 0.01
+
+
+def test_a_dead_prefill_is_retried_on_the_other_one():
+    """A prefill that dies: its legs are retried on the other prefill (--prefill-retries), and nothing fails."""
+    outs = run(deaths=(Death("prefill", 0, DIES_AT),))
+    assert all(o.error is None for o in outs)
+    late = [o for o in outs if o.start > DIES_AT]
+    assert late and all(o.prefill_instance == "prefill-1" for o in late)

@@ -356,7 +356,6 @@ class _Cluster:
         if self.prefill_policy is not None:
             prefill = self._choose(self.prefill_policy, self.prefills, view)
         decode = self._choose(self.decode_policy, self.decodes, view)
-        out.prefill_instance = prefill.address if prefill else None
         prompt, target, legs = req.prompt_tokens, req.output_tokens, 0
         remote, pseq = None, None
 
@@ -370,6 +369,7 @@ class _Cluster:
 
         if prefill is not None:
             prefill, remote = await prefill_on(prefill)
+            out.prefill_instance = prefill.address  # where it succeeded, as pdproxy's pd.prefill.instance says
             assert pseq is not None
             out.queue = (pseq.scheduled_at or pseq.queued_at) - pseq.queued_at
             out.prefill_done = clock.now()  # the leg's one loopback (request and answer) was paid at its start
