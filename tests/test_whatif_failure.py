@@ -168,3 +168,26 @@ def test_a_dead_prefill_is_retried_on_the_other_one():
     assert all(o.error is None for o in outs)
     late = [o for o in outs if o.start > DIES_AT]
     assert late and all(o.prefill_instance == "prefill-1" for o in late)
+
+
+def test_an_instance_that_serves_again_after_a_failure_did_not_die():
+    from pdproxy.bench.engine_spans import SpanEvent
+    from pdproxy.telemetry import names
+
+    def info(rid: str, start: float, decode: str, failed_on: str | None = None) -> traces.TraceInfo:
+        host, port = (failed_on or ":").split(":")
+        events = [SpanEvent(1000.0 + start + 0.5, names.ATTEMPT_EVENT, {
+            "server.address": host, "server.port": int(port), "vllm.request_phase": "decode",
+            names.MIGRATION_REASON: "stream_broken"})] if failed_on else []
+        return traces.TraceInfo(trace_id=rid, request_id=rid, root_name="x", attrs={"pd.decode.instance": decode},
+                                resource={}, start=1000.0 + start, stage_times={"decode": (1000.0 + start, 0.0)},
+                                stage_events={"decode": events})
+
+    wl = Workload("t", [ClassPlan("c", None, [Request(f"r{i}", "c", i, float(i), 100, 10) for i in range(3)])])
+    idx = traces.TraceIndex()
+    idx.by_request = {"r0": info("r0", 0.0, "h:1"), "r1": info("r1", 1.0, "h:1", failed_on="h:2"),
+                      "r2": info("r2", 2.0, "h:2")}
+    assert failures.read(idx, wl, "pd") == ([], [])  # h:2 served r2 after r1's broken stream: a blip
+    del idx.by_request["r2"]
+    deaths, _ = failures.read(idx, wl, "pd")
+    assert deaths == [Death("decode", 1, 1.5)]  # h:2, first used by r1 after h:1, died at r1's failure
