@@ -7,7 +7,9 @@ outgoing link) and its timing functions. What `pdproxy sim` adds around them (HT
 rendering) is replaced by the same delays it costs there: the preset's front-end time and one
 loopback per HTTP leg. Routing uses pdproxy's policies (pdproxy.policies) exactly as the proxy
 does: prefill and decode instance chosen when the request is admitted, in-flight counts per leg,
-`load_aware` fed the engines' waiting/running/KV-usage every `load_metrics_interval` seconds.
+`load_aware` fed the engines' waiting/running/KV-usage every `load_metrics_interval` seconds. An instance may
+die mid-replay (`Death`, a recorded run's failure): the proxy then retries, ejects and health-checks as pdproxy
+does (pd.py, legs.py, pool.py), with pdproxy's own settings.
 """
 
 from __future__ import annotations
