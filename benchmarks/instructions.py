@@ -16,8 +16,10 @@ against CPython's). It ranks changes of the same code, tracing on against off ex
 vllm-router it is a second opinion, not issue 32's CPU target itself.
 
 Run: python benchmarks/instructions.py [--pdproxy-path TREE] [--baseline-path TREE]
-         [--targets pdproxy pdproxy-off vllm-router] [--rounds 2] [--duration 12]
-(needs valgrind: `apt-get install valgrind`)
+         [--targets pdproxy pdproxy-off vllm-router] [--rounds 2] [--duration 12] [--keep DIR]
+(needs valgrind: `apt-get install valgrind`). Its work directory (logs, callgrind dumps) is removed
+after a run that succeeds and kept, its path printed, after one that fails; `--keep DIR` keeps it at DIR
+for `callgrind_annotate` (each target's count between the marks is DIR/<target>.cg.2, of its last round).
 """
 
 from __future__ import annotations
@@ -85,16 +87,18 @@ def main() -> int:
     p.add_argument("--warmup", type=float, default=4.0)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--min-requests", type=int, default=200, help="fewer counted requests than this fails the run")
+    p.add_argument("--keep", metavar="DIR", help="keep the logs and callgrind dumps in DIR (else removed unless the "
+                   "run fails)")
     args = p.parse_args()
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         print("valgrind is not installed (apt-get install valgrind)", file=sys.stderr)
         return 2
     targets = harness.with_baseline(args.targets, args.baseline_path)
-    bench = harness.Bench(tempfile.mkdtemp(prefix="pdproxy-instr-"), pdproxy_path=args.pdproxy_path,
-                          baseline_path=args.baseline_path)
-    bench.start_upstreams()
+    work = args.keep or tempfile.mkdtemp(prefix="pdproxy-instr-")
+    bench = harness.Bench(work, pdproxy_path=args.pdproxy_path, baseline_path=args.baseline_path)
     counts: dict[str, list[float]] = {name: [] for name in targets}
     try:
+        bench.start_upstreams()
         for round_, name in harness.interleaved(targets, args.rounds):
             per_request, requests = measure(bench, name, args)
             if requests < args.min_requests:
@@ -102,8 +106,13 @@ def main() -> int:
             counts[name].append(per_request)
             print(f"round {round_ + 1} {name:20s} {per_request / 1e3:8.1f} k instructions/request "
                   f"({requests} requests)", flush=True)
+    except BaseException:
+        print(f"the run failed: its logs and dumps are kept in {work}", file=sys.stderr)
+        raise
     finally:
         bench.stop_all()
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
     print(f"\nInstructions per request (user space, callgrind), 8-token streams at concurrency {args.concurrency}, "
           f"median of {args.rounds} runs:")
     print("| target | k instructions / request (runs) | / vllm-router |\n|---|---:|---:|")
