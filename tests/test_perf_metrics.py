@@ -2,7 +2,7 @@
 
 import random
 
-from pdproxy.telemetry.metrics import HistogramSeries
+from pdproxy.telemetry.metrics import HistogramSeries, Stamp
 from pdproxy.telemetry.names import GAP_BUCKETS
 
 
@@ -12,8 +12,11 @@ def test_sorted_bulk_observation_matches_one_by_one():
         values = [rng.choice([rng.random() * 0.05, rng.choice(GAP_BUCKETS), rng.random() * 100, 0.0])
                   for _ in range(rng.randint(0, 300))]
         one, bulk = HistogramSeries(GAP_BUCKETS), HistogramSeries(GAP_BUCKETS)
+        stamp = Stamp("t", 1.0)
         for v in values:
-            one.observe(v)
-        bulk.observe_sorted(sorted(values))
+            one.observe(v, stamp if v == max(values) else None)
+        bulk.observe_sorted(sorted(values), stamp)
         assert bulk.counts == one.counts
         assert abs(bulk.sum - one.sum) < 1e-9
+        # the exemplar on the largest value's bucket, as observing it alone would put it
+        assert (bulk.stamps, bulk.values) == (one.stamps, one.values)

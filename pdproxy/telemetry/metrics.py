@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, ProcessCollector, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -47,19 +47,27 @@ ProxyLoad = Callable[[], tuple[int, int]]
 
 
 class Stamp:
-    """An exemplar's labels and unix time: one per request, shared by its observations. A class, not a
-    tuple: compiled, a fixed-shape tuple is unboxed when narrowed and boxed again (a new tuple, a new
-    float) each time a bucket keeps it; an instance is kept by reference."""
+    """An exemplar's trace id and unix time: one per request, shared by its observations; its labels
+    are made when a scrape asks for them. A class, not a tuple: compiled, a fixed-shape tuple is unboxed
+    when narrowed and boxed again (a new tuple, a new float) each time a bucket keeps it; an instance is
+    kept by reference."""
 
-    __slots__ = ("labels", "time")
+    __slots__ = ("trace_id", "time")
 
-    def __init__(self, labels: dict[str, str], time: float) -> None:
-        self.labels = labels
+    def __init__(self, trace_id: str, time: float) -> None:
+        self.trace_id = trace_id
         self.time = time
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {"trace_id": self.trace_id}
 
 
 def stamp(trace_id: str | None) -> Stamp | None:
-    return Stamp({"trace_id": trace_id}, time.time()) if trace_id else None
+    return Stamp(trace_id, _time()) if trace_id else None
+
+
+_time: Final = time.time  # Final: compiled, no attribute of the module looked up per request
 
 
 class HistogramSeries:
@@ -86,24 +94,24 @@ class HistogramSeries:
             self.stamps[i] = exemplar
             self.values[i] = value
 
-    def observe_sorted(self, values: Sequence[float], exemplar: Stamp | None = None,
-                       exemplar_value: float | None = None) -> None:
+    def observe_sorted(self, values: Sequence[float], exemplar: Stamp | None = None) -> None:
         """All of `values`, sorted ascending: one bisect per bucket bound, not one per value. The
-        exemplar goes on the bucket of `exemplar_value` (the one worth opening)."""
+        exemplar goes on the bucket of the largest value (the one worth opening), which the walk finds."""
         counts, total, below = self.counts, len(values), 0
+        top = len(self.bounds)  # the largest value's bucket: +Inf, unless a bound holds them all
         for i, bound in enumerate(self.bounds):
             upto = bisect_right(values, bound, below)  # values <= bound
             counts[i] += upto - below
             below = upto
             if below == total:
+                top = i
                 break
         else:
             counts[-1] += total - below
         self.sum += sum(values)
-        if exemplar is not None and exemplar_value is not None:
-            i = bisect_left(self.bounds, exemplar_value)
-            self.stamps[i] = exemplar
-            self.values[i] = exemplar_value
+        if exemplar is not None and total:
+            self.stamps[top] = exemplar
+            self.values[top] = values[-1]
 
 
 class LoopHistogram:
@@ -366,7 +374,7 @@ class Metrics:
             s.handoff.observe(m.handoff_gap, ex)
         if m.gaps and m.itl_max is not None and m.itl_p99 is not None:  # measure() sets all three together
             # the worst gap carries the exemplar: that is the trace worth opening
-            s.itl[m.itl_unit].observe_sorted(m.gaps, ex, m.itl_max)  # measure() keeps the gaps sorted
+            s.itl[m.itl_unit].observe_sorted(m.gaps, ex)  # measure() keeps the gaps sorted: the largest is itl_max
             s.itl_max.observe(m.itl_max, ex)
             s.itl_p99.observe(m.itl_p99, ex)
             if m.stalls:
