@@ -39,6 +39,21 @@ def test_encoding_matches_the_sdk():
     assert MessageToDict(decoded) == MessageToDict(encode_spans(theirs))
 
 
+def test_span_lengths_at_the_varint_bounds_match_the_sdk():
+    """A span's length is one, two (written from the table) or three bytes of varint: spans of every size
+    around 128 and 16384 bytes decode to what the SDK sends."""
+    texts = [("t" * n) for n in [*range(40, 110), *range(16260, 16330)]]
+    ours = [SpanData("s", KIND_CLIENT, TRACE, CHILD, ROOT, 11, 15, {"k": text}) for text in texts]
+    theirs = [sdk_span("s", SpanKind.CLIENT, CHILD, ROOT, 11, 15, {"k": text}, Status(StatusCode.UNSET), None, False)
+              for text in texts]
+    fields = [encode_span(s) for s in ours]
+    sizes = {len(f) - (2 if f[1] < 0x80 else 3 if f[2] < 0x80 else 4) for f in fields}  # tag, varint, then the span
+    assert {127, 128, 16383, 16384} <= sizes
+    resource, scope = frame_prefix(RESOURCE, "pdproxy", "9.9")
+    decoded = ExportTraceServiceRequest.FromString(export_framed(resource, scope, fields))
+    assert MessageToDict(decoded) == MessageToDict(encode_spans(theirs))
+
+
 def test_span_events_match_the_sdk():
     from opentelemetry.sdk.trace import Event
 
@@ -85,24 +100,58 @@ def test_field_writers_are_the_generic_encoding():
 
 
 def test_span_times_and_ids_at_their_real_sizes():
-    """A span's two times written as one number, and the legs' traceparent from the ids formatted once,
-    are what the plain encodings give: unix nanoseconds of today and of the far future, ids of any size."""
+    """A span's times and ids written from their bytes, and the legs' traceparent from the ids formatted
+    once, are what the plain encodings give: unix nanoseconds of today and of the far future, ids of any
+    size, a new trace's ids from one draw and a client's trace continued."""
     import random
 
-    from pdproxy.telemetry.otlp import span_field
     from opentelemetry.context import Context
 
-    from pdproxy.telemetry.tracing import TraceIds
+    from pdproxy.telemetry.otlp import fixed64, span_field, trace_field
+    from pdproxy.telemetry.tracing import TraceIds, Tracing
 
     for start, end in ((1_764_900_000_123_456_789, 1_764_900_000_987_654_321), (0, 2**64 - 1), (2**64 - 2, 2**64 - 1)):
-        field = span_field(b"\x0a\x10" + bytes(16) + b"\x12\x08", 7, b"", b"\x2a\x01x\x30\x01", start, end, b"", b"")
+        field = span_field(trace_field(bytes(16)), bytes(8), b"", b"\x2a\x01x\x30\x01", fixed64(start), fixed64(end),
+                           b"", b"")
         assert field.endswith(b"\x39" + start.to_bytes(8, "little") + b"\x41" + end.to_bytes(8, "little"))
-    for trace_id, prefill, decode in ((2**128 - 1, 2**64 - 1, 1), (1, 2, 3),
-                                      (random.getrandbits(128), random.getrandbits(64), random.getrandbits(64))):
-        ids = TraceIds(Context(), trace_id, 5, prefill, decode, True, None)
+    for trace_id, prefill, decode, root in ((2**128 - 1, 2**64 - 1, 1, 5), (1, 2, 3, 4),
+                                            (random.getrandbits(128), random.getrandbits(64), random.getrandbits(64),
+                                             random.getrandbits(64))):
+        raw = b"".join([trace_id.to_bytes(16, "big"), prefill.to_bytes(8, "big"), decode.to_bytes(8, "big"),
+                        root.to_bytes(8, "big"), bytes(16)])
+        ids = TraceIds(Context(), raw, True, None, (2**64 - 1).to_bytes(8, "big"))
+        assert (ids.trace_id, ids.prefill, ids.decode, ids.root, ids.parent_span_id) == (
+            trace_id, prefill, decode, root, 2**64 - 1)
         assert ids.trace_hex == f"{trace_id:032x}"
-        for span_id in (prefill, decode, 5, 2**64 - 1):
-            assert ids.traceparent(span_id) == f"00-{trace_id:032x}-{span_id:016x}-01"
+        assert ids.traceparent(False) == f"00-{trace_id:032x}-{prefill:016x}-01"
+        assert ids.traceparent(True) == f"00-{trace_id:032x}-{decode:016x}-01"
+    tracing = Tracing({}, [], 16, on_drop=lambda reason, count: None)
+    client = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    for headers in (None, {"traceparent": client}):
+        ids = tracing.new_ids(headers)
+        assert len(ids.raw) == 56 and len({ids.raw[i:i + 8] for i in range(16, 56, 8)}) == 5  # five distinct span ids
+        shadow = tracing.child_ids(ids)
+        assert shadow.trace_id == ids.trace_id and shadow.parent_span_id == ids.root and shadow.raw[16:] != ids.raw[16:]
+    assert (ids.trace_hex, ids.parent_span_id) == ("0af7651916cd43dd8448eb211c80319c", 0xB7AD6B7169203331)
+
+
+def _span_data(field):
+    """A span framed by `span_field`, decoded back to the `SpanData` the generic encoder takes: its
+    attributes in their order and with their types (1 and 1.0 apart)."""
+    from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans
+
+    [span] = ScopeSpans.FromString(field).spans
+
+    def value(v):
+        kind = v.WhichOneof("value")
+        return [value(x) for x in v.array_value.values] if kind == "array_value" else getattr(v, kind)
+
+    parent = int.from_bytes(span.parent_span_id, "big") or None
+    return SpanData(span.name, span.kind, int.from_bytes(span.trace_id, "big"), int.from_bytes(span.span_id, "big"),
+                    parent, span.start_time_unix_nano, span.end_time_unix_nano,
+                    {a.key: value(a.value) for a in span.attributes},
+                    span.status.message if span.status.code == 2 else None, span.trace_state or None,
+                    bool(span.flags & 0x200))
 
 
 def _recorded_roots(bodies):
@@ -145,15 +194,17 @@ def _recorded_roots(bodies):
             trace.first_token()
             trace.delivered()
             trace.finish()
-        requests = [spans for spans, _ in tracing.queue]
+        requests = list(tracing.queue)
         if tracing.timer is not None:
             tracing.timer.cancel()
         return requests
 
     roots = []
     for spans, (prefill_parent, decode_parent) in zip(asyncio.run(run()), legs):
+        for span in spans:  # each span the recorder wrote is the generic encoder's bytes for its content
+            assert encode_span(_span_data(span)) == span
         decoded = MessageToDict(ExportTraceServiceRequest.FromString(
-            export_framed(tracing.resource_field, tracing.scope_field, [spans])))
+            export_framed(tracing.resource_field, tracing.scope_field, spans)))
         named = {s["name"]: s for s in decoded["resourceSpans"][0]["scopeSpans"][0]["spans"]}
         assert set(named) == {"chat m", "pd.queue", "pd.prefill", "pd.kv_transfer", "pd.decode"}
         root = named["chat m"]

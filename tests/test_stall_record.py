@@ -29,14 +29,14 @@ def test_the_bench_uses_the_live_rule():
 def test_a_kv_arrival_inside_the_gap_is_the_cause_and_its_own_is_not():
     records = live.StallRecords()
     own = Scan()
-    records.begin("kv_arrival", "d:1", "victim", 0, 1, 11, own)
+    records.begin("kv_arrival", "d:1", "victim", 0, bytes([1] * 16), bytes([11] * 8), own)
     culprit = Scan()
-    record, act = records.begin("kv_arrival", "d:1", "culprit", 100 * MS, 2, 22, culprit)
+    record, act = records.begin("kv_arrival", "d:1", "culprit", 100 * MS, bytes([2] * 16), bytes([22] * 8), culprit)
     own.chunk_times.append(50 * MS)
     # the victim stalls from 120 ms for 60 ms while the culprit's KV is still arriving (no first token yet)
     [s] = records.attribute("d:1", "victim", [(120 * MS, 0.060, 1)])
     assert s.cause == "kv_arrival" and [a.request_id for a in s.culprits] == ["culprit"]
-    assert live.span_links([s], 16) == [(2, 22, {})]
+    assert live.span_links([s], 16) == [(bytes([2] * 16), bytes([22] * 8), {})]
     culprit.chunk_times.append(185 * MS)  # its first token: the arrival is over
     # a later gap of the victim, well after the arrival ended: nothing to blame
     [later] = records.attribute("d:1", "victim", [(300 * MS, 0.060, 1)])

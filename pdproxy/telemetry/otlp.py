@@ -259,9 +259,6 @@ class DoubleFields:
         return self.pack(p[0], a, p[1], b, p[2], c, p[3], d, p[4], e, p[5], f, p[6], g)
 
 
-_BLOCKS: Final[dict[tuple, bytes]] = {}  # see `known_block`
-
-
 def attribute_fields(items: Iterable[tuple[str, Any]]) -> bytes:
     """Attribute fields, in order (values that repeat across requests cached: see `attribute`)."""
     out: list[bytes] = []
@@ -278,25 +275,14 @@ def attribute_fields(items: Iterable[tuple[str, Any]]) -> bytes:
     return b"".join(out)
 
 
-def known_block(key: tuple) -> bytes | None:
-    """The encoded fields of attributes that repeat across requests, by `key` (the values that determine
-    them), when encoded before (`new_block`)..."""
-    return _BLOCKS.get(key)
-
-
-def new_block(key: tuple, items: Iterable[tuple[str, Any]]) -> bytes:
-    """... else: `items` encoded, and kept as the block of `key` (bounded)."""
-    block = attribute_fields(items)
-    if len(_BLOCKS) < _PAIRS_MAX:
-        _BLOCKS[key] = block
-    return block
-
-
 def encode_span(s: SpanData) -> bytes:
     """One `Span` message, framed as a field of ScopeSpans (see `span_field`)."""
-    return span_field(trace_field(s.trace_id), s.span_id, context_fields(s.trace_state, s.parent_id),
-                      span_head(s.name, s.kind), s.start_ns, s.end_ns, attribute_fields(s.attributes.items()),
-                      events_field(s.events) + links_field(s.links) + status_tail(s.error, s.parent_remote))
+    parent = s.parent_id.to_bytes(8, "big") if s.parent_id else None
+    links = [(trace.to_bytes(16, "big"), span.to_bytes(8, "big"), attrs) for trace, span, attrs in s.links or ()]
+    return span_field(trace_field(s.trace_id.to_bytes(16, "big")), s.span_id.to_bytes(8, "big"),
+                      context_fields(s.trace_state, parent), span_head(s.name, s.kind), fixed64(s.start_ns),
+                      fixed64(s.end_ns), attribute_fields(s.attributes.items()),
+                      events_field(s.events) + links_field(links) + status_tail(s.error, s.parent_remote))
 
 
 # A span's bytes in parts, so that the recorder builds a request's spans straight from its fields and
@@ -308,17 +294,23 @@ _OK_TAILS: Final = {remote: b"\x7a\x00\x85\x01" + struct.pack("<I", _FLAG_HAS_IS
                     for remote in (False, True)}
 
 
-def trace_field(trace_id: int) -> bytes:
-    """Span.trace_id, and the tag of the span_id that follows it."""
-    return b"\x0a\x10" + trace_id.to_bytes(16, "big") + b"\x12\x08"
+def trace_field(trace_id: bytes) -> bytes:
+    """Span.trace_id (its 16 bytes, big-endian), and the tag of the span_id that follows it."""
+    return b"\x0a\x10%b\x12\x08" % trace_id
 
 
-def context_fields(trace_state: str | None, parent_id: int | None) -> bytes:
-    """Span.trace_state and Span.parent_span_id, each when present."""
-    out = _field(b"\x1a", trace_state.encode()) if trace_state else b""
-    if parent_id:
-        out += b"\x22\x08" + parent_id.to_bytes(8, "big")
-    return out
+def context_fields(trace_state: str | None, parent_id: bytes | None) -> bytes:
+    """Span.trace_state and Span.parent_span_id (its 8 bytes), each when present."""
+    if not trace_state:
+        return b"\x22\x08%b" % parent_id if parent_id else b""
+    out = _field(b"\x1a", trace_state.encode())
+    return out + b"\x22\x08" + parent_id if parent_id else out
+
+
+def fixed64(unix_ns: int) -> bytes:
+    """A span's start or end time as its fixed64 field's value (little-endian): a request's spans share
+    their boundaries, so each time is written once and its bytes used by every span it bounds."""
+    return unix_ns.to_bytes(8, "little")
 
 
 def span_head(name: str, kind: int) -> bytes:
@@ -341,11 +333,11 @@ def events_field(events: list[tuple[int, str, dict[str, Any]]] | None) -> bytes:
     return out
 
 
-def links_field(links: list[tuple[int, int, dict[str, Any]]] | None) -> bytes:
-    """Span.links (field 13), one field per (trace id, span id, attributes)."""
+def links_field(links: Sequence[tuple[bytes, bytes, dict[str, Any]]] | None) -> bytes:
+    """Span.links (field 13), one field per (trace id, span id, attributes), the ids as their bytes."""
     out = b""
     for trace_id, span_id, attrs in links or ():
-        body = b"\x0a\x10" + trace_id.to_bytes(16, "big") + b"\x12\x08" + span_id.to_bytes(8, "big")
+        body = b"\x0a\x10" + trace_id + b"\x12\x08" + span_id
         body += b"".join(_field(b"\x22", key_value(k, v)) for k, v in attrs.items())
         out += _field(b"\x6a", body)
     return out
@@ -359,19 +351,21 @@ def status_tail(error: str | None, parent_remote: bool) -> bytes:
     return status + _OK_TAILS[parent_remote][2:]
 
 
-def span_field(trace: bytes, span_id: int, context: bytes, head: bytes, start_ns: int, end_ns: int, attributes: bytes,
+def span_field(trace: bytes, span_id: bytes, context: bytes, head: bytes, start: bytes, end: bytes, attributes: bytes,
                tail: bytes) -> bytes:
-    """One `Span` message from its parts, framed as a field of ScopeSpans: a request's spans are joined
-    into one buffer, and a batch of requests is another join (`export_framed`). `trace` from
-    `trace_field`, `context` from `context_fields`, `head` from `span_head`, `attributes` encoded
+    """One `Span` message from its parts, framed as a field of ScopeSpans: a batch of requests' spans is
+    one join (`export_framed`). `trace` from `trace_field`, `span_id` its 8 bytes, `context` from
+    `context_fields`, `head` from `span_head`, `start` and `end` from `fixed64`, `attributes` encoded
     attribute fields, `tail` its events, links and `status_tail`. One `%` of bytes operands: mypyc
     builds it as one allocation and copies (no list, no join's buffer protocol per part)."""
     size = len(trace) + 8 + len(context) + len(head) + 18 + len(attributes) + len(tail)
-    # start_time_unix_nano (field 7) and end_time_unix_nano (8) are fixed64: little-endian. Each by its own
-    # `to_bytes`: as one number (start | tag | end << 72), the big-int arithmetic cost more than the call saved
-    return b"\x12%b%b%b%b%b\x39%b\x41%b%b%b" % (_varint(size), trace, span_id.to_bytes(8, "big"), context, head,
-                                                start_ns.to_bytes(8, "little"), end_ns.to_bytes(8, "little"),
-                                                attributes, tail)
+    # its length, as the usual two bytes of varint straight from the table (no call, no concatenation);
+    # start_time_unix_nano (field 7) and end_time_unix_nano (8) are fixed64
+    if 128 <= size < 16384:
+        return b"\x12%b%b%b%b%b%b\x39%b\x41%b%b%b" % (_BYTES[(size & 0x7F) | 0x80], _BYTES[size >> 7], trace, span_id,
+                                                      context, head, start, end, attributes, tail)
+    return b"\x12%b%b%b%b%b\x39%b\x41%b%b%b" % (_varint(size), trace, span_id, context, head, start, end, attributes,
+                                                tail)
 
 
 def frame_prefix(resource: dict[str, Any], scope_name: str, scope_version: str) -> tuple[bytes, bytes]:
@@ -384,10 +378,13 @@ def frame_prefix(resource: dict[str, Any], scope_name: str, scope_version: str) 
 def export_framed(resource_field: bytes, scope_field: bytes, spans: list[bytes]) -> bytes:
     """An `ExportTraceServiceRequest` holding `spans` (each one or more spans framed by `span_field`)
     under one resource and scope: the batch copied once."""
-    scope_size = len(scope_field) + sum([len(s) for s in spans])
+    scope_size = len(scope_field)
+    for span in spans:  # a loop, not sum() of a list: compiled, no int boxed per span
+        scope_size += len(span)
     scope_length = _varint(scope_size)
     size = len(resource_field) + 1 + len(scope_length) + scope_size
-    return b"".join([b"\x0a", _varint(size), resource_field, b"\x12", scope_length, scope_field, *spans])
+    head = b"\x0a%b%b\x12%b%b" % (_varint(size), resource_field, scope_length, scope_field)
+    return b"".join([head, *spans])
 
 
 # -- transports --------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -24,12 +23,12 @@ from pdproxy.telemetry.measure import Measurement, Timeline, measure, stall_gaps
 from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import MAX_NAME_LENGTH, OTHER, ModelNames
 from pdproxy.telemetry.otlp import (KIND_CLIENT, KIND_INTERNAL, KIND_SERVER, DoubleFields, IntField, SpanData,
-                                    StrField, attribute_fields, context_fields, events_field, float_attribute,
-                                    four_doubles, int_attribute, known_block, links_field, new_block, span_field,
-                                    span_head, status_tail, str_attribute, trace_field, words_attribute)
+                                    StrField, attribute_fields, context_fields, events_field, fixed64, float_attribute,
+                                    four_doubles, int_attribute, links_field, span_field, span_head, status_tail,
+                                    str_attribute, trace_field, words_attribute)
 from pdproxy.telemetry.stalls import (TOLERANCE_NS, Activity, Attributed, InstanceRecord, StallRecords, marked_cause,
                                       span_links)
-from pdproxy.telemetry.tracing import TraceIds, Tracing
+from pdproxy.telemetry.tracing import DECODE_ID, KV_TRANSFER_ID, PREFILL_ID, QUEUE_ID, ROOT_ID, TraceIds, Tracing
 
 log = logging.getLogger("pdproxy.recorder")
 # the stage names as statics: compiled, an imported name that is not Final is a module dict lookup at each
@@ -38,12 +37,13 @@ QUEUE: Final = errors.QUEUE
 PREFILL: Final = errors.PREFILL
 KV_TRANSFER: Final = errors.KV_TRANSFER
 DECODE: Final = errors.DECODE
-_getrandbits: Final = random.getrandbits  # the anonymous stage spans' ids: no module attribute lookup
 
 CLIENT_CLOSED: Final = 499  # nginx's convention for "client closed the request"
-_STAGE_SPANS: Final = {QUEUE: (n.QUEUE_SPAN, KIND_INTERNAL), PREFILL: (n.PREFILL_SPAN, KIND_CLIENT),
-                       KV_TRANSFER: (n.KV_TRANSFER_SPAN, KIND_INTERNAL), DECODE: (n.DECODE_SPAN, KIND_CLIENT)}
-_STAGE_HEADS: Final = {stage: span_head(name, kind) for stage, (name, kind) in _STAGE_SPANS.items()}
+# each stage span's name and kind, encoded, and where its id is in `TraceIds.raw`
+_STAGE_SPANS: Final = {QUEUE: (span_head(n.QUEUE_SPAN, KIND_INTERNAL), QUEUE_ID),
+                       PREFILL: (span_head(n.PREFILL_SPAN, KIND_CLIENT), PREFILL_ID),
+                       KV_TRANSFER: (span_head(n.KV_TRANSFER_SPAN, KIND_INTERNAL), KV_TRANSFER_ID),
+                       DECODE: (span_head(n.DECODE_SPAN, KIND_CLIENT), DECODE_ID)}
 _OK_TAIL: Final = status_tail(None, False)
 
 
@@ -136,9 +136,12 @@ class RequestTrace:
         self._client_trace_headers = {} if ids else _trace_headers(headers)
         self.model: str | None = None  # as the client wrote it: never a label or span name as such
         self.model_label = OTHER  # what labels metrics and names spans (pdproxy/telemetry/models.py)
-        # the request's sampling attributes, (key, value, type): they repeat across requests, so they are
-        # part of the root span's cached block; `request_attrs` are the root's others (seed, disaggregation)
-        self.sampling: tuple[tuple[str, Any, type], ...] = ()
+        # the request's sampling parameters: they repeat across requests, so they are part of the root span's
+        # cached attributes (`_shape`); `request_attrs` are the root's others (seed, disaggregation)
+        self.stream = False
+        self.max_tokens: int | None = None
+        self.temperature: int | float | None = None
+        self.top_p: int | float | None = None
         self.request_attrs: dict[str, Any] = {}
         self.prefill_instance: str | None = None
         self.decode_instance: str | None = None
@@ -180,8 +183,7 @@ class RequestTrace:
         if self.ids is None:
             return self._client_trace_headers  # tracing off: pass the client's context through untouched
         # without a prefill leg, vLLM's one span covers the prompt too: a child of pd.prefill, as in single mode
-        span_id = self.ids.decode if (leg == DECODE and self.prefill_leg) else self.ids.prefill
-        headers = {"traceparent": self.ids.traceparent(span_id)}
+        headers = {"traceparent": self.ids.traceparent(leg == DECODE and self.prefill_leg)}
         if self.ids.tracestate:
             headers["tracestate"] = self.ids.tracestate
         return headers
@@ -189,15 +191,11 @@ class RequestTrace:
     def set_request(self, body: dict[str, Any]) -> None:
         if isinstance(body.get("model"), str):
             self.model = body["model"]
-        sampling: list[tuple[str, Any, type]] = [("gen_ai.request.stream", bool(body.get("stream")), bool)]
+        self.stream = bool(body.get("stream"))
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
         if isinstance(limit, int) and not isinstance(limit, bool):
-            sampling.append(("gen_ai.request.max_tokens", limit, int))
-        for key, attr in (("temperature", "gen_ai.request.temperature"), ("top_p", "gen_ai.request.top_p")):
-            value = body.get(key)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                sampling.append((attr, value, type(value)))  # the type too: 1 == 1.0, but they encode differently
-        self.sampling = tuple(sampling)
+            self.max_tokens = limit
+        self.temperature, self.top_p = _number(body.get("temperature")), _number(body.get("top_p"))
         seed = body.get("seed")
         if isinstance(seed, (int, float)) and not isinstance(seed, bool):
             self.request_attrs["gen_ai.request.seed"] = seed
@@ -414,9 +412,9 @@ class RequestTrace:
             return
         self._end_activity(now(), None)  # an earlier decode attempt's
         ids = self.ids if self.ids is not None and self.ids.sampled else None
-        span_id = (ids.decode if kind == "kv_arrival" else ids.prefill) if ids else None
-        self._activity = records.begin(kind, address, self.request_id, start, ids.trace_id if ids else None, span_id,
-                                       self.scan)
+        at = DECODE_ID if kind == "kv_arrival" else PREFILL_ID
+        self._activity = records.begin(kind, address, self.request_id, start, ids.raw[:16] if ids else None,
+                                       ids.raw[at:at + 8] if ids else None, self.scan)
 
     def _end_activity(self, end: int, tokens: int | None) -> None:
         """Its KV arrival or prefill ended (at its first token, else `end`); again later only to add
@@ -445,35 +443,39 @@ class RequestTrace:
         return PREFILL
 
     def _emit_spans(self, ids: TraceIds, m: Measurement, stalls: list[Attributed]) -> None:
-        """The request's spans, encoded straight from its fields: what its spans share (trace id,
-        context) encoded once, the attributes that repeat across requests looked up ready encoded."""
+        """The request's spans, encoded straight from its fields: what its spans share (trace id, context,
+        each time where one stage ends and the next starts) encoded once, what repeats across requests
+        (`_shape`) looked up ready encoded."""
         t = self.t
         end = t.end if t.end is not None else t.received  # finish() has set it
         error = self.error_message if not m.ok else None
-        # semconv's `{operation} {model}` for a known model; the operation alone otherwise (bounded names)
-        name = self.operation if self.model_label == OTHER else f"{self.operation} {self.model_label}"
-        trace = trace_field(ids.trace_id)
-        spans = [span_field(trace, ids.root, context_fields(ids.tracestate, ids.parent_span_id),
-                            span_head(name, KIND_SERVER), to_unix_ns(t.received), to_unix_ns(end),
-                            self._root_fields(m, error is not None), status_tail(error, ids.parent_remote))]
-        context = context_fields(ids.tracestate, ids.root)  # every stage span's: a child of the root
+        reason = _one_reason(self.scan.finish_reasons)
+        itl = _has_itl(m)
+        shape = self._shape(m, error is not None, reason, itl)
+        raw = ids.raw
+        trace, root = trace_field(raw[:16]), raw[ROOT_ID:ROOT_ID + 8]
+        received, finished = fixed64(to_unix_ns(t.received)), fixed64(to_unix_ns(end))
+        root_fields = self._root_fields(m, shape.root, reason, itl)
+        spans = [span_field(trace, root, context_fields(ids.tracestate, ids.parent_span), shape.head, received,
+                            finished, root_fields, status_tail(error, ids.parent_remote))]
+        context = context_fields(ids.tracestate, root)  # every stage span's: a child of the root
         bounds = m.bounds
         if self.prefill_leg and t.decode_sent is not None and DECODE not in bounds:
             bounds = {**bounds, DECODE: (end, end)}  # the decode leg was sent: keep vLLM's span's parent in the trace
-        blocks = self._stage_blocks()
+        edge, edge_time = t.received, received  # where the last stage ended: the next one starts there
         for stage, (start, stop) in bounds.items():
-            span_id, leg = None, None
+            leg: str | None = None
             if stage == PREFILL:
-                span_id, leg = ids.prefill, PREFILL if self.prefill_leg else DECODE
+                leg = PREFILL if self.prefill_leg else DECODE
             elif stage == DECODE:
-                span_id, leg = ids.decode if self.prefill_leg else None, DECODE
+                leg = DECODE
             decision = self.routes.get(leg) if leg is not None else None
-            measured = self._stage_measurements(stage, m, decision)
+            measured = self._stage_measurements(decision) if decision is not None else []
             events: list[tuple[int, str, dict[str, Any]]] | None = None
             links = None
             if stage == PREFILL and self.prefill_events:
                 events = [(to_unix_ns(at), label, attrs) for at, label, attrs in self.prefill_events]
-            if stage == DECODE:
+            if stage == DECODE and (self.attempt_events or m.stalls or stalls):
                 events = [(to_unix_ns(at), label, attrs) for at, label, attrs in self.attempt_events]
                 if m.stalls:
                     events += self._stall_events(stalls)
@@ -486,15 +488,17 @@ class RequestTrace:
                 tail = status_tail(self.error_message, False)
             if events or links:
                 tail = events_field(events) + links_field(links) + tail
-            fields = blocks[stage]
+            head, at, fields = shape.stages[stage]
             if stage == KV_TRANSFER:
                 fields += _handoff_fields(m)
             if measured:
                 fields += attribute_fields(measured)
-            spans.append(span_field(trace, span_id or _getrandbits(64), context, _STAGE_HEADS[stage],
-                                    to_unix_ns(start), to_unix_ns(stop), fields, tail))
+            begin = edge_time if start == edge else fixed64(to_unix_ns(start))
+            close = finished if stop == end else fixed64(to_unix_ns(stop))
+            edge, edge_time = stop, close
+            spans.append(span_field(trace, raw[at:at + 8], context, head, begin, close, fields, tail))
         if self.recorder.tracing is not None:  # it is whenever there are ids
-            self.recorder.tracing.emit_encoded(b"".join(spans), len(spans))
+            self.recorder.tracing.emit_encoded(spans)
 
     def _stall_events(self, stalls: list[Attributed]) -> list[tuple[int, str, dict[str, Any]]]:
         """Each stall's time and length on pd.decode (the longest ones), with its cause when attributed."""
@@ -511,43 +515,56 @@ class RequestTrace:
             n.STALL_DURATION: s.duration, n.STALL_TOKENS: s.tokens, n.STALL_CAUSE: s.cause,
             n.STALL_CULPRITS: len(s.culprits), **_culprit_ids(s)}) for s in stalls]
 
-    def _root_fields(self, m: Measurement, failed: bool) -> bytes:
-        """The root span's attributes, encoded: those that repeat across requests (operation, model,
-        mode, instances, status, sampling parameters, a one-word finish reason ...) as one block cached
-        by their values, then the request's own, each key's prefix ready (`otlp.IntField` ...)."""
+    def _shape(self, m: Measurement, failed: bool, reason: str | None, itl: bool) -> _Shape:
+        """What the request's spans share with others like it (operation, model, mode, instances,
+        statuses, sampling parameters, routing, a one-word finish reason ...), encoded once per distinct
+        set and looked up by everything it is made of, in one lookup a request."""
+        prefill = self.routes.get(PREFILL if self.prefill_leg else DECODE)
+        decode = self.routes.get(DECODE)
+        # flat: a nested tuple would be built, hashed and compared item by item each time. The sampling
+        # parameters' types too: 1 == 1.0, but they encode differently
+        prefill_policy, prefill_reason, prefill_fallback = _decision_parts(prefill)
+        decode_policy, decode_reason, decode_fallback = _decision_parts(decode)
+        key = (self.operation, self.model_label, self.pd_mode, self.deployment, m.status, self.recorder.run_label,
+               self.prefill_instance, self.decode_instance, m.failed_stage, self.kv_params, self.stream,
+               self.max_tokens, self.temperature, type(self.temperature), self.top_p, type(self.top_p), reason,
+               m.itl_unit if itl else None, m.error_type if failed else None, self.decode_only, self.prefill_status,
+               self.prefill_attempts, self.decode_status, self.decode_attempts, prefill_policy, prefill_reason,
+               prefill_fallback, decode_policy, decode_reason, decode_fallback)
+        shape = _SHAPES.get(key)
+        if shape is None:
+            # semconv's `{operation} {model}` for a known model; the operation alone otherwise (bounded names)
+            name = self.operation if self.model_label == OTHER else f"{self.operation} {self.model_label}"
+            root = attribute_fields(self._repeating_root_attributes(m, reason, itl, failed).items())
+            decisions = {PREFILL: prefill, DECODE: decode}
+            stages = {stage: (head, at, self._stage_block(stage, decisions.get(stage)))
+                      for stage, (head, at) in _STAGE_SPANS.items()}
+            shape = _Shape(span_head(name, KIND_SERVER), root, stages)
+            if len(_SHAPES) < _SHAPES_MAX:
+                _SHAPES[key] = shape
+        return shape
+
+    def _root_fields(self, m: Measurement, fields: bytes, reason: str | None, itl: bool) -> bytes:
+        """The root span's attributes, encoded: those that repeat across requests (`fields`, from
+        `_shape`), then the request's own, each key's prefix ready (`otlp.IntField` ...). One `%` of
+        bytes operands, an absent attribute an empty one: compiled, one allocation and its copies, no
+        list appended to and joined."""
         scan = self.scan
         reasons = scan.finish_reasons
-        # the usual one short word is part of the block; more, or longer, are encoded each time
-        reason = reasons[0] if len(reasons) == 1 and len(reasons[0]) <= 32 else None
-        itl = bool(m.gaps) and m.itl_mean is not None and m.itl_p50 is not None and m.itl_p99 is not None \
-            and m.itl_max is not None  # measure() sets them all together
-        key = ("root", self.operation, self.model_label, self.pd_mode, self.deployment, m.status,
-               self.recorder.run_label, self.prefill_instance, self.decode_instance, m.failed_stage, self.kv_params,
-               self.sampling, reason, m.itl_unit if itl else None, m.error_type if failed else None)
-        fields = known_block(key)
-        if fields is None:
-            fields = new_block(key, self._repeating_root_attributes(m, reason, itl, failed).items())
-        a = [fields, _REQUEST_ID.encode(self.request_id), _CHUNKS.encode(m.chunks)]
-        ttft, tpot = m.ttft, m.tpot
-        if itl and ttft is not None and tpot is not None and m.itl_mean is not None and m.itl_p50 is not None \
-                and m.itl_p99 is not None and m.itl_max is not None:  # a stream's usual: its seven times in one pack
-            a.append(_ROOT_TIMES.seven(m.e2e, ttft, tpot, m.itl_mean, m.itl_p50, m.itl_p99, m.itl_max))
-        else:
-            a.append(float_attribute(n.E2E, m.e2e))
-            if ttft is not None:
-                a.append(float_attribute(_TTFT, ttft))
-            if tpot is not None:
-                a.append(float_attribute(n.TPOT, tpot))
-            if itl and m.itl_mean is not None and m.itl_p50 is not None and m.itl_p99 is not None \
-                    and m.itl_max is not None:
-                a.append(four_doubles(_ITL_KEYS, m.itl_mean, m.itl_p50, m.itl_p99, m.itl_max))
-        if itl:
-            a.append(_ITL_COUNT.encode(len(m.gaps)))
-            a.append(_STALLS.encode(m.stalls))
-        if self.request_attrs:
-            a.append(attribute_fields(self.request_attrs.items()))
-        if self.decode_attempts:
-            a.append(_MIGRATIONS.encode(len(self.migrations)))
+        return b"%b%b%b%b%b%b%b%b%b%b%b%b%b" % (
+            fields, _REQUEST_ID.encode(self.request_id), _CHUNKS.encode(m.chunks), _root_times(m, itl),
+            _ITL_COUNT.encode(len(m.gaps)) if itl else b"", _STALLS.encode(m.stalls) if itl else b"",
+            attribute_fields(self.request_attrs.items()) if self.request_attrs else b"",
+            _MIGRATIONS.encode(len(self.migrations)) if self.decode_attempts else b"", self._rare_root_fields(),
+            _RESPONSE_ID.encode(scan.response_id) if scan.response_id is not None else b"",
+            _INPUT_TOKENS.encode(m.input_tokens) if m.input_tokens is not None else b"",
+            _OUTPUT_TOKENS.encode(m.output_tokens) if m.output_tokens is not None else b"",
+            words_attribute(_FINISH_REASONS, reasons) if reasons and reason is None else b"")
+
+    def _rare_root_fields(self) -> bytes:
+        """The root span's attributes of what seldom happens: prefills run again, hand-offs given up, a
+        migration refused, a model name not among the known ones."""
+        a = []
         if self.prefill_reruns:
             a.append(int_attribute(n.PREFILL_RERUNS, self.prefill_reruns))
         if self.abandoned_handoffs:
@@ -557,15 +574,7 @@ class RequestTrace:
         if self.model is not None and self.model != self.model_label:
             # for reading the trace; no collector keys on it
             a.append(str_attribute(n.REQUESTED_MODEL, self.model[:MAX_NAME_LENGTH]))
-        if scan.response_id is not None:
-            a.append(_RESPONSE_ID.encode(scan.response_id))
-        if m.input_tokens is not None:
-            a.append(_INPUT_TOKENS.encode(m.input_tokens))
-        if m.output_tokens is not None:
-            a.append(_OUTPUT_TOKENS.encode(m.output_tokens))
-        if reasons and reason is None:
-            a.append(words_attribute(_FINISH_REASONS, reasons))
-        return b"".join(a)
+        return b"".join(a) if a else b""
 
     def _repeating_root_attributes(self, m: Measurement, reason: str | None, itl: bool, failed: bool) -> dict[str, Any]:
         a: dict[str, Any] = {
@@ -585,7 +594,10 @@ class RequestTrace:
             n.KV_PARAMS: self.kv_params,
         }
         a.update({k: v for k, v in repeating.items() if v is not None})
-        a.update({k: v for k, v, _ in self.sampling})
+        a["gen_ai.request.stream"] = self.stream
+        sampling = {"gen_ai.request.max_tokens": self.max_tokens, "gen_ai.request.temperature": self.temperature,
+                    "gen_ai.request.top_p": self.top_p}
+        a.update({k: v for k, v in sampling.items() if v is not None})
         if reason is not None:
             a[_FINISH_REASONS] = [reason]
         if itl:
@@ -594,24 +606,8 @@ class RequestTrace:
             a["error.type"] = m.error_type
         return a
 
-    def _stage_blocks(self) -> dict[str, bytes]:
-        """Each stage span's attributes that repeat across requests, encoded once per distinct set and
-        looked up once per request (by everything they are made of)."""
-        prefill = self.routes.get(PREFILL if self.prefill_leg else DECODE)
-        decode = self.routes.get(DECODE)
-        key = ("stages", self.model_label, self.deployment, self.pd_mode, self.decode_only, self.prefill_instance,
-               self.prefill_status, self.prefill_attempts, self.decode_instance, self.decode_status,
-               self.decode_attempts, _decision_key(prefill), _decision_key(decode))
-        blocks = _STAGE_BLOCKS.get(key)
-        if blocks is None:
-            blocks = {QUEUE: self._stage_block(QUEUE, None), PREFILL: self._stage_block(PREFILL, prefill),
-                      KV_TRANSFER: self._stage_block(KV_TRANSFER, None), DECODE: self._stage_block(DECODE, decode)}
-            if len(_STAGE_BLOCKS) < _STAGE_BLOCKS_MAX:
-                _STAGE_BLOCKS[key] = blocks
-        return blocks
-
     def _stage_block(self, stage: str, decision: Decision | None) -> bytes:
-        """A stage span's attributes that repeat across requests (see `_stage_blocks`): every stage span
+        """A stage span's attributes that repeat across requests (see `_shape`): every stage span
         names its model and deployment (span-derived metrics split like the proxy's), its instance and
         status, and the policy that chose the instance and why."""
         address: str | None
@@ -651,17 +647,16 @@ class RequestTrace:
         return attrs
 
     @staticmethod
-    def _stage_measurements(stage: str, m: Measurement, decision: Decision | None) -> list[tuple[str, Any]]:
-        """A stage span's attributes of this request alone (after the KV hand-off's times: `_handoff_fields`):
+    def _stage_measurements(decision: Decision) -> list[tuple[str, Any]]:
+        """A leg span's attributes of this request alone (after the KV hand-off's times: `_handoff_fields`):
         the routing decision's scores and matched prefix."""
         attrs: list[tuple[str, Any]] = []
-        if decision is not None:
-            if decision.matched is not None:
-                attrs += ((n.ROUTE_MATCHED, decision.matched), (n.ROUTE_MATCHED_UNIT, decision.unit))
-            if decision.compared:  # no instances compared, no scores
-                scores = decision.scores()
-                if scores:
-                    attrs.append((n.ROUTE_SCORES, [f"{address}={score:g}" for address, score in scores.items()]))
+        if decision.matched is not None:
+            attrs += ((n.ROUTE_MATCHED, decision.matched), (n.ROUTE_MATCHED_UNIT, decision.unit))
+        if decision.compared:  # no instances compared, no scores
+            scores = decision.scores()
+            if scores:
+                attrs.append((n.ROUTE_SCORES, [f"{address}={score:g}" for address, score in scores.items()]))
         return attrs
 
 
@@ -678,13 +673,58 @@ _STALLS: Final = IntField(n.STALLS)
 _MIGRATIONS: Final = IntField(n.MIGRATIONS)
 _INPUT_TOKENS: Final = IntField("gen_ai.usage.input_tokens")
 _OUTPUT_TOKENS: Final = IntField("gen_ai.usage.output_tokens")
-# the stage spans' repeating attributes, by what they are made of (`RequestTrace._stage_blocks`), bounded
-_STAGE_BLOCKS: Final[dict[tuple, dict[str, bytes]]] = {}
-_STAGE_BLOCKS_MAX: Final = 4096
 
 
-def _decision_key(decision: Decision | None) -> tuple[str, str, str | None] | None:
-    return (decision.policy, decision.reason, decision.fallback) if decision is not None else None
+class _Shape:
+    """What a request's spans share with every request alike (`RequestTrace._shape`), encoded: the root
+    span's name and kind, the root's repeating attributes, and each stage span's name and kind, where its
+    id is (`_STAGE_SPANS`) and its repeating attributes."""
+
+    def __init__(self, head: bytes, root: bytes, stages: dict[str, tuple[bytes, int, bytes]]) -> None:
+        self.head = head
+        self.root = root
+        self.stages = stages
+
+
+_SHAPES: Final[dict[tuple, _Shape]] = {}  # by what they are made of, bounded
+_SHAPES_MAX: Final = 4096
+
+
+def _root_times(m: Measurement, itl: bool) -> bytes:
+    """The root span's times: a stream's usual seven in one pack, else each one measured."""
+    ttft, tpot = m.ttft, m.tpot
+    mean, p50, p99, most = m.itl_mean, m.itl_p50, m.itl_p99, m.itl_max
+    if itl and ttft is not None and tpot is not None and mean is not None and p50 is not None and p99 is not None \
+            and most is not None:
+        return _ROOT_TIMES.seven(m.e2e, ttft, tpot, mean, p50, p99, most)
+    a = [float_attribute(n.E2E, m.e2e)]
+    if ttft is not None:
+        a.append(float_attribute(_TTFT, ttft))
+    if tpot is not None:
+        a.append(float_attribute(n.TPOT, tpot))
+    if itl and mean is not None and p50 is not None and p99 is not None and most is not None:
+        a.append(four_doubles(_ITL_KEYS, mean, p50, p99, most))
+    return b"".join(a)
+
+
+def _decision_parts(decision: Decision | None) -> tuple[str | None, str | None, str | None]:
+    """A decision's policy, reason and fallback reason (a fixed-size tuple: compiled, not an object)."""
+    if decision is None:
+        return None, None, None
+    return decision.policy, decision.reason, decision.fallback
+
+
+def _one_reason(reasons: list[str]) -> str | None:
+    """The usual one short finish reason, which is part of the root's repeating attributes; more, or
+    longer, are encoded each time."""
+    return reasons[0] if len(reasons) == 1 and len(reasons[0]) <= 32 else None
+
+
+def _has_itl(m: Measurement) -> bool:
+    """Whether the request has its ITL summary (measure() sets it all together)."""
+    return bool(m.gaps) and m.itl_mean is not None and m.itl_p50 is not None and m.itl_p99 is not None \
+        and m.itl_max is not None
+
 _HANDOFF_KEYS: Final = (n.HANDOFF_GAP, n.DECODE_HEADERS_WAIT, n.DECODE_QUEUE_TIME, n.KV_ESTIMATED)
 
 
@@ -724,6 +764,11 @@ def _stall_times(stalls: list[Attributed]) -> dict[str, float | int]:
         out[seconds] = out.get(seconds, 0.0) + s.duration
         out[count] = out.get(count, 0) + 1
     return out
+
+
+def _number(value: Any) -> int | float | None:
+    """A sampling parameter as the client sent it, if a number (1 and 1.0 kept apart: they encode differently)."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _leg_attributes(address: str | None, phase: str, status: int | None) -> dict[str, Any]:

@@ -98,12 +98,13 @@ class Activity:
 
     __slots__ = ("kind", "request_id", "start", "end", "tokens", "trace_id", "span_id", "stream")
 
-    def __init__(self, kind: str, request_id: str, start: int, trace_id: int | None, span_id: int | None,
+    def __init__(self, kind: str, request_id: str, start: int, trace_id: bytes | None, span_id: bytes | None,
                  stream: Stream | None) -> None:
         self.kind, self.request_id, self.start = kind, request_id, start
         self.end: int | None = None
         self.tokens = 0  # prompt tokens, known once the request has ended (its usage)
-        self.trace_id, self.span_id = trace_id, span_id  # of the span a link points at; None when unsampled
+        # of the span a link points at, as the span carries them (16 and 8 bytes); None when unsampled
+        self.trace_id, self.span_id = trace_id, span_id
         self.stream = stream
 
     def end_ns(self) -> int | None:
@@ -203,8 +204,8 @@ class StallRecords:
         self.limit = limit
         self.instances: dict[str, InstanceRecord] = {}
 
-    def begin(self, kind: str, address: str, request_id: str, start: int, trace_id: int | None,
-              span_id: int | None, stream: Stream) -> tuple[InstanceRecord, Activity]:
+    def begin(self, kind: str, address: str, request_id: str, start: int, trace_id: bytes | None,
+              span_id: bytes | None, stream: Stream) -> tuple[InstanceRecord, Activity]:
         """A request's KV arrival or prefill started on `address`; it ends with the stream's first token."""
         record = self.instances.get(address)
         if record is None:
@@ -245,11 +246,11 @@ def marked_cause(start: int, gap: float, marks: Sequence[tuple[int, str]]) -> st
     return next((cause for at, cause in marks if start <= at <= end), None)
 
 
-def span_links(stalls: Iterable[Attributed], limit: int) -> list[tuple[int, int, dict[str, str]]]:
+def span_links(stalls: Iterable[Attributed], limit: int) -> list[tuple[bytes, bytes, dict[str, str]]]:
     """OTel links from the stalled request's pd.decode to its culprits' spans, each culprit once (the
     culprits' ids and the cause are on the pd.stall events; links carry only where to jump)."""
-    out: list[tuple[int, int, dict[str, str]]] = []
-    seen: set[int] = set()
+    out: list[tuple[bytes, bytes, dict[str, str]]] = []
+    seen: set[bytes] = set()
     for s in stalls:
         for a in s.culprits:
             if a.trace_id is None or a.span_id is None or a.span_id in seen:

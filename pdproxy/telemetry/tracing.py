@@ -24,7 +24,6 @@ import logging
 import os
 import random
 import socket
-from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Final
 
@@ -52,40 +51,71 @@ TRACESTATE_MAX_CHARS, TRACESTATE_LONG_MEMBER = 512, 128
 __all__ = ["SpanData", "TraceIds", "Tracing"]
 
 _getrandbits: Final = random.getrandbits  # Final: compiled, no module attribute lookup per id
+_hex: Final = bytes.hex  # nor a method looked up by name
 
 
 class TraceIds:
-    """Ids of one request's trace, fixed on arrival. A plain class, not a dataclass: compiled, a
-    dataclass's generated `__init__` runs interpreted, and each request makes one."""
+    """Ids of one request's trace, fixed on arrival, kept as the bytes the spans carry: `raw` is the trace
+    id (16 bytes), then the span ids (8 bytes each, big-endian, as OTLP and W3C write them) of the prefill
+    leg, the decode leg, the root and the two stage spans no leg names (queue, KV transfer). A new trace's
+    are one random draw in one `to_bytes` (compiled, each `getrandbits` and `to_bytes` is a call, and
+    splitting one number by shifts is big-int arithmetic); the ints are read from the bytes when asked
+    for, off the hot path. A plain class, not a dataclass: compiled, a dataclass's generated `__init__`
+    runs interpreted, and each request makes one."""
 
-    def __init__(self, parent: Context, trace_id: int, root: int, prefill: int, decode: int, sampled: bool,
-                 tracestate: str | None, parent_span_id: int | None = None, parent_remote: bool = False,
+    def __init__(self, parent: Context, raw: bytes, sampled: bool, tracestate: str | None,
+                 parent_span: bytes | None = None, parent_remote: bool = False,
                  tracestate_cut: str | None = None) -> None:
         self.parent = parent
-        self.trace_id = trace_id
-        self.root = root
-        self.prefill = prefill
-        self.decode = decode
+        self.raw = raw
         self.sampled = sampled
         self.tracestate = tracestate
-        self.parent_span_id = parent_span_id  # the root's parent: the client's span, or the primary's root for a shadow
+        self.parent_span = parent_span  # the root's parent: the client's span, or the primary's root for a shadow
         self.parent_remote = parent_remote
         self.tracestate_cut = tracestate_cut  # why the client's tracestate was not kept whole: "too_long", "invalid"
         # formatted once, the trace id and both legs' span ids in one `hex`: the legs' traceparent, the exemplars
-        # (their bytes joined, not the ids as one number: compiled, big-int shifts cost more than a call each)
-        hexed = (b"%b%b%b" % (trace_id.to_bytes(16, "big"), prefill.to_bytes(8, "big"), decode.to_bytes(8, "big"))).hex()
+        hexed = _hex(raw[:32])
         self.trace_hex = hexed[:32]
         self._prefill_hex = hexed[32:48]
         self._decode_hex = hexed[48:]
 
-    def traceparent(self, span_id: int) -> str:
-        if span_id == self.prefill:
-            span_hex = self._prefill_hex
-        elif span_id == self.decode:
-            span_hex = self._decode_hex
-        else:
-            span_hex = span_id.to_bytes(8, "big").hex()
+    @property
+    def trace_id(self) -> int:
+        return int.from_bytes(self.raw[:16], "big")
+
+    @property
+    def prefill(self) -> int:
+        return int.from_bytes(self.raw[PREFILL_ID:PREFILL_ID + 8], "big")
+
+    @property
+    def decode(self) -> int:
+        return int.from_bytes(self.raw[DECODE_ID:DECODE_ID + 8], "big")
+
+    @property
+    def root(self) -> int:
+        return int.from_bytes(self.raw[ROOT_ID:ROOT_ID + 8], "big")
+
+    @property
+    def parent_span_id(self) -> int | None:
+        return int.from_bytes(self.parent_span, "big") if self.parent_span is not None else None
+
+    def traceparent(self, decode: bool) -> str:
+        """The W3C traceparent naming the decode leg's span, or the prefill leg's."""
+        span_hex = self._decode_hex if decode else self._prefill_hex
         return f"00-{self.trace_hex}-{span_hex}-{'01' if self.sampled else '00'}"
+
+
+# where each span id is in `TraceIds.raw`
+PREFILL_ID: Final = 16
+DECODE_ID: Final = 24
+ROOT_ID: Final = 32
+QUEUE_ID: Final = 40
+KV_TRANSFER_ID: Final = 48
+_SPAN_IDS_BITS: Final = 320  # the five span ids after the trace id
+
+
+def _span_ids() -> bytes:
+    return _getrandbits(_SPAN_IDS_BITS).to_bytes(_SPAN_IDS_BITS // 8, "big")
 
 
 class Tracing:
@@ -104,7 +134,7 @@ class Tracing:
         self.on_drop = on_drop
         self.delay = float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", 1000)) / 1000.0
         self.batch = min(MAX_BATCH, queue_size)
-        self.queue: deque[tuple[bytes, int]] = deque()  # a request's framed spans, and how many
+        self.queue: list[list[bytes]] = []  # each request's framed spans, oldest first
         self.queued = 0  # spans in the queue
         self.sending: asyncio.Task | None = None  # the batches being sent: one post at a time
         self.timer: asyncio.TimerHandle | None = None  # for what is queued when the delay runs out
@@ -114,7 +144,7 @@ class Tracing:
     def new_ids(self, headers: Mapping[str, str] | None) -> TraceIds:
         """Continue the client's W3C trace context if it sent one, else start a trace."""
         if self._sample_new_traces and (headers is None or "traceparent" not in headers):
-            return TraceIds(_NO_PARENT, _getrandbits(128), _getrandbits(64), _getrandbits(64), _getrandbits(64),
+            return TraceIds(_NO_PARENT, _getrandbits(128 + _SPAN_IDS_BITS).to_bytes(16 + _SPAN_IDS_BITS // 8, "big"),
                             True, None)
         parent = _propagator.extract(headers)
         parent_span = trace_api.get_current_span(parent).get_span_context()
@@ -124,31 +154,32 @@ class Tracing:
         state, cut = None, None
         if parent_span.is_valid and headers is not None:
             state, cut = _tracestate(parent_span.trace_state, headers.get("tracestate"))
-        return TraceIds(parent, trace_id, _getrandbits(64), _getrandbits(64), _getrandbits(64),
-                        sampled, state, parent_span.span_id if parent_span.is_valid else None, parent_span.is_remote,
-                        cut)
+        return TraceIds(parent, trace_id.to_bytes(16, "big") + _span_ids(), sampled, state,
+                        parent_span.span_id.to_bytes(8, "big") if parent_span.is_valid else None,
+                        parent_span.is_remote, cut)
 
     def child_ids(self, primary: TraceIds) -> TraceIds:
         """Ids for a second request (the shadow) whose root is a child of `primary`'s root."""
         flags = trace_api.TraceFlags(trace_api.TraceFlags.SAMPLED if primary.sampled else trace_api.TraceFlags.DEFAULT)
         parent_span = trace_api.NonRecordingSpan(trace_api.SpanContext(primary.trace_id, primary.root, False, flags))
-        return TraceIds(trace_api.set_span_in_context(parent_span), primary.trace_id, _getrandbits(64),
-                        _getrandbits(64), _getrandbits(64), primary.sampled, primary.tracestate,
-                        primary.root, False)
+        return TraceIds(trace_api.set_span_in_context(parent_span), primary.raw[:16] + _span_ids(), primary.sampled,
+                        primary.tracestate, primary.raw[ROOT_ID:ROOT_ID + 8], False)
 
     # -- export ---------------------------------------------------------------------------
 
     def emit(self, spans: list[SpanData]) -> None:
         """Queue one request's spans (all or none); called on the event loop."""
-        self.emit_encoded(b"".join([encode_span(s) for s in spans]), len(spans))
+        self.emit_encoded([encode_span(s) for s in spans])
 
-    def emit_encoded(self, spans: bytes, count: int) -> None:
-        """Queue one request's `count` spans, encoded and framed (`otlp.span_field`) into one buffer, all
-        or none; called on the event loop."""
+    def emit_encoded(self, spans: list[bytes]) -> None:
+        """Queue one request's spans, each encoded and framed (`otlp.span_field`), all or none; called on
+        the event loop. Not joined here: the batch's join copies them once (a copy of a few KB is some
+        thousand instructions)."""
+        count = len(spans)
         if self.queued + count > self.queue_size:
             self.on_drop("queue_full", count)
             return
-        self.queue.append((spans, count))
+        self.queue.append(spans)
         self.queued += count
         if self.sending is None:
             if self.queued >= self.batch:
@@ -182,14 +213,18 @@ class Tracing:
         queue = self.queue
         try:
             while self.queued >= least:
-                requests: list[bytes] = []
-                count = 0
-                while queue and (not requests or count + queue[0][1] <= self.batch):
-                    spans, n = queue.popleft()
-                    requests.append(spans)
-                    count += n
+                # the oldest requests whose spans fit a batch (at least one), taken as one slice: compiled, a
+                # plain loop over a list, no method called by name per request
+                taken, count = 0, 0
+                for request in queue:
+                    if taken and count + len(request) > self.batch:
+                        break
+                    taken += 1
+                    count += len(request)
+                spans = [span for request in queue[:taken] for span in request]
+                del queue[:taken]
                 self.queued -= count
-                payload = export_framed(self.resource_field, self.scope_field, requests)
+                payload = export_framed(self.resource_field, self.scope_field, spans)
                 least = self.batch
                 for ok in await asyncio.gather(*[_sent(sink, payload) for sink in self.sinks]):
                     if not ok:
