@@ -106,6 +106,18 @@ def _prompts(described: dict[str, Any], tokens_per_word: float) -> Prompts:
                    tokens_per_word=tokens_per_word, max_model_len=described.get("max_model_len"))
 
 
+def _prefix_tokens(drawn: int, record: dict[str, Any]) -> int:
+    """The shared prefix's tokens as the server counted them: its draw, or all the server counted beyond what the
+    request asked for where that is more. A bench before the prefix was sized in tokens (run A,
+    tests/fixtures/real-xpyd-2026-12-01b) asked for the class's own 900 tokens only and sized the system prompt
+    in words: vLLM counted 2,085-3,114 tokens, so the prefix was 1,185-2,214 tokens where its draw says 517-897,
+    and a replay by the draw prefilled 2.4 times the new tokens the recording did."""
+    asked, counted = record.get("prompt_tokens_requested"), record.get("prompt_tokens")
+    if isinstance(asked, int) and isinstance(counted, int):
+        return max(drawn, counted - asked)
+    return drawn
+
+
 def from_bench(path: str | Path) -> Workload:
     run = records.read_run(path)
     h = run.header
@@ -147,7 +159,7 @@ def from_bench(path: str | Path) -> Workload:
                 if cdef.get("shared_prefixes"):  # with an empty draw of its own, the shaped text is the prefix
                     key = text.strip()
                     prefix = prefix_ids.setdefault(key, len(prefix_ids) + 1000 * (ci or 0))
-                    prefix_tokens = shared_tokens or 0  # sized in the target's tokens when it was drawn
+                    prefix_tokens = _prefix_tokens(shared_tokens or 0, r)
                 if conversation is not None:
                     stream = streams.setdefault((name, conversation), len(streams))
                     prefix, prefix_tokens = None, 0  # the conversation's own history is the shared part

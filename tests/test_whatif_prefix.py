@@ -1,0 +1,52 @@
+"""A shared prefix is replayed at the size the server counted, not the size its draw asked for.
+
+Run A (tests/fixtures/real-xpyd-2026-12-01b) was recorded by a bench that asked for the agent class's own 900
+tokens only and sized the five system prompts in words: vLLM counted 2,085-3,114 prompt tokens, one count per
+system prompt, where the draws say 517-897 prefix tokens. vLLM's spans of the singles run agree with the
+server's count: scheduled to first token 94 ms (median), one prefill step of ~900 new tokens on the shared
+GPU, not ~2,200.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+from pdproxy.whatif import workload
+
+A = Path(__file__).parent / "fixtures" / "real-xpyd-2026-12-01b"
+DP = A / "bench-dp-cc978f0c.jsonl.gz"
+OWN = 900  # the agent class's own prompt tokens, as the run header asks for them
+
+
+def _agents(wl: workload.Workload) -> list[workload.Request]:
+    return [r for c in wl.classes if c.name == "agent" for r in c.requests]
+
+
+def test_a_prefix_sized_in_words_is_replayed_at_the_servers_count():
+    agents = _agents(workload.from_bench(DP))
+    assert len(agents) > 100
+    for r in agents:
+        assert r.prefix is not None
+        own = r.prompt_tokens - r.prefix_tokens
+        assert own == OWN, (r.request_id, r.prompt_tokens, r.prefix_tokens)  # main: 1,568-2,406 own tokens
+    # one size per system prompt, as the server counted them
+    sizes: dict[int | None, set[int]] = {}
+    for r in agents:
+        sizes.setdefault(r.prefix, set()).add(r.prefix_tokens)
+    assert len(sizes) == 5 and all(len(s) == 1 for s in sizes.values()), sizes
+
+
+def test_a_record_that_asked_for_the_prefix_keeps_its_draw(tmp_path):
+    """The bench now asks for the prefix's tokens too: what the server counted beyond it is not the prefix's."""
+    with gzip.open(DP, "rt") as f:
+        lines = [json.loads(line) for line in f]
+    for x in lines:
+        if x.get("type") == "request" and x.get("prompt_tokens"):
+            x["prompt_tokens_requested"] = x["prompt_tokens"] - 2  # a lead token or two off, as a tokenizer may be
+    path = tmp_path / "asked.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    drawn = {r.request_id: r.prefix_tokens for r in _agents(workload.from_bench(path))}
+    assert drawn and max(drawn.values()) < 1000, drawn  # the draws (517-897), not the server's 2 extra tokens
+    assert all(n > 500 for n in drawn.values()), drawn
