@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import statistics
+from dataclasses import replace
 from pathlib import Path
 
-from pdproxy.whatif import workload
+from pdproxy.bench import traces
+from pdproxy.sim.engine import Sequence
+from pdproxy.sim.presets import PRESETS
+from pdproxy.whatif import model, setups, workload
 
 A = Path(__file__).parent / "fixtures" / "real-xpyd-2026-12-01b"
 DP = A / "bench-dp-cc978f0c.jsonl.gz"
@@ -50,3 +55,28 @@ def test_a_record_that_asked_for_the_prefix_keeps_its_draw(tmp_path):
     drawn = {r.request_id: r.prefix_tokens for r in _agents(workload.from_bench(path))}
     assert drawn and max(drawn.values()) < 1000, drawn  # the draws (517-897), not the server's 2 extra tokens
     assert all(n > 500 for n in drawn.values()), drawn
+
+
+def test_a_replayed_agent_prompt_prefills_as_long_as_vllm_took(monkeypatch):
+    """The singles' own GPU sharing (1.0, what --fit-run gives them) and the prompts at the server's size: the
+    model's median time from scheduled to first token lands near vLLM's (main: twice as long)."""
+    spans = traces.read_traces([str(A / "vllm-spans.otlp.jsonl.gz")])
+    recorded = statistics.median(i.engine["prefill"].prefill for i in spans.by_request.values()
+                                 if "cc978f0c-agent" in i.request_id and "prefill" in i.engine)
+    seqs: dict[str, Sequence] = {}
+    generate = model._Instance.generate
+
+    async def keep(self, request_id, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seq, frontend = await generate(self, request_id, *args, **kwargs)
+        seqs[request_id] = seq
+        return seq, frontend
+
+    monkeypatch.setattr(model._Instance, "generate", keep)
+    wl = workload.from_bench(DP)
+    preset = replace(PRESETS["h200-llama8b"], max_model_len=8192, num_gpu_blocks=4096, gpu_share=1.0)
+    outs = model.simulate(wl, setups.parse_setup("4xsingle"), model.ModelParams(preset))
+    agents = [seqs[f"{o.request.request_id}-d"] for o in outs
+              if o.request.cls == "agent" and o.error is None and o.start >= wl.warmup_seconds]
+    assert len(agents) > 100
+    modelled = statistics.median(s.first_token_at - s.scheduled_at for s in agents)  # type: ignore[operator]
+    assert 0.6 * recorded < modelled < 1.3 * recorded, (modelled, recorded)  # main: 207 ms against 102
