@@ -3,7 +3,8 @@
 The span fits (`--calibrate`) give each curve from lone intervals; a whole run adds what happens between
 them. Two mechanisms carry it, each fitted to the figure it drives, by replaying the recorded set-up and
 correcting the parameter by the ratio recorded / predicted, the link bisected once bracketed (up to
-eight rounds, fewer once within 5 %; the best round is kept):
+eight rounds, fewer once within 5 %; the best round is kept, and where the decode intake is fitted, its rate
+and then the sharing are searched from it by 5 % steps while the worst error falls):
 
 * `gpu_share` (instances time-sharing one GPU's compute, pdproxy/sim/timing.py `SharedGPU`): every step
   is stretched by that fraction per other instance stepping (or sending KV) meanwhile; fitted on the tail
@@ -32,6 +33,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pdproxy.sim.presets import Preset
 from pdproxy.whatif import predict
 from pdproxy.whatif.model import Death, ModelParams
 from pdproxy.whatif.setups import Setup
@@ -42,6 +44,7 @@ MAX_STREAM_MS = 10.0  # per stream: beyond it the front end would be a model of 
 GOOD_ENOUGH = 0.05  # worst error on GOAL at which the fit stops early
 MAX_SHARE = 4.0
 INTAKE_STEP, INTAKE_STEPS = 1.25, 3  # the decode intake's search after a death: its step and most replays a way
+REFINE_STEP = 1.05  # the search from the best round of a fitted intake and sharing, most replays a way as above
 SHARE_MOVED = 0.15  # a move of the GPU sharing by more than this fraction voids the decode intake's bracket
 GOAL = ("TTFT p50", "TTFT p99", "tail ITL p99")  # the figures the fit is judged on
 
@@ -120,10 +123,7 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
         trial = replace(params, preset=preset)
         pred = predict.prediction_figures(predict.run_setup(workload, setup, trial, deaths))
         err = worst(rec, pred)
-        out.rounds.append({"gpu_share": round(preset.gpu_share, 4), "kv_bandwidth_gbps": preset.kv_bandwidth_gbps,
-                           "kv_intake_gbps": preset.kv_intake_gbps,
-                           "frontend_stream_ms": round(preset.frontend_stream_ms, 3),
-                           "figures": pred, "worst_error": err})
+        out.rounds.append(_round(preset, pred, err))
         if err < best_err:
             best_err, out.params, out.best = err, trial, n
         if err <= GOOD_ENOUGH:
@@ -149,37 +149,46 @@ def fit_run(workload: Workload, setup: Setup, params: ModelParams, recorded: dic
         if not changes:
             break
         preset = replace(preset, **changes)
-    if deaths and rate_field == "kv_bandwidth_gbps" and setup.prefills >= 2 and preset.kv_intake_gbps > 0:
-        _fit_intake_after_death(workload, setup, rec, deaths, out)
+    if rate_field == "kv_intake_gbps":
+        # the tail ITL p99 of a P/D run is the longest gap of 10-18 requests: one request's flips it, moving the
+        # sharing the ratio fitted and the intake's KV waits with it, so the rounds end near, not on, the best
+        for name in ("kv_intake_gbps", "gpu_share"):
+            _search(workload, setup, rec, deaths, out, name, REFINE_STEP, INTAKE_STEPS)
+    elif deaths and rate_field == "kv_bandwidth_gbps" and setup.prefills >= 2 and preset.kv_intake_gbps > 0:
+        # a run that lost a decode of round-robin pairs feeds the decodes left from several prefills after the
+        # death, where the intake (not fitted on round-robin pairs: `kv_rate_field`) sets the KV wait: on run B,
+        # the link fitted first, the intake's 0.13 GB/s becomes 0.16 and the worst error 31 % -> 12 %
+        _search(workload, setup, rec, deaths, out, "kv_intake_gbps", INTAKE_STEP, INTAKE_STEPS)
     out.params = replace(out.params, preset=replace(out.params.preset, name=f"{params.preset.name}+fitted"))
     return out
 
 
-def _fit_intake_after_death(workload: Workload, setup: Setup, rec: dict[str, float | None],
-                            deaths: tuple[Death, ...], out: RunFit) -> None:
-    """A run that lost a decode feeds the decodes left from several prefills after the death, where the intake
-    (not fitted on round-robin pairs: `kv_rate_field`) sets the KV wait. Its rate is moved from the best round
-    by INTAKE_STEP at a time, the way that improves the worst error, while it does (INTAKE_STEPS replays at
-    most): on run B, the link fitted first, the intake's 0.13 GB/s becomes 0.16 and the worst error 31 % -> 12 %."""
+def _search(workload: Workload, setup: Setup, rec: dict[str, float | None], deaths: tuple[Death, ...],
+            out: RunFit, name: str, step: float, steps: int) -> None:
+    """One parameter moved from the best round by `step` at a time, the way that improves the worst error on
+    GOAL, while it does (`steps` replays at most each way)."""
     best_err = out.rounds[out.best]["worst_error"]
-    for step in (INTAKE_STEP, 1 / INTAKE_STEP):
+    for factor in (step, 1 / step):
         moved = False
-        for _ in range(INTAKE_STEPS):
+        for _ in range(steps):
             if best_err <= GOOD_ENOUGH:
                 return
             preset = out.params.preset
-            trial = replace(out.params, preset=replace(preset, kv_intake_gbps=preset.kv_intake_gbps * step))
+            trial = replace(out.params, preset=replace(preset, **{name: getattr(preset, name) * factor}))
             pred = predict.prediction_figures(predict.run_setup(workload, setup, trial, deaths))
             err = worst(rec, pred)
-            out.rounds.append({"gpu_share": round(preset.gpu_share, 4), "kv_bandwidth_gbps": preset.kv_bandwidth_gbps,
-                               "kv_intake_gbps": trial.preset.kv_intake_gbps,
-                               "frontend_stream_ms": round(preset.frontend_stream_ms, 3), "figures": pred,
-                               "worst_error": err})
+            out.rounds.append(_round(trial.preset, pred, err))
             if err >= best_err:
                 break
             best_err, out.params, out.best, moved = err, trial, len(out.rounds) - 1, True
         if moved:
             return
+
+
+def _round(preset: Preset, pred: dict[str, float | None], err: float) -> dict[str, Any]:
+    return {"gpu_share": round(preset.gpu_share, 4), "kv_bandwidth_gbps": preset.kv_bandwidth_gbps,
+            "kv_intake_gbps": preset.kv_intake_gbps, "frontend_stream_ms": round(preset.frontend_stream_ms, 3),
+            "figures": pred, "worst_error": err}
 
 
 def _streams_per_instance(workload: Workload, setup: Setup) -> float:
