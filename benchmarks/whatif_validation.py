@@ -8,6 +8,7 @@ p50 and p99, and the completed requests. Last, the worst error per figure: what 
     PYTHONPATH=. python3 benchmarks/whatif_validation.py              # presets as shipped
     PYTHONPATH=. python3 benchmarks/whatif_validation.py --fit-run    # fitted to the source run as a whole
     PYTHONPATH=. python3 benchmarks/whatif_validation.py --calibrate  # fitted to the source run's spans
+    PYTHONPATH=. python3 benchmarks/whatif_validation.py --fit-run --prefixes-as-counted  # docs/whatif.md "Spread"
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,12 +62,15 @@ def main() -> int:
                     help="fit the model to each source run's own vLLM spans first (pdproxy whatif --calibrate)")
     ap.add_argument("--fit-run", action="store_true",
                     help="fit the model to each source run as a whole first (pdproxy whatif --fit-run)")
+    ap.add_argument("--prefixes-as-counted", action="store_true",
+                    help="shared prefixes at the size the server counted (pdproxy whatif --prefixes-as-counted)")
     args = ap.parse_args()
     print("| case | figure | recorded | predicted | error |")
     print("|---|---|---:|---:|---:|")
     worst: dict[str, float] = {}
     started = time.perf_counter()
     for case in cases():
+        case = replace(case, prefixes_as_counted=args.prefixes_as_counted)
         t = time.perf_counter()
         rows = run_case(case, calibrate=args.calibrate, fit=args.fit_run)
         for r in rows:

@@ -1,4 +1,5 @@
-"""A shared prefix is replayed at the size the server counted, not the size its draw asked for.
+"""With `prefixes_as_counted` (`pdproxy whatif --prefixes-as-counted`), a shared prefix is replayed at the size the
+server counted, not the size its draw asked for. Not the default: docs/whatif.md, "Spread".
 
 Run A (tests/fixtures/real-xpyd-2026-12-01b) was recorded by a bench that asked for the agent class's own 900
 tokens only and sized the five system prompts in words: vLLM counted 2,085-3,114 prompt tokens, one count per
@@ -30,7 +31,7 @@ def _agents(wl: workload.Workload) -> list[workload.Request]:
 
 
 def test_a_prefix_sized_in_words_is_replayed_at_the_servers_count():
-    agents = _agents(workload.from_bench(DP))
+    agents = _agents(workload.from_bench(DP, prefixes_as_counted=True))
     assert len(agents) > 100
     for r in agents:
         assert r.prefix is not None
@@ -43,6 +44,13 @@ def test_a_prefix_sized_in_words_is_replayed_at_the_servers_count():
     assert len(sizes) == 5 and all(len(s) == 1 for s in sizes.values()), sizes
 
 
+def test_by_default_a_prefix_is_its_draw():
+    """Until the fit carries run A's crosses with the prefixes at the server's count (docs/whatif.md, "Spread")."""
+    agents = _agents(workload.from_bench(DP))
+    assert len(agents) > 100
+    assert all(500 < r.prefix_tokens < 900 for r in agents), {r.prefix_tokens for r in agents}
+
+
 def test_a_record_that_asked_for_the_prefix_keeps_its_draw(tmp_path):
     """The bench now asks for the prefix's tokens too: what the server counted beyond it is not the prefix's."""
     with gzip.open(DP, "rt") as f:
@@ -52,7 +60,7 @@ def test_a_record_that_asked_for_the_prefix_keeps_its_draw(tmp_path):
             x["prompt_tokens_requested"] = x["prompt_tokens"] - 2  # a lead token or two off, as a tokenizer may be
     path = tmp_path / "asked.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    drawn = {r.request_id: r.prefix_tokens for r in _agents(workload.from_bench(path))}
+    drawn = {r.request_id: r.prefix_tokens for r in _agents(workload.from_bench(path, prefixes_as_counted=True))}
     assert drawn and max(drawn.values()) < 1000, drawn  # the draws (517-897), not the server's 2 extra tokens
     assert all(n > 500 for n in drawn.values()), drawn
 
@@ -72,10 +80,10 @@ def test_a_replayed_agent_prompt_prefills_as_long_as_vllm_took(monkeypatch):
         return seq, frontend
 
     monkeypatch.setattr(model._Instance, "generate", keep)
-    wl = workload.from_bench(DP)
+    wl = workload.from_bench(DP, prefixes_as_counted=True)
     preset = replace(PRESETS["h200-llama8b"], max_model_len=8192, num_gpu_blocks=4096, gpu_share=1.0)
     outs = model.simulate(wl, setups.parse_setup("4xsingle"), model.ModelParams(preset))
-    agents = [seqs[f"{o.request.request_id}-d"] for o in outs
+    agents = [seqs[f"{o.request.request_id}-d1"] for o in outs
               if o.request.cls == "agent" and o.error is None and o.start >= wl.warmup_seconds]
     assert len(agents) > 100
     modelled = statistics.median(s.first_token_at - s.scheduled_at for s in agents)  # type: ignore[operator]

@@ -51,6 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i.add_argument("--warm-from", metavar="FILE",
                    help="the bench record of a run just before this one on the same instances with the same seeded "
                         "prompts: the replay starts with its prompts in the prefix caches")
+    i.add_argument("--prefixes-as-counted", action="store_true",
+                   help="replay a shared prefix at the size the server counted (what it counted beyond the tokens "
+                        "a request asked for, where more than the re-drawn prefix); not the default: "
+                        "docs/whatif.md, \"Spread\"")
     s = p.add_argument_group("candidate set-ups")
     s.add_argument("--gpus", type=int, help="GPU total (default: the recording's gpu.count)")
     s.add_argument("--setup", action="append", default=[], metavar="SPEC",
@@ -220,7 +224,7 @@ def html_page(rep: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
-        wl = load(args.records, args.traces)
+        wl = load(args.records, args.traces, args.prefixes_as_counted)
         if args.warm_from:
             warm_from(wl, args.warm_from)
         if args.records and args.traces and not args.calibrate:

@@ -31,6 +31,7 @@ class Case:
     source_traces: tuple[str, ...] = ()  # the source run's traces with vLLM's spans (for --calibrate)
     warm_from: str = ""  # bench records of a run before the source's on the same instances (warm prefix caches)
     outside: str = ""  # why the case is outside what the model claims (left out of the stated error), if it is
+    prefixes_as_counted: bool = False  # the source's shared prefixes at the server's count (`workload.from_bench`)
 
 
 @dataclass
@@ -75,7 +76,7 @@ def recorded_entry(bench: str, trace_files: tuple[str, ...]) -> dict[str, Any]:
 
 
 def source_workload(case: Case) -> workload.Workload:
-    wl = workload.from_bench(case.source)
+    wl = workload.from_bench(case.source, case.prefixes_as_counted)
     if case.warm_from:
         workload.warm_from(wl, case.warm_from)
     return wl

@@ -111,14 +111,16 @@ def _prefix_tokens(drawn: int, record: dict[str, Any]) -> int:
     request asked for where that is more. A bench before the prefix was sized in tokens (run A,
     tests/fixtures/real-xpyd-2026-12-01b) asked for the class's own 900 tokens only and sized the system prompt
     in words: vLLM counted 2,085-3,114 tokens, so the prefix was 1,185-2,214 tokens where its draw says 517-897,
-    and a replay by the draw prefilled 2.4 times the new tokens the recording did."""
+    and a replay by the draw prefilled 2.4 times the new tokens the recording did. Not the default yet
+    (`from_bench`'s `prefixes_as_counted`): docs/whatif.md, "Spread"."""
     asked, counted = record.get("prompt_tokens_requested"), record.get("prompt_tokens")
     if isinstance(asked, int) and isinstance(counted, int):
         return max(drawn, counted - asked)
     return drawn
 
 
-def from_bench(path: str | Path) -> Workload:
+def from_bench(path: str | Path, prefixes_as_counted: bool = False) -> Workload:
+    """`prefixes_as_counted`: a shared prefix at the size the server counted (`_prefix_tokens`), else its draw."""
     run = records.read_run(path)
     h = run.header
     wl_dict = h.get("workload") or {}
@@ -159,7 +161,9 @@ def from_bench(path: str | Path) -> Workload:
                 if cdef.get("shared_prefixes"):  # with an empty draw of its own, the shaped text is the prefix
                     key = text.strip()
                     prefix = prefix_ids.setdefault(key, len(prefix_ids) + 1000 * (ci or 0))
-                    prefix_tokens = _prefix_tokens(shared_tokens or 0, r)
+                    prefix_tokens = shared_tokens or 0  # sized in the target's tokens when it was drawn
+                    if prefixes_as_counted:
+                        prefix_tokens = _prefix_tokens(prefix_tokens, r)
                 if conversation is not None:
                     stream = streams.setdefault((name, conversation), len(streams))
                     prefix, prefix_tokens = None, 0  # the conversation's own history is the shared part
@@ -267,12 +271,12 @@ def from_traces(paths: list[str]) -> Workload:
                     conditions={k: str(v) for k, v in conditions.items()}, label="recorded", notes=notes)
 
 
-def load(bench: list[str], trace_files: list[str]) -> Workload:
+def load(bench: list[str], trace_files: list[str], prefixes_as_counted: bool = False) -> Workload:
     """One workload: the bench records when given (one run), else the trace files."""
     if len(bench) > 1:
         raise WorkloadError("give one bench record file per prediction (one recorded workload)")
     if bench:
-        return from_bench(bench[0])
+        return from_bench(bench[0], prefixes_as_counted)
     if trace_files:
         return from_traces(trace_files)
     raise WorkloadError("no input: give a bench record file (--records) or trace files (--traces)")
