@@ -13,6 +13,8 @@ from __future__ import annotations
 import gzip
 import json
 import statistics
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -49,6 +51,24 @@ def test_by_default_a_prefix_is_its_draw():
     agents = _agents(workload.from_bench(DP))
     assert len(agents) > 100
     assert all(500 < r.prefix_tokens < 900 for r in agents), {r.prefix_tokens for r in agents}
+
+
+def test_the_command_replays_the_servers_count_when_asked_and_says_so():
+    def run(*extra: str) -> dict:
+        r = subprocess.run([sys.executable, "-m", "pdproxy", "whatif", "--records", str(DP), "--num-gpu-blocks", "4096",
+                            "--setup", "4xsingle", "--no-fit-run", "--no-table", "--json", "-", *extra],
+                           capture_output=True, text=True, timeout=150,
+                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parent.parent)})
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    drawn, counted = run(), run("--prefixes-as-counted")
+    note = [n for n in counted["whatif"]["workload"]["notes"] if "--prefixes-as-counted" in n]
+    assert note and int(note[0].split()[0]) > 100, note
+    assert not any("--prefixes-as-counted" in n for n in drawn["whatif"]["workload"]["notes"])
+    # the cached system prompt is the server's: ~900 new tokens to prefill per agent prompt instead of ~2,200, so the
+    # four singles serve more requests in the same time (at the preset's sharing: 531 against 478)
+    assert counted["runs"][0]["stats"]["requests"]["ok"] > 1.05 * drawn["runs"][0]["stats"]["requests"]["ok"]
 
 
 def test_a_record_that_asked_for_the_prefix_keeps_its_draw(tmp_path):

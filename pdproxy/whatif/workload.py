@@ -139,7 +139,7 @@ def from_bench(path: str | Path, prefixes_as_counted: bool = False) -> Workload:
         by_class[str(r.get("class"))].append(r)
     if not by_class:
         raise WorkloadError(f"{path}: no request records")
-    out_missing = prompt_missing = 0
+    out_missing = prompt_missing = counted = 0
     classes = []
     streams: dict[Any, int] = {}  # each request's own ids (or its conversation's), numbered in order: deterministic
     for name, recs in by_class.items():
@@ -162,8 +162,8 @@ def from_bench(path: str | Path, prefixes_as_counted: bool = False) -> Workload:
                     key = text.strip()
                     prefix = prefix_ids.setdefault(key, len(prefix_ids) + 1000 * (ci or 0))
                     prefix_tokens = shared_tokens or 0  # sized in the target's tokens when it was drawn
-                    if prefixes_as_counted:
-                        prefix_tokens = _prefix_tokens(prefix_tokens, r)
+                    if prefixes_as_counted and (n := _prefix_tokens(prefix_tokens, r)) > prefix_tokens:
+                        prefix_tokens, counted = n, counted + 1
                 if conversation is not None:
                     stream = streams.setdefault((name, conversation), len(streams))
                     prefix, prefix_tokens = None, 0  # the conversation's own history is the shared part
@@ -182,6 +182,9 @@ def from_bench(path: str | Path, prefixes_as_counted: bool = False) -> Workload:
     if prompt_missing:
         notes.append(f"{prompt_missing} request(s) without the server's prompt token count: assumed the requested "
                      "size (or words x tokens per word)")
+    if counted:
+        notes.append(f"{counted} request(s) whose shared prefix the server counted longer than its draw: replayed at "
+                     "the server's count (--prefixes-as-counted)")
     if out_missing:
         notes.append(f"{out_missing} request(s) without an output token count (failed or not streamed with usage): "
                      "assumed max_tokens")
