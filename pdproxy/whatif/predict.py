@@ -36,8 +36,8 @@ EXPECTED_ERROR: dict[str, float] = {
     "tail ITL p50": 0.90,
     "tail ITL p99": 0.35,
     "KV wait p50": 0.15,
-    "KV wait p99": 0.25,
-    "completed": 0.75,
+    "KV wait p99": 0.20,
+    "completed": 0.70,
 }
 
 
