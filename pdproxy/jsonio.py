@@ -29,14 +29,16 @@ import math
 from typing import Any
 
 import orjson
+from mypy_extensions import mypyc_attr
 
 
+@mypyc_attr(native_class=False)  # compiled, a class derived from float is a plain Python class
 class Constant(float):
     """NaN or ±Infinity as read from JSON (the literals, or a number past a float's range such as
     `1e999`): a float that orjson will not write, so that `dumps` writes it as `json.dumps` does."""
 
 
-def _number(text: str) -> float:
+def _number(text: str) -> Any:  # not `float`: compiled, that return would be unboxed, dropping the Constant
     value = float(text)
     return value if math.isfinite(value) else Constant(value)
 
