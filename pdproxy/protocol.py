@@ -13,8 +13,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from pdproxy import jsonio
 from pdproxy.errors import ProxyError, bad_request
 
@@ -175,54 +173,17 @@ def parse_body(raw: bytes) -> tuple[Any, bytes | None]:
     `vllm_xargs`, however the key is spelt (`"kv\\u005ftransfer_params"` decodes to it), is never
     forwarded raw: the decode gets the re-serialised, checked object, so no client coordinates can
     reach it. Numbers are read as `jsonio.loads_exact` reads them, so the legs mean what the client sent
-    (by orjson when it reads the body the same way, `_read_fast`).
+    (by orjson when it reads the body the same way, `jsonio.loads_if_exact`).
     """
     plain = b"\x00" not in raw and not raw.startswith(codecs.BOM_UTF8)
-    body = _read_fast(raw) if plain else _NOT_READ
-    if body is _NOT_READ:
+    body = jsonio.loads_if_exact(raw) if plain else jsonio.NOT_READ
+    if body is jsonio.NOT_READ:
         try:
             body = jsonio.loads_exact(raw.decode("utf-8") if plain else raw)
         except ValueError as exc:  # UnicodeDecodeError and nesting too deep are ValueErrors
             raise bad_request(f"request body is not valid JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
     forward = plain and isinstance(body, dict) and "kv_transfer_params" not in body and not _xargs_kv_params(body)
     return body, raw if forward else None
-
-
-# orjson's reading of a body is taken when it is the exact reader's (`_read_fast`); else the exact reader reads it
-_NOT_READ = object()
-FAST_DEPTH = 64  # containers nested at most this deep: far within the exact reader's recursion limit
-_INT64 = float(2 ** 63)  # orjson reads an integer outside [-2**63, 2**64) as a float at least this large
-
-
-def _read_fast(raw: bytes) -> Any:
-    """A strict UTF-8 body as orjson reads it (~5x faster), when that is how `jsonio.loads_exact` reads it:
-    orjson refuses what the exact reader reads differently (NaN, Infinity, `1e999`, lone surrogates) and
-    reads its floats as `float()` does, but an integer past 64 bits as a float; `_NOT_READ` otherwise."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return _NOT_READ
-    return body if _as_exact(body, FAST_DEPTH) else _NOT_READ
-
-
-def _as_exact(value: Any, depth: int) -> bool:
-    """Whether `value`, as orjson read it, is what the exact reader reads: nested at most `depth` deep
-    (deeper, the exact reader may refuse it), and no float that may have been an integer past 64 bits."""
-    if isinstance(value, dict):
-        items: Any = value.values()
-    elif isinstance(value, list):
-        items = value
-    else:
-        return not isinstance(value, float) or -_INT64 < value < _INT64
-    if depth <= 0:
-        return False
-    for item in items:
-        if isinstance(item, (dict, list)):
-            if not _as_exact(item, depth - 1):
-                return False
-        elif isinstance(item, float) and not -_INT64 < item < _INT64:
-            return False
-    return True
 
 
 def _typed(body: dict[str, Any], key: str, kind: type) -> None:

@@ -153,27 +153,25 @@ TRICKY_BODIES = [
 
 
 @pytest.mark.parametrize("text", TRICKY_BODIES)
-def test_the_fast_body_reader_reads_what_the_exact_one_reads_or_leaves_it(text):
-    from pdproxy import protocol
+def test_the_fast_exact_reader_reads_what_the_exact_one_reads_or_leaves_it(text):
     raw = text.encode()
-    fast = protocol._read_fast(raw)
+    fast = jsonio.loads_if_exact(raw)
     try:
         exact = jsonio.loads_exact(raw.decode())
     except ValueError:
-        assert fast is protocol._NOT_READ  # refused the same way: by the exact reader's error
+        assert fast is jsonio.NOT_READ  # refused the same way: by the exact reader's error
         with pytest.raises(Exception, match="not valid JSON"):
             parse_body(raw)
         return
-    if fast is not protocol._NOT_READ:
+    if fast is not jsonio.NOT_READ:
         assert typed(fast) == typed(exact)
         assert not isinstance(exact, dict) or list(fast) == list(exact)  # the keys' order too
     assert typed(parse_body(raw)[0]) == typed(exact)
 
 
-def test_the_fast_body_reader_takes_plain_bodies_and_leaves_ambiguous_ones():
-    from pdproxy import protocol
+def test_the_fast_exact_reader_takes_plain_bodies_and_leaves_ambiguous_ones():
     plain = {"model": "m", "prompt": "p " * 300, "max_tokens": 8, "temperature": 0.7, "seed": 2 ** 63 - 1,
              "stream": True, "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "é"}]}
-    assert protocol._read_fast(json.dumps(plain).encode()) == plain
+    assert jsonio.loads_if_exact(json.dumps(plain).encode()) == plain
     for text in ('{"seed":%d}' % 2 ** 64, '{"t":1e20}', '{"t":NaN}', '{"s":"\\ud800"}', nested(65)):
-        assert protocol._read_fast(text.encode()) is protocol._NOT_READ, text
+        assert jsonio.loads_if_exact(text.encode()) is jsonio.NOT_READ, text
