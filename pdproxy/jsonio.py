@@ -39,9 +39,13 @@ class Constant(float):
     `1e999`): a float that orjson will not write, so that `dumps` writes it as `json.dumps` does."""
 
 
-def _number(text: str) -> Any:  # not `float`: compiled, that return would be unboxed, dropping the Constant
+def _number(text: str) -> Any:
+    # Returns of type Any, and no `a if c else Constant(a)`: compiled, a value typed float is unboxed, and boxed
+    # again as a plain float, dropping the Constant
     value = float(text)
-    return value if math.isfinite(value) else Constant(value)
+    if math.isfinite(value):
+        return value
+    return Constant(value)
 
 
 _EXACT = json.JSONDecoder(parse_constant=Constant, parse_float=_number)  # json.loads(..., hooks) builds one a call
