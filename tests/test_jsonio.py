@@ -163,9 +163,10 @@ def test_the_fast_exact_reader_reads_what_the_exact_one_reads_or_leaves_it(text)
         with pytest.raises(Exception, match="not valid JSON"):
             parse_body(raw)
         return
-    if fast is not jsonio.NOT_READ:
-        assert typed(fast) == typed(exact)
-        assert not isinstance(exact, dict) or list(fast) == list(exact)  # the keys' order too
+    if fast is jsonio.NOT_READ:
+        return  # parse_body reads it by the exact reader (which, on 3.12, reads 1,000 levels: typed() would not)
+    assert typed(fast) == typed(exact)
+    assert not isinstance(exact, dict) or list(fast) == list(exact)  # the keys' order too
     assert typed(parse_body(raw)[0]) == typed(exact)
 
 
