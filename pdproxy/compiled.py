@@ -22,10 +22,11 @@ BUILD_RECORD = "_build.json"
 
 # What the build compiles, read by _build/pdproxy_build.py as a literal: the per-request and
 # per-event code the profile names (the stream scan, span building and OTLP encoding, the
-# recorder and its metrics, the request checks), each a module that mypy checks clean. A policy's
+# recorder and its metrics, the request checks, the JSON readers), each a module that mypy checks clean. A policy's
 # `name` is a ClassVar: mypyc would otherwise make a class-level attribute an instance one.
 MODULES = (
     "pdproxy.protocol",
+    "pdproxy.jsonio",
     "pdproxy.stream",
     "pdproxy.telemetry.clock",
     "pdproxy.telemetry.names",

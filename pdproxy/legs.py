@@ -12,8 +12,6 @@ import logging
 import random
 from typing import Any
 
-import orjson
-
 from pdproxy import jsonio
 from pdproxy.errors import DECODE, PREFILL, ProxyError, UpstreamResponse, instance_message, retry_after_seconds
 from pdproxy.migration import Budget
@@ -120,9 +118,6 @@ def _is_kv_load_failure(message: str) -> bool:
 # -- the prefill's answer ------------------------------------------------------------------------
 
 _missing_kv_warned: set[str] = set()
-# Opening brackets (counted anywhere, strings included) at most this many: the answer nests no deeper,
-# far within what the exact reader (recursive) reads on any stack, so it reads it as orjson does.
-FAST_BRACKETS = 64
 _EXACT_SCALARS = frozenset({int, str, bool, type(None)})
 _LOOKED_AT_ONE_BY_ONE = 16  # values of a list or dict that cost less looked at in a loop than collected in C
 
@@ -133,10 +128,10 @@ def kv_params(raw: bytes, instance: Instance) -> dict[str, Any] | None:
 
     They go on to the decode verbatim, so they are read as `jsonio.loads_exact` reads them (every
     integer exact, `1e999` kept as infinity). orjson, ~5x faster, reads an answer the same way when
-    (a) it nests shallowly (`FAST_BRACKETS`: the exact reader would refuse one nested past Python's
-    recursion limit, orjson 3.8 reads it) and (b) the parameters it read hold no float: orjson reads
-    integers past 64 bits as floats, and refuses what else it reads differently (NaN, Infinity,
-    `1e999`, lone surrogates). Every other answer, those included, is read exactly."""
+    `jsonio.loads_if_exact` says so (it nests shallowly: the exact reader would refuse one nested past
+    Python's recursion limit, orjson 3.8 reads it) and the parameters it read hold no float at all:
+    orjson reads integers past 64 bits as floats, and refuses what else it reads differently (NaN,
+    Infinity, `1e999`, lone surrogates). Every other answer, those included, is read exactly."""
     answer: Any = read_fast(raw)
     if answer is None:
         try:
@@ -163,12 +158,7 @@ def kv_params(raw: bytes, instance: Instance) -> dict[str, Any] | None:
 def read_fast(raw: bytes) -> dict[str, Any] | None:
     """The prefill's answer as orjson reads it, when that is how the exact reader would read its
     parameters (see `kv_params`); None: read it exactly."""
-    if raw.count(b"{") + raw.count(b"[") > FAST_BRACKETS:
-        return None
-    try:
-        answer = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
+    answer = jsonio.loads_if_exact(raw)  # its walk of the values read costs less than two counts of the brackets
     if isinstance(answer, dict) and _read_exactly(answer.get("kv_transfer_params")):
         return answer
     return None

@@ -21,10 +21,8 @@ would turn a blip into an outage. Only when none passes its health check is the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import cast
 from urllib.parse import urlsplit
@@ -74,18 +72,29 @@ class Instance:
         """Passes its health check and is not passively ejected (what /status and the gauge report)."""
         return self.probe_ok and not self.ejected
 
-    @contextlib.contextmanager
-    def reserved(self) -> Iterator[None]:
-        """Count a request as in flight here from the moment it is routed here: a decode is chosen
-        before the prefill runs, and a burst must see the requests already bound for it."""
-        self.inflight += 1
-        try:
-            yield
-        finally:
-            self.inflight -= 1
+    def reserved(self) -> Reserved:
+        """`with instance.reserved():` counts a request as in flight here from the moment it is routed here: a
+        decode is chosen before the prefill runs, and a burst must see the requests already bound for it."""
+        return Reserved(self)
 
     def available(self, now: float) -> bool:
         return self.probe_ok and now >= self.ejected_until and now >= self.held_until
+
+
+class Reserved:
+    """`Instance.reserved()`'s context manager: a class, compiled, not `contextlib.contextmanager`'s four
+    interpreted calls a request."""
+
+    __slots__ = ("instance",)
+
+    def __init__(self, instance: Instance) -> None:
+        self.instance = instance
+
+    def __enter__(self) -> None:
+        self.instance.inflight += 1
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.instance.inflight -= 1
 
 
 class Pool:

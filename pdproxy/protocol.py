@@ -172,13 +172,16 @@ def parse_body(raw: bytes) -> tuple[Any, bytes | None]:
     a splice. And a body whose parsed object holds `kv_transfer_params`, at its top or in its
     `vllm_xargs`, however the key is spelt (`"kv\\u005ftransfer_params"` decodes to it), is never
     forwarded raw: the decode gets the re-serialised, checked object, so no client coordinates can
-    reach it. Numbers are read as `jsonio.loads_exact` reads them, so the legs mean what the client sent.
+    reach it. Numbers are read as `jsonio.loads_exact` reads them, so the legs mean what the client sent
+    (by orjson when it reads the body the same way, `jsonio.loads_if_exact`).
     """
-    plain = b"\x00" not in raw and not raw.startswith(codecs.BOM_UTF8)
-    try:
-        body = jsonio.loads_exact(raw.decode("utf-8") if plain else raw)
-    except ValueError as exc:  # UnicodeDecodeError and nesting too deep are ValueErrors
-        raise bad_request(f"request body is not valid JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
+    plain = 0 not in raw and not raw.startswith(codecs.BOM_UTF8)  # no NUL byte (an int needle: see stream._CR)
+    body = jsonio.loads_if_exact(raw) if plain else jsonio.NOT_READ
+    if body is jsonio.NOT_READ:
+        try:
+            body = jsonio.loads_exact(raw.decode("utf-8") if plain else raw)
+        except ValueError as exc:  # UnicodeDecodeError and nesting too deep are ValueErrors
+            raise bad_request(f"request body is not valid JSON ({type(exc).__name__}: {str(exc)[:100]})") from None
     forward = plain and isinstance(body, dict) and "kv_transfer_params" not in body and not _xargs_kv_params(body)
     return body, raw if forward else None
 

@@ -124,3 +124,55 @@ def test_a_body_is_written_as_json_dumps_writes_it(body):
 def test_what_orjson_would_write_differently_goes_to_json(body):
     read, _ = parse_body(json.dumps(body).encode())
     assert jsonio.dumps(read) == json.dumps(read).encode()
+
+
+def typed(value):
+    """`value` with every number's type in it: 1 and 1.0 (and a Constant) differ."""
+    if isinstance(value, dict):
+        return {k: typed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [typed(v) for v in value]
+    return (type(value).__name__, value if value == value else "nan")
+
+
+def nested(depth: int) -> str:
+    return '{"prompt":' + "[" * (depth - 1) + "1" + "]" * (depth - 1) + "}"
+
+
+TRICKY_BODIES = [
+    '{"prompt":"x","seed":%d}' % n for n in (2 ** 63 - 1, 2 ** 63, -2 ** 63, -2 ** 63 - 1, 2 ** 64 - 1, 2 ** 64, 2 ** 70)
+] + [
+    '{"prompt":"x","t":%s}' % f for f in ("0.1", "1e20", "-1e20", "9.223372036854775807e18", "5e-324", "1e-400",
+                                         "2.2250738585072011e-308", "1.7976931348623157e308", "1e999", "-0.0",
+                                         "0.30000000000000004441", "123456789012345678901234567890.5", "NaN")
+] + [
+    '{"prompt":"\\ud800"}', '{"prompt":"\\u00e9\\ud83d\\ude00","a":1,"a":2.5}', '{"kv\\u005ftransfer_params":{}}',
+    '{"vllm_xargs":{"kv_transfer_params":1}}', '{"prompt":[1,2],"x":[{"y":[1.5,{"z":2e400}]}]}', '[1]', 'null',
+    nested(63), nested(64), nested(65), nested(1000), nested(1100), '{"prompt":"x"', '{"prompt":"x"} x',
+]
+
+
+@pytest.mark.parametrize("text", TRICKY_BODIES)
+def test_the_fast_exact_reader_reads_what_the_exact_one_reads_or_leaves_it(text):
+    raw = text.encode()
+    fast = jsonio.loads_if_exact(raw)
+    try:
+        exact = jsonio.loads_exact(raw.decode())
+    except ValueError:
+        assert fast is jsonio.NOT_READ  # refused the same way: by the exact reader's error
+        with pytest.raises(Exception, match="not valid JSON"):
+            parse_body(raw)
+        return
+    if fast is jsonio.NOT_READ:
+        return  # parse_body reads it by the exact reader (which, on 3.12, reads 1,000 levels: typed() would not)
+    assert typed(fast) == typed(exact)
+    assert not isinstance(exact, dict) or list(fast) == list(exact)  # the keys' order too
+    assert typed(parse_body(raw)[0]) == typed(exact)
+
+
+def test_the_fast_exact_reader_takes_plain_bodies_and_leaves_ambiguous_ones():
+    plain = {"model": "m", "prompt": "p " * 300, "max_tokens": 8, "temperature": 0.7, "seed": 2 ** 63 - 1,
+             "stream": True, "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": "é"}]}
+    assert jsonio.loads_if_exact(json.dumps(plain).encode()) == plain
+    for text in ('{"seed":%d}' % 2 ** 64, '{"t":1e20}', '{"t":NaN}', '{"s":"\\ud800"}', nested(65)):
+        assert jsonio.loads_if_exact(text.encode()) is jsonio.NOT_READ, text

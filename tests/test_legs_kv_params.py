@@ -110,3 +110,13 @@ def test_broken_answers_are_refused_as_before():
                        (b'{"kv_transfer_params": {"x": NaN}', "invalid_prefill_response")):
         assert fast(raw) == ("refused", error)
     assert legs.kv_params(answer(None), PREFILL) is None and legs.kv_params(answer({}), PREFILL) is None
+
+
+def test_the_fast_reader_bounds_the_answers_depth_not_its_brackets():
+    # 200 lists, four levels deep: read fast (a count of brackets sent it to the exact reader); 65 levels are not
+    wide = answer({**NIXL, "remote_block_ids": [[i] for i in range(200)]})
+    assert legs.read_fast(wide) == jsonio.loads_exact(wide)
+    for depth, read_fast in ((62, True), (63, False)):  # lists in the answer's two objects: 64 and 65 levels
+        raw = ('{"choices": [], "kv_transfer_params": {"x": %s}}' % ("[" * depth + "]" * depth)).encode()
+        assert (legs.read_fast(raw) is not None) == read_fast, depth
+        assert fast(raw) == exact(raw)

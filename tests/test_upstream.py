@@ -439,3 +439,41 @@ def test_https_instances_are_verified_against_the_trust_store(certificate, monke
     run(main(expect_ok=False))  # self-signed: not in the system's trust store
     monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # OpenSSL reads it when the default context is made
     run(main(expect_ok=True))
+
+
+def test_a_pooled_connection_reuses_its_read_timer_and_still_times_out():
+    """The timer armed for one answer stays for the next request on the connection (no timer per request); an
+    answer complete but not yet released is not timed out; a silence on the next request still is."""
+    silent = asyncio.Event()  # never set
+
+    async def never(writer, reader):
+        await silent.wait()
+
+    async def main():
+        ok = answer(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        async with RawServer(ok, ok, never) as server:
+            client = UpstreamClient(1.0, 0.3)
+            loop = asyncio.get_running_loop()
+            armed = []
+            call_at = loop.call_at
+            loop.call_at = lambda *args, **kwargs: armed.append(args) or call_at(*args, **kwargs)
+            try:
+                r = await client.post(server.url, "/", b"{}", HEADERS)
+                assert await r.read() == b"{}"
+                r.release()
+                timers = len(armed)
+                r = await client.post(server.url, "/", b"{}", HEADERS)
+                assert len(armed) == timers, "a second request on a pooled connection armed a timer of its own"
+                assert await r.read() == b"{}"
+                await asyncio.sleep(0.5)  # the timer fires with the answer complete, not yet released
+                assert not r._conn.closed
+                r.release()
+                started = time.monotonic()
+                with pytest.raises(ReadTimeout):
+                    await client.post(server.url, "/", b"{}", HEADERS)
+                assert time.monotonic() - started >= 0.3 - 0.01
+                assert server.connections == 1
+            finally:
+                loop.call_at = call_at
+                await client.close()
+    run(main())

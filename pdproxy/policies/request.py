@@ -55,7 +55,7 @@ class RequestView:
 
     def __init__(self, body: Mapping[str, Any] | None = None, headers: Mapping[str, str] | None = None,
                  chat: bool = False) -> None:
-        self.body = body if isinstance(body, Mapping) else {}
+        self.body = body if isinstance(body, dict) or isinstance(body, Mapping) else {}  # a dict: no ABC check
         self.headers = headers if headers is not None else {}
         self.chat = chat
         self._prefix: PrefixKey | None = None
