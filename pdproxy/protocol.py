@@ -175,7 +175,7 @@ def parse_body(raw: bytes) -> tuple[Any, bytes | None]:
     reach it. Numbers are read as `jsonio.loads_exact` reads them, so the legs mean what the client sent
     (by orjson when it reads the body the same way, `jsonio.loads_if_exact`).
     """
-    plain = 0 not in raw and not raw.startswith(codecs.BOM_UTF8)  # no NUL byte (an int needle: see stream._CR)
+    plain = 0 not in raw and not raw.startswith(codecs.BOM_UTF8)  # no NUL byte (an int needle: see stream.CR)
     body = jsonio.loads_if_exact(raw) if plain else jsonio.NOT_READ
     if body is jsonio.NOT_READ:
         try:

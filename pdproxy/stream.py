@@ -31,9 +31,9 @@ from pdproxy.upstream import Response, UpstreamError
 
 _DATA = b"data: {"
 _LAST_DONE = b"\n\ndata: [DONE]\n\n"
-# A single byte is looked for as an int (`_CR in data`): `b"\r" in data` first tries its needle as an int, and the
+# A single byte is looked for as an int (`CR in data`): `b"\r" in data` first tries its needle as an int, and the
 # TypeError raised and cleared costs ~3.5 k instructions on Python 3.12 under callgrind, ten times the search
-_CR, _LF, _BACKSLASH = ord("\r"), ord("\n"), ord("\\")
+CR, LF, _BACKSLASH = ord("\r"), ord("\n"), ord("\\")
 MAX_EVENT_BYTES = 16 * 1024 * 1024  # as migration.MAX_HEAD_BYTES: room for a 2M-token prompt's ids
 DONE_GRACE = 1.0  # seconds the end of a body may take after its [DONE] (vLLM: at once)
 # A JSON string's content: what may stand between a plain event's head and tail (`_json_text`)
@@ -75,7 +75,7 @@ class ResponseScan:
 
     def feed(self, data: bytes, now_ns: int) -> None:
         buffer = self._buffer + data if self._buffer else data
-        if _CR in buffer:
+        if CR in buffer:
             buffer = buffer.replace(b"\r\n", b"\n")
         cut = buffer.rfind(b"\n\n")
         if cut < 0:
@@ -113,7 +113,7 @@ class ResponseScan:
         the stream's head and tail when a second parse, of the event with another text, says that the
         text is all they leave open, and the event says nothing else: one choice, no finish reason, usage,
         metrics or error, and no output besides the text (for chat: no reasoning or tool calls)."""
-        if not event.startswith(_DATA) or _LF in event:
+        if not event.startswith(_DATA) or LF in event:
             return False
         try:
             obj = jsonio.loads(event[6:])
@@ -286,7 +286,7 @@ def _after_last_event(data: bytes) -> int | None:
 def through_done(data: bytes) -> bytes:
     """`data` up to the end of its `[DONE]` event: nothing after it is the client's. (CRLF framing,
     rare, and a `[DONE]` split across reads are passed as they came.)"""
-    if _CR in data or data.endswith(_LAST_DONE) and data.count(b"[DONE]") == 1:
+    if CR in data or data.endswith(_LAST_DONE) and data.count(b"[DONE]") == 1:
         return data  # the usual read: [DONE] is its last event, and its only one
     events = data.split(b"\n\n")
     for i, event in enumerate(events[:-1]):
@@ -330,7 +330,7 @@ class Pipe:
 
     def take(self, data: bytes) -> bool:
         writer, scan = self.writer, self.scan
-        if (writer.held or not data.endswith(b"\n\n") or _CR in data or data.find(b"[DONE]") >= 0
+        if (writer.held or not data.endswith(b"\n\n") or CR in data or data.find(b"[DONE]") >= 0
                 or data.find(b'"error"') >= 0 or len(data) > MAX_EVENT_BYTES or not writer.client.writable):
             return False
         scan.feed(data, time.monotonic_ns())
@@ -383,7 +383,7 @@ class WholeEventWriter:
         else:
             if self.held:
                 data, self.held = self.held + data, b""
-            if not end and _CR not in data:  # CRLF framing is passed through as it comes
+            if not end and CR not in data:  # CRLF framing is passed through as it comes
                 cut = data.rfind(b"\n\n")
                 whole = cut + 2 if cut >= 0 else 0
                 if whole < len(data):

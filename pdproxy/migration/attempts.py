@@ -9,7 +9,7 @@ from typing import Any
 from pdproxy.errors import DECODE, ProxyError
 from pdproxy.migration.continuation import TokenTap
 from pdproxy.pool import Instance
-from pdproxy.stream import ResponseScan, stream_failure, through_done
+from pdproxy.stream import CR, ResponseScan, stream_failure, through_done
 from pdproxy.upstream import Response, UpstreamError
 
 BEFORE_FIRST_TOKEN, MID_STREAM = "before_first_token", "mid_stream"  # the stages a migration happens in
@@ -131,7 +131,7 @@ async def read_head(response: Response, scan: ResponseScan, tap: TokenTap | None
 
 def _events_in(data: bytes) -> int:
     """The SSE events that end in `data` (a CR: one memchr, then CRLF ends are counted too)."""
-    return data.count(b"\n\n") + (data.count(b"\r\n\r\n") if b"\r" in data else 0)
+    return data.count(b"\n\n") + (data.count(b"\r\n\r\n") if CR in data else 0)
 
 
 def _no_token(events: int, received: int) -> ProxyError:

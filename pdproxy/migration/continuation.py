@@ -8,6 +8,7 @@ from typing import Any
 
 from pdproxy import jsonio
 from pdproxy.policies.request import prompt_of
+from pdproxy.stream import CR, LF
 
 # bounds on the ids a stream reports, past which it is not continued: a step's tokens in one event
 # (several with speculative decoding), the output when the request sets no limit (a long context),
@@ -176,7 +177,7 @@ class TokenTap:
 
     def feed(self, data: bytes) -> bytes:
         buffer = self._buffer + data
-        if b"\r" in buffer:
+        if CR in buffer:
             buffer = buffer.replace(b"\r\n", b"\n")
         cut = buffer.rfind(b"\n\n")
         if cut < 0:
@@ -190,7 +191,7 @@ class TokenTap:
             return b""  # nothing after [DONE] is the client's
         if event.startswith(b"data:") and event[5:].strip() == b"[DONE]":
             self.done = True
-        if not event.startswith(b"data: {") or b"\n" in event:
+        if not event.startswith(b"data: {") or LF in event:
             return event + b"\n\n"  # [DONE], comments, unusual framing: as they are (the scanner judges them)
         try:
             obj = jsonio.loads(event[6:])
