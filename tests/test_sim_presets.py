@@ -26,6 +26,7 @@ INHERITED = {
     "max_num_batched_tokens": "the engine's configuration",
     "max_num_seqs": "the engine's configuration",
     "enable_chunked_prefill": "the engine's configuration",
+    "async_scheduling": "the engine's configuration",
     "gpu_share": "0 in both: no GPU time-sharing unless fitted to a recording",
     "instant": "both run the engine loop",
     "notes": "describe the curves both use",

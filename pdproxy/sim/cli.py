@@ -66,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     chunk.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
                        help="prompts must fit the remaining budget whole; one longer than the whole budget "
                             "still runs whole in one step")
+    lookahead = g.add_mutually_exclusive_group()
+    lookahead.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
+                           help="schedule the next step while one runs, as vLLM's engine core does: a prompt "
+                                "arriving mid-step misses the step already scheduled (preset: off)")
+    lookahead.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                           help="schedule each step when the one before it ends")
     caching = g.add_mutually_exclusive_group()
     caching.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
                          help="keep computed prompt blocks and reuse them for prompts with the same prefix "
@@ -172,7 +178,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         kv_bytes_per_token=args.kv_bytes_per_token, frontend_overhead_ms=args.frontend_overhead_ms,
         frontend_request_ms=args.frontend_request_ms, frontend_stream_ms=args.frontend_stream_ms,
         kv_pull_overhead_ms=args.kv_pull_overhead_ms, kv_pull_stalls_decode=args.kv_pull_stalls_decode,
-        gpu_share=args.gpu_share, kv_intake_gbps=args.kv_intake_gbps,
+        gpu_share=args.gpu_share, kv_intake_gbps=args.kv_intake_gbps, async_scheduling=args.async_scheduling,
     )
     faults = FaultRates(
         error_rate=args.error_rate, error_status=args.error_status, slow_start_seconds=args.slow_start_seconds,

@@ -134,6 +134,7 @@ class Engine:
         self.budget = p.max_num_batched_tokens
         self.max_num_seqs = p.max_num_seqs
         self.chunked = p.enable_chunked_prefill
+        self.lookahead = p.async_scheduling
         self.pool = BlockPool(0 if settings.instant else p.num_gpu_blocks)  # instant: no capacity limits
         self.prefix_cache = PrefixCache(settings.enable_prefix_caching)
         self.leases = KVLeases(settings.engine_id, self.pool, settings.kv_lease_seconds, metrics,
@@ -232,6 +233,7 @@ class Engine:
 
     async def _loop(self) -> None:
         ideal_end: float | None = None
+        step_start = 0.0
         stall_on_pull = self.settings.preset.kv_pull_stalls_decode
         while True:
             now = self.clock.now()
@@ -245,7 +247,12 @@ class Engine:
                     await self.clock.sleep_until(until)
                     continue
             now = self.clock.now()
-            batch, prefill_tokens = self._schedule(now)
+            # async scheduling: the step after the one just run was scheduled when that one started, so a prompt
+            # submitted since waits a step more; with nothing to run the GPU would idle, and vLLM schedules it now
+            batch, prefill_tokens = self._schedule(now, now if ideal_end is None or not self.lookahead
+                                                   else step_start)
+            if not batch and ideal_end is not None and self.lookahead:
+                batch, prefill_tokens = self._schedule(now, now)
             if not batch:
                 ideal_end = None
                 self._publish()
@@ -257,6 +264,7 @@ class Engine:
             if self.gpu is not None:
                 duration = self.gpu.stretch(self.gpu_slot, start, duration)
             ideal_end = start + duration
+            step_start = start
             await self.clock.sleep_until(ideal_end)
             self.steps += 1
             self.busy_seconds += duration
@@ -272,7 +280,8 @@ class Engine:
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
 
-    def _schedule(self, now: float) -> tuple[list[tuple[Sequence, int]], int]:
+    def _schedule(self, now: float, cutoff: float) -> tuple[list[tuple[Sequence, int]], int]:
+        """The next step's batch; a waiting prompt submitted after `cutoff` is not admitted to it."""
         budget = self.budget
         batch: list[tuple[Sequence, int]] = []
         prefill_tokens = 0
@@ -335,7 +344,7 @@ class Engine:
                 self.loading.add(seq)
                 self._spawn(self._load_remote_kv(seq))
                 continue
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0 or len(self.running) >= self.max_num_seqs or seq.queued_at > cutoff:
                 break
             hit_blocks = self.prefix_cache.cached_blocks(seq.block_hashes) if seq.num_computed == 0 else 0
             start = seq.num_computed or min(hit_blocks * self.block_size, seq.prompt_tokens - 1)

@@ -75,6 +75,16 @@ class Preset:
     max_num_batched_tokens: int
     max_num_seqs: int
     enable_chunked_prefill: bool = True
+    # vLLM's async scheduling (its default: vllm/config/vllm.py resolves `async_scheduling=None` to True unless
+    # a pooling model, a drafter it cannot overlap or an executor without it): the engine core schedules step
+    # k+1 while step k runs (vllm/v1/engine/core.py `step_with_batch_queue`, a batch queue of two), so a prompt
+    # that arrives while a step runs misses the step already scheduled and joins the one after: one step more
+    # to its first token beside running streams, none on an idle engine. Seen in the recorded vLLM 0.23 singles
+    # (tests/fixtures/vllm023, `llm_request` spans): a cached prompt's scheduled-to-first-token is 9.1-9.8 ms
+    # at p10 beside running streams (two decode steps of 4.9-5.2 ms). Off in the presets: with it, the fitted
+    # self-replays of the singles move TTFT p50 -28 -> -6 % (vllm023 2-GPU) but -2 -> +30 % (1-GPU) and
+    # +26 -> +31 % (run A), docs/whatif.md "Async scheduling".
+    async_scheduling: bool = False
     # decode: while a remote KV pull is in flight no engine step starts for the transfer's own link time
     # (latency + bytes / bandwidth, queueing on the link not counted), so the decode's other streams
     # stall for the transfer. Seen in the recorded vLLM 0.23 traces on two H200s (tests/fixtures/vllm023):
