@@ -8,6 +8,7 @@ import contextlib
 import logging
 import signal
 import sys
+from typing import Any
 
 from aiohttp import web
 
@@ -59,25 +60,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("scheduler and KV cache (vLLM flags)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one engine step (preset: 16384)")
-    chunk = g.add_mutually_exclusive_group()
-    chunk.add_argument("--enable-chunked-prefill", dest="enable_chunked_prefill", action="store_true", default=None,
-                       help="split prompts longer than the remaining step budget into chunks (the default, as "
-                            "in vLLM V1)")
-    chunk.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
-                       help="prompts must fit the remaining budget whole; one longer than the whole budget "
-                            "still runs whole in one step")
-    lookahead = g.add_mutually_exclusive_group()
-    lookahead.add_argument("--async-scheduling", dest="async_scheduling", action="store_true", default=None,
-                           help="schedule the next step while one runs, as vLLM's engine core does: a prompt "
-                                "arriving mid-step misses the step already scheduled (preset: off)")
-    lookahead.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                           help="schedule each step when the one before it ends")
-    caching = g.add_mutually_exclusive_group()
-    caching.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
-                         help="keep computed prompt blocks and reuse them for prompts with the same prefix "
-                              "(vLLM's automatic prefix caching; the default, as in vLLM)")
-    caching.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                         help="compute every prompt in full")
+    _on_off(g, "enable-chunked-prefill", None,
+            "split prompts longer than the remaining step budget into chunks (the default, as in vLLM V1)",
+            "prompts must fit the remaining budget whole; one longer than the whole budget still runs whole in one "
+            "step")
+    _on_off(g, "async-scheduling", None,
+            "schedule the next step while one runs, as vLLM's engine core does: a prompt arriving mid-step misses "
+            "the step already scheduled (preset: off)",
+            "schedule each step when the one before it ends")
+    _on_off(g, "enable-prefix-caching", True,
+            "keep computed prompt blocks and reuse them for prompts with the same prefix (vLLM's automatic prefix "
+            "caching; the default, as in vLLM)",
+            "compute every prompt in full")
     g.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="vLLM's KV-cache events: publish BlockStored/BlockRemoved on a ZMQ PUB socket with a replay "
                         "socket, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
@@ -165,6 +159,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="reset (TCP RST, no response) every connection carrying an inference request; /health, "
                         "/metrics and /sim/* still answer so the process can be managed. For 'connection "
                         "refused', point the client at a port nothing listens on")
+
+
+def _on_off(group: Any, flag: str, default: bool | None, on: str, off: str) -> None:
+    """vLLM's pair of flags for a switch: --FLAG and --no-FLAG, one destination, exclusive."""
+    pair = group.add_mutually_exclusive_group()
+    dest = flag.replace("-", "_")
+    pair.add_argument(f"--{flag}", dest=dest, action="store_true", default=default, help=on)
+    pair.add_argument(f"--no-{flag}", dest=dest, action="store_false", help=off)
 
 
 def settings_from_args(args: argparse.Namespace) -> SimSettings:
