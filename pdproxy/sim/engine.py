@@ -27,7 +27,8 @@ waits (counted as waiting, like vLLM's WAITING_FOR_REMOTE_KVS) while the KV is p
 successful pull only the last prompt token is recomputed (a one-token step), and a failed pull
 finishes the request with an error. A KV that lands while a pull from another prefill is still in the
 decode's hands goes through the decode's intake first (preset `kv_intake_gbps`): one at a time, at the
-intake's rate, as the recorded 2P2D runs' decodes took in KV from two prefills.
+intake's rate, as the recorded 2P2D runs' decodes took in KV from two prefills; with `kv_intake_bursts` by
+batches, each released when its last KV is in.
 """
 
 from __future__ import annotations
@@ -510,8 +511,8 @@ class Engine:
 
     async def _take_in_batch(self, nbytes: int) -> None:
         """Copy a KV in with the batch it joins and return when the whole batch is in: a KV that arrives while a
-        batch is copied waits for it and goes with the next (vLLM's decode posts the reads of one step together and
-        its engine takes nothing else in until they are done)."""
+        batch is copied goes with the next (run A's vLLM decodes took no request in for seconds at a time, then
+        released the KV loads of that stretch in one step)."""
         assert self.intake is not None
         if self._copying is None:
             batch = self._copying = IntakeBatch()
@@ -522,8 +523,8 @@ class Engine:
             await self.intake.transfer(nbytes)
         finally:
             batch.pending -= 1
-            if batch.pending == 0 and batch is self._copying:
-                batch.release()
+            while self._copying is not None and self._copying.pending == 0:  # a batch emptied by cancels goes too
+                self._copying.release()
                 self._copying, self._next = self._next, None
         await batch.done
 
