@@ -39,7 +39,10 @@ def cluster():
         procs.append(b)
         d, url_d = start_sim("decode", *KV, "--kv-intake-gbps", "0.5", "--kv-pull-stalls-decode")
         procs.append(d)
-        yield url_a, url_b, url_d
+        # the one-GPU presets' decode: it steps on while its intake works
+        bursts, url_bursts = start_sim("decode", *KV, "--kv-intake-gbps", "0.5", "--kv-intake-bursts")
+        procs.append(bursts)
+        yield url_a, url_b, url_d, url_bursts
     finally:
         for proc in procs:
             proc.stop()
@@ -64,7 +67,7 @@ async def _phase(prefills: list[str], decode: str, tag: str) -> tuple[list[Timed
 
 
 def test_several_prefills_feeding_one_decode_queue_at_its_intake_and_stall_its_streams(cluster):
-    url_a, url_b, url_d = cluster
+    url_a, url_b, url_d, _ = cluster
     one, stream_one = asyncio.run(_phase([url_a], url_d, "one"))
     two, stream_two = asyncio.run(_phase([url_a, url_b], url_d, "two"))
     for legs, stream in ((one, stream_one), (two, stream_two)):
@@ -78,3 +81,16 @@ def test_several_prefills_feeding_one_decode_queue_at_its_intake_and_stall_its_s
     assert wait_two > 3 * INTAKE_S and wait_two > 2 * wait_one, (wait_one, wait_two)
     # its stream is held while the intake works: at least two intakes in a row, against a link time or two
     assert stream_two.max_gap > 2 * INTAKE_S > stream_one.max_gap, (stream_one.max_gap, stream_two.max_gap)
+
+
+def test_an_intake_by_batches_releases_the_kv_that_landed_during_a_batch_together(cluster):
+    url_a, url_b, _, url_bursts = cluster
+    legs, _ = asyncio.run(_phase([url_a, url_b], url_bursts, "bursts"))
+    assert len(legs) == REQUESTS and all(leg.ok and leg.chunk_times for leg in legs), \
+        [leg.error or leg.body for leg in legs]
+    bursts = sorted(leg.chunk_times[0] for leg in legs)
+    # taken in one at a time (without --kv-intake-bursts), the last three would come an intake time apart;
+    # by batches: the three KVs that landed while the first was copied in are released in one step
+    assert bursts[-1] - bursts[-3] < 0.3 * INTAKE_S, bursts
+    # and not before all of the batch is in: the last first token still waits about three intakes after the first
+    assert bursts[-1] - bursts[0] > 2 * INTAKE_S, bursts

@@ -28,6 +28,7 @@ INHERITED = {
     "enable_chunked_prefill": "the engine's configuration",
     "async_scheduling": "the engine's configuration",
     "gpu_share": "0 in both: no GPU time-sharing unless fitted to a recording",
+    "kv_intake_bursts": "off in both: it did not fit the one-GPU recordings, and the 2-GPU preset has no intake",
     "instant": "both run the engine loop",
     "notes": "describe the curves both use",
 }

@@ -103,6 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="decode: GB/s at which it takes in a KV that lands while another prefill's pull is still "
                         "in its hands, one at a time (several prefills feeding it at once; 0 = no such intake, "
                         "the presets' default)")
+    g.add_argument("--kv-intake-bursts", action="store_true", default=None,
+                   help="decode: take KV in by batches: a KV landing while a batch is copied in joins the next, and "
+                        "a batch is released when its last KV is in (off in every preset)")
     g.add_argument("--gpu-share", type=float, default=None,
                    help="instances time-sharing one GPU: how much each other instance stepping at the same time "
                         "stretches a step (0 = a GPU of its own, the presets' default; 1 = full time-slicing); "
@@ -180,7 +183,8 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         kv_bytes_per_token=args.kv_bytes_per_token, frontend_overhead_ms=args.frontend_overhead_ms,
         frontend_request_ms=args.frontend_request_ms, frontend_stream_ms=args.frontend_stream_ms,
         kv_pull_overhead_ms=args.kv_pull_overhead_ms, kv_pull_stalls_decode=args.kv_pull_stalls_decode,
-        gpu_share=args.gpu_share, kv_intake_gbps=args.kv_intake_gbps, async_scheduling=args.async_scheduling,
+        gpu_share=args.gpu_share, kv_intake_gbps=args.kv_intake_gbps, kv_intake_bursts=args.kv_intake_bursts,
+        async_scheduling=args.async_scheduling,
     )
     faults = FaultRates(
         error_rate=args.error_rate, error_status=args.error_status, slow_start_seconds=args.slow_start_seconds,

@@ -27,7 +27,8 @@ waits (counted as waiting, like vLLM's WAITING_FOR_REMOTE_KVS) while the KV is p
 successful pull only the last prompt token is recomputed (a one-token step), and a failed pull
 finishes the request with an error. A KV that lands while a pull from another prefill is still in the
 decode's hands goes through the decode's intake first (preset `kv_intake_gbps`): one at a time, at the
-intake's rate, as the recorded 2P2D runs' decodes took in KV from two prefills.
+intake's rate, as the recorded 2P2D runs' decodes took in KV from two prefills; with `kv_intake_bursts` by
+batches, each released when its last KV is in.
 """
 
 from __future__ import annotations
@@ -120,6 +121,20 @@ class Sequence:
                 waiter.set_result(None)
 
 
+class IntakeBatch:
+    """KV a decode's intake copies in together and releases to its scheduler together."""
+
+    __slots__ = ("pending", "done")
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def release(self) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
 class Engine:
     """One engine core. `run()` is the step loop; handlers `submit()` and `abort()` sequences."""
 
@@ -152,6 +167,9 @@ class Engine:
         self.intake = TransferLink(intake, 0.0, clock) if puller is not None and intake > 0 and not p.instant \
             else None
         self.taking_from: collections.Counter[str] = collections.Counter()  # prefill engine -> KVs in our hands
+        self.intake_bursts = p.kv_intake_bursts
+        self._copying: IntakeBatch | None = None  # the batch of KV the intake copies now
+        self._next: IntakeBatch | None = None  # KV that arrived meanwhile: copied, and released, as the next batch
         if self.intake is not None:  # same-GPU NIXL: the copy-in time-shares the GPU like a step
             self.intake.share_gpu(self.gpu, self.gpu_slot)
         self._wakeup = asyncio.Event()
@@ -475,7 +493,10 @@ class Engine:
         try:
             outcome = await self.puller.pull(seq.remote, fail=seq.kv_fail)
             if outcome.ok and self.intake is not None and seq.state is not FINISHED and self._fed_by_others(source):
-                await self.intake.transfer(outcome.nbytes)
+                if self.intake_bursts:
+                    await self._take_in_batch(outcome.nbytes)
+                else:
+                    await self.intake.transfer(outcome.nbytes)
         finally:
             self.taking_from[source] -= 1
         seq.pull = outcome
@@ -496,6 +517,25 @@ class Engine:
             self._finish(seq, "error", self.clock.now(), error=f"KV load failed: {outcome.message}")
         self._publish()
         self._wake()
+
+    async def _take_in_batch(self, nbytes: int) -> None:
+        """Copy a KV in with the batch it joins and return when the whole batch is in: a KV that arrives while a
+        batch is copied goes with the next (run A's vLLM decodes took no request in for seconds at a time, then
+        released the KV loads of that stretch in one step)."""
+        assert self.intake is not None
+        if self._copying is None:
+            batch = self._copying = IntakeBatch()
+        else:
+            batch = self._next = self._next or IntakeBatch()
+        batch.pending += 1
+        try:
+            await self.intake.transfer(nbytes)
+        finally:
+            batch.pending -= 1
+            while self._copying is not None and self._copying.pending == 0:  # a batch emptied by cancels goes too
+                self._copying.release()
+                self._copying, self._next = self._next, None
+        await batch.done
 
     def _fed_by_others(self, source: str) -> bool:
         """Whether a pull from another prefill is in flight or being taken in (the intake's condition)."""

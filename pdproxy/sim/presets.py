@@ -103,6 +103,12 @@ class Preset:
     # decodes, fed by both prefills from the start, 3-13 s. One prefill feeding a decode (vllm023 1P1D,
     # 217 requests) never shows it. Sized by `pdproxy whatif --fit-run` on a recording with several prefills.
     kv_intake_gbps: float = 0.0
+    # decode: its intake takes KV in by batches, as vLLM 0.23's decode engine did in the recorded 2P2D on one H200
+    # (run A, tests/fixtures/real-xpyd-2026-12-01b): its engine core added no new request for 8-13 s at a time, then
+    # released five to nine KV loads in one step. A KV arriving while a batch is copied joins the next batch; a batch
+    # is released when its last KV is in. Off in every preset: it fits run A's completed requests (+70 % -> +20 %)
+    # but not run B's TTFT (docs/whatif.md, "The decode's intake").
+    kv_intake_bursts: bool = False
     # several instances time-sharing one GPU's compute: each other instance stepping at the same time
     # stretches a step by this fraction (0: a GPU per instance; 1: full time-slicing). The simulator applies
     # it between `pdproxy sim` processes that share a --gpu-share-file; the what-if to every instance of a
