@@ -158,7 +158,7 @@ class Proxy:
         pool = self.router.prefill
         assert pool is not None
         payload = jsonio.dumps(prefill_body(body))
-        headers = {**headers, **trace.leg_headers(PREFILL)}
+        headers = trace.leg_headers(PREFILL, headers)
         tries, budget = 1, None
         while True:
             trace.prefill_sent(instance.address, tries)
@@ -207,7 +207,7 @@ class Proxy:
         """Send the decode leg and read its answer up to the first token (or whole, unstreamed). Nothing
         has reached the client yet, so a failure is retried on another instance, with fresh KV
         coordinates from a new prefill unless the failed one provably never got the request."""
-        leg_headers = {**headers, **trace.leg_headers(DECODE)}
+        leg_headers = trace.leg_headers(DECODE, headers)
         timeout = self.settings.first_token_timeout if body.get("stream") else 0  # an answer's first byte is its last
         tries = 1
         try:

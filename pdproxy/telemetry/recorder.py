@@ -178,12 +178,16 @@ class RequestTrace:
 
     # -- what the flow reports --------------------------------------------------------------
 
-    def leg_headers(self, leg: str) -> dict[str, str]:
-        """Trace context for a leg: the leg span's own id, so vLLM's spans become its children."""
-        if self.ids is None:
-            return self._client_trace_headers  # tracing off: pass the client's context through untouched
+    def leg_headers(self, leg: str, shared: dict[str, str] | None = None) -> dict[str, str]:
+        """A leg's headers: `shared` (both legs') and the trace context, the leg span's own id, so vLLM's
+        spans become its children. One dict built, not the context's and then both merged."""
+        if self.ids is None:  # tracing off: pass the client's context through untouched
+            if shared is None or not self._client_trace_headers:  # nothing to add: no copy (legs only read them)
+                return self._client_trace_headers if shared is None else shared
+            return {**shared, **self._client_trace_headers}
         # without a prefill leg, vLLM's one span covers the prompt too: a child of pd.prefill, as in single mode
-        headers = {"traceparent": self.ids.traceparent(leg == DECODE and self.prefill_leg)}
+        traceparent = self.ids.traceparent(leg == DECODE and self.prefill_leg)
+        headers = {**shared, "traceparent": traceparent} if shared is not None else {"traceparent": traceparent}
         if self.ids.tracestate:
             headers["tracestate"] = self.ids.tracestate
         return headers
@@ -490,9 +494,9 @@ class RequestTrace:
                 tail = events_field(events) + links_field(links) + tail
             head, at, fields = shape.stages[stage]
             if stage == KV_TRANSFER:
-                fields += _handoff_fields(m)
+                fields = fields + _handoff_fields(m)  # not +=: compiled, `+` of bytes is a direct concat
             if measured:
-                fields += attribute_fields(measured)
+                fields = fields + attribute_fields(measured)
             begin = edge_time if start == edge else fixed64(to_unix_ns(start))
             close = finished if stop == end else fixed64(to_unix_ns(stop))
             edge, edge_time = stop, close

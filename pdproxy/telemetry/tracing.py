@@ -40,7 +40,7 @@ from pdproxy.telemetry.otlp import SpanData, encode_span, export_framed, frame_p
 
 log = logging.getLogger("pdproxy.tracing")
 _propagator = TraceContextTextMapPropagator()
-_NO_PARENT = Context()
+_NO_PARENT: Final = Context()  # Final: compiled, no module dict lookup per request
 
 DropCounter = Callable[[str, int], None]
 MAX_BATCH = 512  # spans per export request
