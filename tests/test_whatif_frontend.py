@@ -7,6 +7,8 @@
   streams, warm from the P/D run before it) lands within ±20 % on TTFT p50, TTFT p99 and tail ITL p99 (a
   fixed front end, which the fit could not move, missed it by +21 % and -24 %).
 * `--fit-run` moves the time per stream until the 2-GPU single's (16 streams) TTFT p50 is reproduced.
+* Streams that end in one engine step are finished one after another (`frontend_finish_ms`), as vLLM's API
+  server delivered them (1.0-1.3 ms apart) and as the simulator's server does (tests/test_sim_frontend_finish.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 from pdproxy.sim.presets import PRESETS
 from pdproxy.whatif import fitrun, model, predict, setups, workload
 from pdproxy.whatif.model import ModelParams
+from pdproxy.whatif.workload import ClassPlan, Request, Workload
 
 pytestmark = pytest.mark.timeout(300)
 V = Path(__file__).parent / "fixtures" / "vllm023"
@@ -76,3 +79,20 @@ def test_the_fit_moves_the_front_end_to_the_2gpu_singles_ttft():
     closest = min(p50, key=lambda r: abs(r[1] - rec["TTFT p50"]))
     assert abs(closest[1] - rec["TTFT p50"]) / rec["TTFT p50"] <= 0.05, p50
     assert closest[0] > PRESETS["h200-llama8b-2gpu"].frontend_stream_ms, p50
+
+
+@pytest.mark.parametrize("finish_ms", [5.0, 0.0])
+def test_streams_ending_in_one_step_reach_their_clients_one_after_another(finish_ms):
+    # four prompts arriving together, no intake work: prefilled in one step, ending in one step
+    reqs = [Request(f"s{i}", "stream", i, 0.0, 64, 20, stream=i) for i in range(4)]
+    wl = Workload("test", [ClassPlan("stream", None, reqs)])
+    preset = replace(PRESETS["h200-llama8b"], frontend_request_ms=0.0, frontend_stream_ms=0.0,
+                     frontend_finish_ms=finish_ms)
+    outs = model.simulate(wl, setups.parse_setup("1xsingle"), ModelParams(preset))
+    ends = sorted(o.end for o in outs)
+    last = sorted(o.token_times[-1] for o in outs)
+    before_last = {round(o.token_times[-2], 9) for o in outs}
+    assert len(before_last) == 1, before_last  # the same step's tokens until the last one
+    for times in (ends, last):
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert all(abs(g - finish_ms / 1e3) < 1e-6 for g in gaps), gaps

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--frontend-stream-ms", type=float, default=None,
                    help="extra API-server time of a request's intake per stream the instance is serving "
                         "(preset: 1 ms; recorded vLLM 0.23: ~11 ms beside 4 streams, ~23 ms beside 16)")
+    g.add_argument("--frontend-finish-ms", type=float, default=None,
+                   help="API-server work of finishing a stream, one stream at a time: streams ending in one step "
+                        "reach their clients this far apart (presets: 0, off; recorded vLLM 0.23: 1.0-1.3 ms)")
     g.add_argument("--kv-pull-overhead-ms", type=float, default=None,
                    help="decode-side cost of taking over a remote prefill, besides the transfer (preset: 4 ms)")
 
@@ -182,6 +185,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         max_model_len=args.max_model_len, kv_bandwidth_gbps=args.kv_bandwidth_gbps, kv_latency_ms=args.kv_latency_ms,
         kv_bytes_per_token=args.kv_bytes_per_token, frontend_overhead_ms=args.frontend_overhead_ms,
         frontend_request_ms=args.frontend_request_ms, frontend_stream_ms=args.frontend_stream_ms,
+        frontend_finish_ms=args.frontend_finish_ms,
         kv_pull_overhead_ms=args.kv_pull_overhead_ms, kv_pull_stalls_decode=args.kv_pull_stalls_decode,
         gpu_share=args.gpu_share, kv_intake_gbps=args.kv_intake_gbps, kv_intake_bursts=args.kv_intake_bursts,
         async_scheduling=args.async_scheduling,

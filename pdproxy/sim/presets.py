@@ -120,6 +120,12 @@ class Preset:
     # frontend_stream_ms to a single-instance recording's TTFT.
     frontend_request_ms: float = 0.0
     frontend_stream_ms: float = 0.0
+    # the same event loop finishing each stream that ends, one at a time (FIFO with the intake work): streams ending
+    # in one engine step reach their clients this far apart, and so do their clients' next prompts. vLLM 0.23's
+    # last tokens of one step: 1.31 / 0.96 ms apart (median; 1-GPU / 2-GPU single, tests/fixtures/vllm023), where
+    # the other tokens of a step arrive 0.05 ms apart. Off in every preset: at 1.0-1.3 ms the fitted singles do
+    # not fit better, with or without async scheduling (docs/whatif.md, "Async scheduling").
+    frontend_finish_ms: float = 0.0
     instant: bool = False  # no engine loop at all: every answer is produced immediately
     notes: tuple[str, ...] = field(default=())
 

@@ -257,6 +257,7 @@ class SimServer:
         failed = self._failure(seq)
         if failed is not None:
             return failed
+        await self.clock.sleep(self.frontend.finished(self.clock.now()))  # after the finishes queued before it
         if faults.stall is not None:
             await self.clock.sleep(faults.stall.seconds)
         if faults.disconnect is not None:
@@ -322,6 +323,8 @@ class SimServer:
                 sent = upto
                 use = usage(prompt, sent) if continuous else None
                 if finished and sent == available and seq.finish_reason in ("length", "stop"):
+                    # the API server finishes the streams that ended before this one first
+                    await self.clock.sleep(self.frontend.finished(self.clock.now()))
                     metrics = request_metrics(seq) if per_request and not req.include_usage else None
                     data = render.final_chunk(text, seq.finish_reason, use, self._kv_params(seq), metrics, ids,
                                               prompt_ids)

@@ -101,6 +101,7 @@ class FrontEndShape(Protocol):
     frontend_overhead_ms: float
     frontend_request_ms: float
     frontend_stream_ms: float
+    frontend_finish_ms: float
 
 
 class FrontEnd:
@@ -113,7 +114,10 @@ class FrontEnd:
     serving takes a turn of that loop for its tokens (detokenisation, the SSE write) before the new
     request's next step comes round (`frontend_stream_ms` per request in flight, counted from its intake:
     a request still in prefill is a stream about to start). A lone request takes
-    `frontend_overhead_ms`, as calibrated. The simulator's server and the what-if's instances both use it.
+    `frontend_overhead_ms`, as calibrated. On the way out, the same loop finishes each stream that ends
+    (`frontend_finish_ms`, FIFO with the intake work): streams ending in one engine step reach their clients one
+    after another, as vLLM 0.23's did 1.0-1.3 ms apart, and their closed-loop clients' next prompts follow as far
+    apart. The simulator's server and the what-if's instances both use it.
     """
 
     def __init__(self, shape: FrontEndShape, time_scale: float = 1.0) -> None:
@@ -121,14 +125,23 @@ class FrontEnd:
         self.fixed = shape.frontend_overhead_ms * scale
         self.request = shape.frontend_request_ms * scale
         self.per_stream = shape.frontend_stream_ms * scale
+        self.finish = shape.frontend_finish_ms * scale
         self.in_flight = 0  # requests between intake and their last chunk: the streams it serves or is about to
-        self.busy_until = 0.0  # the intake work queued so far ends then
+        self.busy_until = 0.0  # the loop's serial work queued so far (intakes, finishes) ends then
 
     def intake(self, now: float) -> float:
         """Seconds from arrival (`now`) until the engine sees the request; queues its intake work."""
         start = max(now, self.busy_until)
         self.busy_until = start + self.request
         return start - now + self.fixed + self.per_stream * self.in_flight
+
+    def finished(self, now: float) -> float:
+        """Seconds a stream's last output, ready at `now`, waits for the loop's earlier work; queues its finishing."""
+        if self.finish <= 0:
+            return 0.0
+        start = max(now, self.busy_until)
+        self.busy_until = start + self.finish
+        return start - now
 
 
 class PreciseClock:

@@ -124,6 +124,7 @@ class _Instance:
                                  clock)  # type: ignore[arg-type]
         self.link.share_gpu(cluster.gpu)
         self.frontend = FrontEnd(preset, self.settings.time_scale)
+        self.tokens = cluster.tokens  # the client's token times, by leg id (the last one moved by its finishing)
         self.loopback = cluster.params.loopback_ms / 1000.0
         self.task: asyncio.Future[None] | None = None  # the engine's step loop
         # what pdproxy's pool knows of it (pdproxy/pool.py): dead, found down by a health check, ejected
@@ -172,6 +173,13 @@ class _Instance:
             waiter = seq.wait(target)
             if waiter is not None:
                 await waiter
+            if seq.finish_reason in ("length", "stop"):  # its last output waits for the loop's earlier finishes
+                finish = self.frontend.finished(self.clock.now())
+                if finish > 0:
+                    times = self.tokens.get(request_id)
+                    if times:
+                        times[-1] += finish
+                    await self.clock.sleep(finish)
         finally:
             self.frontend.in_flight -= 1
         if self.dead and seq.finish_reason not in ("length", "stop"):
@@ -234,6 +242,7 @@ class _Cluster:
         self.params = params
         self.clock = clock
         self.transfers: dict[str, tuple[float, float]] = {}
+        self.tokens: dict[str, list[float]] = {}
         preset = params.preset
         self.gpu = SharedGPU(preset.gpu_share)  # every instance on the recorded GPUs (when gpu_share > 0)
         if setup.chunk is not None:
@@ -251,7 +260,6 @@ class _Cluster:
             self.decode_policy = policies.create(params.single_policy, params.policy_params)
         self.instances = [*self.prefills, *self.decodes]
         self.by_engine = {i.settings.engine_id: i for i in self.instances}
-        self.tokens: dict[str, list[float]] = {}
         for inst in self.instances:
             inst.engine.on_token = self._on_token
 
