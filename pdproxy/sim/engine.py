@@ -266,11 +266,9 @@ class Engine:
                     continue
             now = self.clock.now()
             # async scheduling: the step after the one just run was scheduled when that one started, so a prompt
-            # submitted since waits a step more; with nothing to run the GPU would idle, and vLLM schedules it now
-            batch, prefill_tokens = self._schedule(now, now if ideal_end is None or not self.lookahead
-                                                   else step_start)
-            if not batch and ideal_end is not None and self.lookahead:
-                batch, prefill_tokens = self._schedule(now, now)
+            # submitted since waits a step more; with nothing else to run the GPU would idle, and vLLM schedules it now
+            ahead = self.lookahead and ideal_end is not None and bool(self.running or self.ready)
+            batch, prefill_tokens = self._schedule(now, step_start if ahead else now)
             if not batch:
                 ideal_end = None
                 self._publish()

@@ -181,10 +181,8 @@ class RequestTrace:
     def leg_headers(self, leg: str, shared: dict[str, str] | None = None) -> dict[str, str]:
         """A leg's headers: `shared` (both legs') and the trace context, the leg span's own id, so vLLM's
         spans become its children. One dict built, not the context's and then both merged."""
-        if self.ids is None:  # tracing off: pass the client's context through untouched
-            if shared is None or not self._client_trace_headers:  # nothing to add: no copy (legs only read them)
-                return self._client_trace_headers if shared is None else shared
-            return {**shared, **self._client_trace_headers}
+        if self.ids is None:  # tracing off: the client's context passes through untouched (no copy without one)
+            return {**(shared or {}), **self._client_trace_headers} if self._client_trace_headers else shared or {}
         # without a prefill leg, vLLM's one span covers the prompt too: a child of pd.prefill, as in single mode
         traceparent = self.ids.traceparent(leg == DECODE and self.prefill_leg)
         headers = {**shared, "traceparent": traceparent} if shared is not None else {"traceparent": traceparent}
