@@ -29,6 +29,7 @@ INHERITED = {
     "enable_chunked_prefill": "the engine's configuration",
     "async_scheduling": "the engine's configuration",
     "gpu_share": "0 in both: no GPU time-sharing unless fitted to a recording",
+    "kv_link_shares_gpu": "on in both: it only matters with a GPU sharing, which is fitted, and the fit chooses it",
     "kv_intake_bursts": "off in both: it did not fit the one-GPU recordings, and the 2-GPU preset has no intake",
     "instant": "both run the engine loop",
     "notes": "describe the curves both use",

@@ -53,3 +53,24 @@ def test_run_a_2p2d_predicted_from_its_singles_with_the_decode_intake_sized_on_r
     singles = predict.figures(recorded_entry(case.source, case.source_traces))
     assert rows["TTFT p50"].predicted > 10 * singles["TTFT p50"]
     assert rows["tail ITL p99"].predicted < singles["tail ITL p99"] / 10
+
+
+def test_one_gpu_pd_fits_its_kv_copies_beside_the_compute():
+    """vllm023's 1-GPU 1P1D: with the prefill's KV copies sharing the GPU's compute (the presets' default) the
+    fitted self-replay misses the recording's TTFT p99 (+18 %: a copy is stretched all the way or not at all, by
+    whether the decode steps when it starts); the fit then tries the copies beside the compute, keeps that, and
+    lands within issue 40's ±15 % on TTFT p50, p99 and tail ITL p99."""
+    from pdproxy.whatif import fitrun, setups, workload
+    from pdproxy.whatif.model import ModelParams
+    from pdproxy.sim.presets import PRESETS
+
+    bench = str(V / "bench-1gpu-pd.jsonl.gz")
+    wl = workload.from_bench(bench)
+    own = setups.recorded(wl.conditions)
+    assert own is not None and own.mode == "pd"
+    entry = recorded_entry(bench, (str(V / "vllm023-pd-1gpu.otlp.jsonl.gz"),))
+    fit = fitrun.fit_run(wl, own, ModelParams(PRESETS["h200-llama8b"]), entry)
+    sharing = [r for r in fit.rounds if r["kv_link_shares_gpu"]]
+    assert sharing and min(r["worst_error"] for r in sharing) > fitrun.SELF_REPLAY_GOAL, sharing
+    assert not fit.params.preset.kv_link_shares_gpu
+    assert fit.rounds[fit.best]["worst_error"] <= fitrun.SELF_REPLAY_GOAL, fit.rounds[fit.best]

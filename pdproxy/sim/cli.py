@@ -113,6 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="instances time-sharing one GPU: how much each other instance stepping at the same time "
                         "stretches a step (0 = a GPU of its own, the presets' default; 1 = full time-slicing); "
                         "applies between the instances given the same --gpu-share-file")
+    _on_off(g, "kv-link-shares-gpu", None,
+            "prefill: the KV it sends is copied on the shared GPU, stretching and stretched by the steps beside it "
+            "like one more busy instance (the presets' default)",
+            "prefill: its KV copies run beside the steps on the shared GPU, neither slowing nor slowed by them")
     g.add_argument("--gpu-share-file", default=None, metavar="PATH",
                    help="a file the instances on one GPU share (one slot each: when its current step ends)")
     g.add_argument("--skip-kv-pull", action="store_true",
@@ -188,7 +192,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         frontend_finish_ms=args.frontend_finish_ms,
         kv_pull_overhead_ms=args.kv_pull_overhead_ms, kv_pull_stalls_decode=args.kv_pull_stalls_decode,
         gpu_share=args.gpu_share, kv_intake_gbps=args.kv_intake_gbps, kv_intake_bursts=args.kv_intake_bursts,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=args.async_scheduling, kv_link_shares_gpu=args.kv_link_shares_gpu,
     )
     faults = FaultRates(
         error_rate=args.error_rate, error_status=args.error_status, slow_start_seconds=args.slow_start_seconds,

@@ -32,6 +32,7 @@ import logging
 import aiohttp
 
 from pdproxy.sim.metrics import SimMetrics
+from pdproxy.sim.settings import SimSettings
 from pdproxy.sim.timing import PreciseClock, SharedGPU
 
 PULL_PATH = "/sim/kv/pull"
@@ -197,6 +198,17 @@ class TransferLink:
         # same-GPU NIXL: a transfer's copies time-share the GPU like an instance's steps (SharedGPU)
         self.gpu: SharedGPU | None = None
         self.gpu_slot = 0
+
+    @classmethod
+    def outgoing(cls, settings: SimSettings, clock: PreciseClock, gpu: SharedGPU | None) -> TransferLink:
+        """A prefill instance's link for the KV it sends, at the preset's rate and latency; its copies share
+        the instance's GPU unless the preset says they do not (`kv_link_shares_gpu`)."""
+        bandwidth = settings.preset.kv_bandwidth_gbps * 1e9
+        link = cls(0.0 if settings.instant or bandwidth <= 0 else bandwidth / settings.time_scale,
+                   settings.scaled(settings.preset.kv_latency_ms), clock)
+        if settings.preset.kv_link_shares_gpu:
+            link.share_gpu(gpu)
+        return link
 
     def share_gpu(self, gpu: SharedGPU | None, slot: int | None = None) -> None:
         """Copies on `gpu`, under an instance's own `slot` (a decode's intake: its copies do not stretch its

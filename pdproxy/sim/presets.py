@@ -114,6 +114,12 @@ class Preset:
     # it between `pdproxy sim` processes that share a --gpu-share-file; the what-if to every instance of a
     # set-up (all on the recorded GPUs). Fitted to a recording by `pdproxy whatif --fit-run`.
     gpu_share: float = 0.0
+    # a prefill's KV copies to a decode on the same GPU take their share of its compute (they stretch, and are
+    # stretched by, the steps beside them, as one more busy instance), or run beside the steps untouched (a copy
+    # engine of its own). Which one a recording shows is fitted by `pdproxy whatif --fit-run` where the first
+    # does not reproduce it: vllm023's 1-GPU 1P1D (tests/fixtures/vllm023) fits the second, run A and run B's
+    # 2P2D on one H200 the first (docs/whatif.md, "Copies and compute on one GPU").
+    kv_link_shares_gpu: bool = True
     # vLLM's API server under load (pdproxy/sim/timing.py `FrontEnd`): each request's intake work, one at a
     # time (requests arriving together queue for it), and the extra intake time per stream the server is
     # serving meanwhile; a lone request still takes frontend_overhead_ms. `pdproxy whatif --fit-run` fits

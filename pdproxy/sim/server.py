@@ -87,10 +87,7 @@ class SimServer:
             from pdproxy.sim.kv_events import SimKVEvents
 
             self.kv_events = self.engine.prefix_cache.events = SimKVEvents(s.kv_events, s.preset.block_size)
-        bandwidth = s.preset.kv_bandwidth_gbps * 1e9
-        self.link = TransferLink(0.0 if s.instant or bandwidth <= 0 else bandwidth / s.time_scale,
-                                 s.scaled(s.preset.kv_latency_ms), self.clock)
-        self.link.share_gpu(self.gpu)  # the KV it sends keeps this instance busy on the shared GPU
+        self.link = TransferLink.outgoing(s, self.clock, self.gpu)  # its copies keep this instance busy on the GPU
         self.faults = FaultBook(s.faults, s.seed)
         self.journal = Journal(s.journal_size)
         self.frontend = FrontEnd(s.preset, s.time_scale)  # the API server's time, growing with its load

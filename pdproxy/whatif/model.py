@@ -119,10 +119,7 @@ class _Instance:
         self.puller = _Puller(cluster, clock, self.settings) if role == "decode" else None
         self.engine = Engine(self.settings, virtual.NullMetrics(), clock, self.puller,  # type: ignore[arg-type]
                              cluster.gpu)
-        bandwidth = preset.kv_bandwidth_gbps * 1e9
-        self.link = TransferLink(bandwidth if bandwidth > 0 else 0.0, self.settings.scaled(preset.kv_latency_ms),
-                                 clock)  # type: ignore[arg-type]
-        self.link.share_gpu(cluster.gpu)
+        self.link = TransferLink.outgoing(self.settings, clock, cluster.gpu)  # type: ignore[arg-type]
         self.frontend = FrontEnd(preset, self.settings.time_scale)
         self.tokens = cluster.tokens  # the client's token times, by leg id (the last one moved by its finishing)
         self.loopback = cluster.params.loopback_ms / 1000.0

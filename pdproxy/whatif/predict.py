@@ -35,8 +35,8 @@ EXPECTED_ERROR: dict[str, float] = {
     "TTFT p99": 0.40,
     "tail ITL p50": 0.90,
     "tail ITL p99": 0.35,
-    "KV wait p50": 0.15,
-    "KV wait p99": 0.20,
+    "KV wait p50": 0.10,
+    "KV wait p99": 0.15,
     "completed": 0.70,
 }
 
