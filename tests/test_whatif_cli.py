@@ -55,6 +55,27 @@ def test_every_candidate_at_the_recorded_gpu_total(tmp_path):
     assert "pdproxy whatif (prediction)" in page and "not a measurement" in page and "Suggested real runs" in page
 
 
+V = Path(__file__).parent / "fixtures" / "vllm023"
+
+
+def test_instances_that_shared_one_gpu_are_replayed_first(tmp_path):
+    """vllm023's 1P1D ran its two instances on one H200 (gpu.count 1): the recorded set-up is still replayed and
+    fitted first, and every candidate has two instances on that one GPU, time-sharing it as fitted."""
+    out_json = tmp_path / "w.json"
+    r = whatif("--records", str(V / "bench-1gpu-pd.jsonl.gz"), "--traces", str(V / "vllm023-pd-1gpu.otlp.jsonl.gz"),
+               "--json", str(out_json))
+    assert r.returncode == 0, r.stderr
+    assert "ran 2 instances on 1 GPU(s)" in r.stdout + r.stderr
+    rep = json.loads(out_json.read_text())
+    assert [e["label"] for e in rep["runs"]] == ["1P1D (recorded)", "2xsingle", "2xchunked:2048"]
+    assert all(e["gpu_total"] == 1 for e in rep["runs"])
+    fit = rep["whatif"]["fit_run"]
+    assert fit["gpu_share"] > 0 and fit["kv_link_shares_gpu"] is False
+    errors = {row["figure"]: row["error"] for row in rep["whatif"]["self_replay"]["rows"]}
+    for figure in ("TTFT p50", "TTFT p99", "tail ITL p99"):
+        assert abs(errors[figure]) <= 0.15, (figure, errors)
+
+
 def test_trace_files_alone(tmp_path):
     r = whatif("--traces", str(PD_TRACES), *RUN_A, "--max-model-len", "8192", "--setup", "2P2D", "--setup", "4xsingle",
                "--json", "-", "--no-table")

@@ -96,6 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def choose_setups(args: argparse.Namespace, wl: Workload) -> tuple[int, list[setups.Setup]]:
+    """The set-ups to predict, and the GPU total they run on: fewer than their instances where the recording's
+    instances shared GPUs (each candidate then has as many instances as the recording, time-sharing its GPUs)."""
     rec = setups.recorded(wl.conditions)
     gpus = args.gpus
     if gpus is None:
@@ -107,6 +109,18 @@ def choose_setups(args: argparse.Namespace, wl: Workload) -> tuple[int, list[set
                                         "(pd.mode, pd.prefill.count, pd.decode.count): pass --gpus") from None
             gpus = rec.gpus
             wl.notes.append(f"no gpu.count in the recording: GPU total {gpus}, one per recorded instance ({rec.name})")
+        if rec is not None and rec.gpus > gpus:
+            # instances sharing GPUs (vllm023's 1P1D on one H200): the recorded set-up is replayed first, so the
+            # candidates get as many instances, on the GPUs the recording had, time-shared as the fit finds
+            wl.notes.append(f"the recorded set-up {rec.name} ran {rec.gpus} instances on {gpus} GPU(s): every candidate "
+                            f"has {rec.gpus} instances on those GPU(s), time-sharing them as the fit to the run finds (unfitted, "
+                            "each has a GPU's compute to itself; pass --gpus for another instance total)")
+            return gpus, _candidates(args, wl, rec.gpus, rec)
+    return gpus, _candidates(args, wl, gpus, rec)
+
+
+def _candidates(args: argparse.Namespace, wl: Workload, gpus: int, rec: setups.Setup | None) -> list[setups.Setup]:
+    """The set-ups on `gpus` instance slots, the recorded one among them when it fits."""
     chosen = [setups.parse_setup(s) for s in args.setup] if args.setup else \
         setups.candidates(gpus, tuple(args.chunk) or setups.DEFAULT_CHUNKS)
     for s in chosen:
@@ -121,7 +135,7 @@ def choose_setups(args: argparse.Namespace, wl: Workload) -> tuple[int, list[set
     names = [s.name for s in chosen]
     if len(set(names)) != len(names):
         raise setups.SetupError(f"a set-up is given twice: {', '.join(names)}")
-    return gpus, chosen
+    return chosen
 
 
 def recorded_preset(wl: Workload, idx: traces.TraceIndex | None) -> str | None:
@@ -272,6 +286,9 @@ def run(args: argparse.Namespace) -> int:
             err.print(fitrun.render(fitted, rec_setup.name))
             params = fitted.params
         preds = predictions(wl, chosen, params, args.jobs)
+        for p in preds:
+            if p.setup.gpus > gpus:  # the recording's instances shared its GPUs: so do the candidates'
+                p.run.header["conditions"]["gpu.count"] = str(gpus)
         replayed = predict.run_setup(wl, rec_setup, params, deaths) if deaths and rec_setup is not None else None
         rep = predict.build_report(wl, preds, slo=slo_from(args), recorded=recorded, replayed=replayed)
         if calibration is not None:
