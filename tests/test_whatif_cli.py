@@ -104,6 +104,21 @@ def test_missing_fields_are_named_and_assumed(tmp_path):
     assert "without gen_ai.usage.output_tokens" in r.stdout and "assumed" in r.stdout
 
 
+@pytest.mark.parametrize("count", ["0", "-3"])
+def test_a_gpu_count_below_one_is_not_used(tmp_path, count):
+    """A recording claiming no GPUs is read as one without a GPU total: one GPU per recorded instance, said so."""
+    rec = tmp_path / "bench.jsonl"
+    with gzip.open(PD_RECORDS, "rt") as src:
+        lines = [json.loads(line) for line in src]
+    lines[0]["conditions"]["gpu.count"] = count
+    rec.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    r = whatif("--records", str(rec), *RUN_A, "--setup", "4xsingle", "--no-fit-run", "--json", "-", "--no-table")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert [e["gpu_total"] for e in rep["runs"]] == [4, 4]
+    assert any("no usable gpu.count" in n for n in rep["whatif"]["workload"]["notes"])
+
+
 @pytest.mark.parametrize("args, message", [
     (("--records", str(PD_RECORDS), "--setup", "3P3D"), "needs 6 GPUs"),
     (("--records", str(PD_RECORDS), "--max-model-len", "4096", "--num-gpu-blocks", "4096"), "max-model-len 4096"),

@@ -103,12 +103,15 @@ def choose_setups(args: argparse.Namespace, wl: Workload) -> tuple[int, list[set
     if gpus is None:
         try:
             gpus = int(wl.conditions["gpu.count"])
+            if gpus < 1:
+                raise ValueError(gpus)
         except (KeyError, TypeError, ValueError):
             if rec is None:
                 raise setups.SetupError("the recording says neither its GPU total (gpu.count) nor its instances "
                                         "(pd.mode, pd.prefill.count, pd.decode.count): pass --gpus") from None
             gpus = rec.gpus
-            wl.notes.append(f"no gpu.count in the recording: GPU total {gpus}, one per recorded instance ({rec.name})")
+            wl.notes.append(f"no usable gpu.count in the recording: GPU total {gpus}, one per recorded instance "
+                            f"({rec.name})")
         if rec is not None and rec.gpus > gpus:
             # instances sharing GPUs (vllm023's 1P1D on one H200): the recorded set-up is replayed first, so the
             # candidates get as many instances, on the GPUs the recording had, time-shared as the fit finds
