@@ -14,7 +14,7 @@ import sys
 import aiohttp
 import pytest
 
-from procs import run, start_sim
+from procs import run, start_proxy, start_sim
 
 pytestmark = pytest.mark.timeout(120)
 BODY = {"model": "sim-model", "prompt": "hello there", "max_tokens": 300, "ignore_eos": True}
@@ -68,7 +68,8 @@ def test_bad_gpu_share_flags_are_a_clear_error(tmp_path, args, message):
     assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
-async def _single_busy_beside_a_transfer(session: aiohttp.ClientSession, single: str, proxy: str) -> tuple[float, float]:
+async def _single_busy_beside_a_transfer(session: aiohttp.ClientSession, single: str,
+                                         proxy: str) -> tuple[float, float]:
     """The single's modelled busy time for one long generation, alone, then while a P/D request's KV crosses the
     prefill's link (a long prompt, one token to decode): what the copies took of the shared GPU."""
     alone = await _busy_for(session, single, [])
@@ -85,13 +86,12 @@ async def _single_busy_beside_a_transfer(session: aiohttp.ClientSession, single:
     return alone, await _busy(session, single) - before
 
 
-@pytest.mark.parametrize("link, low, high", [("--kv-link-shares-gpu", 1.25, 2.1), ("--no-kv-link-shares-gpu", 0.9, 1.15)])
+@pytest.mark.parametrize("link, low, high", [("--kv-link-shares-gpu", 1.25, 2.1),
+                                              ("--no-kv-link-shares-gpu", 0.9, 1.15)])
 def test_kv_copies_share_the_gpu_unless_told_not_to(tmp_path, link, low, high):
     """A prefill's KV copies count as one more busy instance on the shared GPU (the presets' default), or run beside
     the steps untouched (`kv_link_shares_gpu` off, what `pdproxy whatif --fit-run` may fit): ~1.2 s of copy
     (1,000 tokens of KV at 0.1 GB/s) beside ~1.5 s of another instance's decoding stretches it or leaves it."""
-    from procs import start_proxy
-
     shared = ("--gpu-share", "1", "--gpu-share-file", str(tmp_path / "gpu"))
     procs = []
     try:

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from pdproxy.whatif import predict
+from pdproxy.sim.presets import PRESETS
+from pdproxy.whatif import fitrun, predict, setups, workload
+from pdproxy.whatif.model import ModelParams
 from pdproxy.whatif.predict import EXPECTED_ERROR
 from pdproxy.whatif.validate import Case, recorded_entry, run_case
 
@@ -60,10 +62,6 @@ def test_one_gpu_pd_fits_its_kv_copies_beside_the_compute():
     fitted self-replay misses the recording's TTFT p99 (+18 %: a copy is stretched all the way or not at all, by
     whether the decode steps when it starts); the fit then tries the copies beside the compute, keeps that, and
     lands within issue 40's ±15 % on TTFT p50, p99 and tail ITL p99."""
-    from pdproxy.whatif import fitrun, setups, workload
-    from pdproxy.whatif.model import ModelParams
-    from pdproxy.sim.presets import PRESETS
-
     bench = str(V / "bench-1gpu-pd.jsonl.gz")
     wl = workload.from_bench(bench)
     own = setups.recorded(wl.conditions)

@@ -118,7 +118,7 @@ class Preset:
     # stretched by, the steps beside them, as one more busy instance), or run beside the steps untouched (a copy
     # engine of its own). Which one a recording shows is fitted by `pdproxy whatif --fit-run` where the first
     # does not reproduce it: vllm023's 1-GPU 1P1D (tests/fixtures/vllm023) fits the second, run A and run B's
-    # 2P2D on one H200 the first (docs/whatif.md, "Copies and compute on one GPU").
+    # 2P2D on one H200 the first (docs/whatif.md, "The link's copies and the compute").
     kv_link_shares_gpu: bool = True
     # vLLM's API server under load (pdproxy/sim/timing.py `FrontEnd`): each request's intake work, one at a
     # time (requests arriving together queue for it), and the extra intake time per stream the server is

@@ -115,9 +115,10 @@ def choose_setups(args: argparse.Namespace, wl: Workload) -> tuple[int, list[set
         if rec is not None and rec.gpus > gpus:
             # instances sharing GPUs (vllm023's 1P1D on one H200): the recorded set-up is replayed first, so the
             # candidates get as many instances, on the GPUs the recording had, time-shared as the fit finds
-            wl.notes.append(f"the recorded set-up {rec.name} ran {rec.gpus} instances on {gpus} GPU(s): every candidate "
-                            f"has {rec.gpus} instances on those GPU(s), time-sharing them as the fit to the run finds (unfitted, "
-                            "each has a GPU's compute to itself; pass --gpus for another instance total)")
+            wl.notes.append(f"the recorded set-up {rec.name} ran {rec.gpus} instances on {gpus} GPU(s): every "
+                            f"candidate has {rec.gpus} instances on those GPU(s), time-sharing them as the fit to the "
+                            "run finds (unfitted, each has a GPU's compute to itself; pass --gpus for another "
+                            "instance total)")
             return gpus, _candidates(args, wl, rec.gpus, rec)
     return gpus, _candidates(args, wl, gpus, rec)
 

@@ -210,7 +210,8 @@ def _search(workload: Workload, setup: Setup, rec: dict[str, float | None], deat
 
 def _round(preset: Preset, pred: dict[str, float | None], err: float) -> dict[str, Any]:
     return {"gpu_share": round(preset.gpu_share, 4), "kv_bandwidth_gbps": preset.kv_bandwidth_gbps,
-            "kv_intake_gbps": preset.kv_intake_gbps, "kv_link_shares_gpu": preset.kv_link_shares_gpu, "frontend_stream_ms": round(preset.frontend_stream_ms, 3),
+            "kv_intake_gbps": preset.kv_intake_gbps, "kv_link_shares_gpu": preset.kv_link_shares_gpu,
+            "frontend_stream_ms": round(preset.frontend_stream_ms, 3),
             "figures": pred, "worst_error": err}
 
 
