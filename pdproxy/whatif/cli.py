@@ -95,11 +95,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_slo_arguments(v)
 
 
-def choose_setups(args: argparse.Namespace, wl: Workload) -> tuple[int, list[setups.Setup]]:
-    """The set-ups to predict, and the GPU total they run on: fewer than their instances where the recording's
-    instances shared GPUs (each candidate then has as many instances as the recording, time-sharing its GPUs)."""
+def choose_setups(args: argparse.Namespace, wl: Workload) -> list[setups.Setup]:
+    """The set-ups to predict, at the recording's GPU total; where the recording's instances shared GPUs, each
+    candidate has as many instances as the recording, time-sharing its GPUs (`Setup.on_gpus`)."""
     rec = setups.recorded(wl.conditions)
     gpus = args.gpus
+    shared: int | None = None  # the recording's GPU total, where its instances shared them
     if gpus is None:
         try:
             gpus = int(wl.conditions["gpu.count"])
@@ -119,12 +120,7 @@ def choose_setups(args: argparse.Namespace, wl: Workload) -> tuple[int, list[set
                             f"candidate has {rec.gpus} instances on those GPU(s), time-sharing them as the fit to the "
                             "run finds (unfitted, each has a GPU's compute to itself; pass --gpus for another "
                             "instance total)")
-            return gpus, _candidates(args, wl, rec.gpus, rec)
-    return gpus, _candidates(args, wl, gpus, rec)
-
-
-def _candidates(args: argparse.Namespace, wl: Workload, gpus: int, rec: setups.Setup | None) -> list[setups.Setup]:
-    """The set-ups on `gpus` instance slots, the recorded one among them when it fits."""
+            shared, gpus = gpus, rec.gpus
     chosen = [setups.parse_setup(s) for s in args.setup] if args.setup else \
         setups.candidates(gpus, tuple(args.chunk) or setups.DEFAULT_CHUNKS)
     for s in chosen:
@@ -139,7 +135,7 @@ def _candidates(args: argparse.Namespace, wl: Workload, gpus: int, rec: setups.S
     names = [s.name for s in chosen]
     if len(set(names)) != len(names):
         raise setups.SetupError(f"a set-up is given twice: {', '.join(names)}")
-    return chosen
+    return [replace(s, on_gpus=shared) for s in chosen] if shared else chosen
 
 
 def recorded_preset(wl: Workload, idx: traces.TraceIndex | None) -> str | None:
@@ -248,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
         if args.records and args.traces and not args.calibrate:
             wl.notes.append("the workload is the bench record's; the trace files given beside it give the recorded "
                             "KV wait (self-replay) and the preset, and serve --calibrate")
-        gpus, chosen = choose_setups(args, wl)
+        chosen = choose_setups(args, wl)
         idx = traces.read_traces(args.traces) if args.traces else None
         params = model_params(args, wl, choose_preset(args, wl, idx), recorded_run.routing(idx) if idx else None)
         recorded = recorded_run.entry(args.records[0] if args.records else None, idx)
@@ -290,9 +286,6 @@ def run(args: argparse.Namespace) -> int:
             err.print(fitrun.render(fitted, rec_setup.name))
             params = fitted.params
         preds = predictions(wl, chosen, params, args.jobs)
-        for p in preds:
-            if p.setup.gpus > gpus:  # the recording's instances shared its GPUs: so do the candidates'
-                p.run.header["conditions"]["gpu.count"] = str(gpus)
         replayed = predict.run_setup(wl, rec_setup, params, deaths) if deaths and rec_setup is not None else None
         rep = predict.build_report(wl, preds, slo=slo_from(args), recorded=recorded, replayed=replayed)
         if calibration is not None:

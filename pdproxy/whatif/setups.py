@@ -31,6 +31,7 @@ class Setup:
     singles: int = 0
     chunk: int | None = None  # max-num-batched-tokens with chunked prefill; None = the preset's budget
     recorded: bool = False  # the set-up the workload was recorded on
+    on_gpus: int | None = None  # the GPUs its instances time-share, where fewer than them (the recording's)
 
     @property
     def gpus(self) -> int:
@@ -38,7 +39,7 @@ class Setup:
 
     def conditions(self) -> dict[str, str]:
         """The report's condition keys for this set-up, so its comparison groups runs as for real ones."""
-        out = {"pd.mode": self.mode, "gpu.count": str(self.gpus), "pd.run": self.name}
+        out = {"pd.mode": self.mode, "gpu.count": str(self.on_gpus or self.gpus), "pd.run": self.name}
         if self.mode == "pd":
             out.update({"pd.prefill.count": str(self.prefills), "pd.decode.count": str(self.decodes),
                         "pd.kv_connector": "NixlConnector"})
