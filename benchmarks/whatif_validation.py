@@ -3,7 +3,9 @@
 Self-replay of every shared recording (its workload on its own set-up) and the cross pair of run A (the
 same workload recorded as 2P2D and as four single instances, each predicted from the other), compared
 with the recording: TTFT, per-request max ITL (tail ITL), the KV wait (pd.kv_transfer, upper bound),
-p50 and p99, and the completed requests. Last, the worst error per figure: what the output states.
+p50 and p99, and the completed requests, beside the recording's own band (where the workload's true figure
+lies, 95 % of the time: pdproxy/bench/stats.py `percentile_band`; "…": unbounded) and whether the prediction
+lands in it. Last, the worst error per figure: what the output states.
 
     PYTHONPATH=. python3 benchmarks/whatif_validation.py              # presets as shipped
     PYTHONPATH=. python3 benchmarks/whatif_validation.py --fit-run    # fitted to the source run as a whole
@@ -65,8 +67,8 @@ def main() -> int:
     ap.add_argument("--prefixes-as-counted", action="store_true",
                     help="shared prefixes at the size the server counted (pdproxy whatif --prefixes-as-counted)")
     args = ap.parse_args()
-    print("| case | figure | recorded | predicted | error |")
-    print("|---|---|---:|---:|---:|")
+    print("| case | figure | recorded | predicted | error | recorded's band | in it |")
+    print("|---|---|---:|---:|---:|---:|:---:|")
     worst: dict[str, float] = {}
     started = time.perf_counter()
     for case in cases():
@@ -80,7 +82,10 @@ def main() -> int:
             err = f"{r.error:+.0%}" if r.error is not None else "n/a"
             rec = fmt.format(r.recorded * unit) if r.recorded is not None else "—"
             pred = fmt.format(r.predicted * unit) if r.predicted is not None else "—"
-            print(f"| {case.name} | {r.figure} | {rec} | {pred} | {err} |")
+            band = " / ".join("…" if b is None else f"{b / r.recorded - 1:+.0%}" for b in r.band) \
+                if r.band and r.recorded else ""
+            inside = ("yes" if r.in_band else "no") if r.band else ""
+            print(f"| {case.name} | {r.figure} | {rec} | {pred} | {err} | {band} | {inside} |")
             if r.error is not None and not case.outside:
                 worst[r.figure] = max(worst.get(r.figure, 0.0), abs(r.error))
         print(f"<!-- {case.name}: {time.perf_counter() - t:.1f} s -->", file=sys.stderr)

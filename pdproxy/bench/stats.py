@@ -26,6 +26,7 @@ TPOT come from that summary; their pooled ITL is unavailable (it needs every gap
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any, Iterable, Sequence
 
@@ -35,12 +36,33 @@ PERCENTILE_METHOD = "linear"
 PERCENTILES = (50, 90, 99)
 DEFAULT_STALL_THRESHOLD = 0.1
 POOLED_UNAVAILABLE = "not in traces: the proxy records per-request ITL summaries, not every gap"
+BAND_LEVEL = 0.95
 
 
 def percentile(values: Sequence[float], p: float) -> float | None:
     if len(values) == 0:
         return None
     return float(np.percentile(np.asarray(values, dtype=float), p, method=PERCENTILE_METHOD))
+
+
+def percentile_band(values: Iterable[float], p: float,
+                    level: float = BAND_LEVEL) -> tuple[float | None, float | None] | None:
+    """Where the true p-th percentile of the workload that gave `values` lies, `level` of the time: between the
+    order statistics that bracket it (how many of n requests fall below it is binomial(n, p/100), whatever the
+    distribution). None for a side the recording does not bound (a p99 of 100 requests lies above all of them
+    37 % of the time). A p99 of a hundred requests rests on its one or two largest, so a model (or another
+    run) that misses it by 20 % may be inside what the run could not pin down. A lower bound on that noise:
+    requests of one run are not independent (closed-loop clients in step share their delays)."""
+    arr = np.sort(np.asarray([float(v) for v in values if v is not None], dtype=float))
+    n, q, tail = arr.size, p / 100.0, (1.0 - level) / 2.0
+    if n < 2 or not 0.0 < q < 1.0:
+        return None
+    k = np.arange(n + 1)
+    log_choose = math.lgamma(n + 1) - np.array([math.lgamma(i + 1) + math.lgamma(n - i + 1) for i in range(n + 1)])
+    below = np.cumsum(np.exp(log_choose + k * math.log(q) + (n - k) * math.log1p(-q)))  # P(at most k below)
+    low = int(np.searchsorted(below, tail, side="right"))  # P(fewer than `low` below) <= tail: x_(low), from 1
+    high = int(np.searchsorted(below, 1.0 - tail, side="left")) + 1  # P(at least `high` below) <= tail
+    return (float(arr[low - 1]) if low >= 1 else None, float(arr[high - 1]) if high <= n else None)
 
 
 def describe(values: Iterable[float], ps: Sequence[int] = PERCENTILES) -> dict[str, Any]:

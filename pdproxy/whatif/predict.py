@@ -164,23 +164,42 @@ def self_replay(recorded: dict[str, Any], predicted: dict[str, Any],
     """The recorded set-up's prediction against its own recording, figure by figure.
 
     A figure the model misses by more than its stated error is one it does not fit: its predictions
-    for other set-ups are no better than that miss, and the output says so."""
-    rows, misfit = [], []
+    for other set-ups are no better than that miss, and the output says so. Unless the miss is inside the
+    recording's own sampling band (`recorded.py` `bands`): a p99 of a hundred requests could land there in
+    another run of the same workload, so this recording cannot tell the model wrong (`noise`, not `misfit`)."""
+    rows, misfit, noise = [], [], []
     rec, pred = figures(recorded), figures(predicted)
+    bands = recorded.get("bands") or {}
     for name, _ in FIGURES:
         r, p = rec[name], pred[name]
         err = None if r is None or p is None or r == 0 else (p - r) / r
         limit = errors.get(name)
+        band = bands.get(name)
         fits = None if err is None or limit is None else abs(err) <= limit
+        in_band = inside(p, band)
         if fits is False:
-            misfit.append(name)
+            (noise if in_band else misfit).append(name)
         rows.append({"figure": name, "recorded": r, "predicted": p, "error": err, "stated_error": limit,
-                     "fits": fits})
-    return {"setup": predicted["label"], "rows": rows, "misfit": misfit}
+                     "fits": fits, "band": list(band) if band else None, "in_band": in_band})
+    return {"setup": predicted["label"], "rows": rows, "misfit": misfit, "noise": noise}
+
+
+def inside(value: float | None, band: tuple[float | None, float | None] | list[float | None] | None) -> bool:
+    """`value` within a recorded figure's band (`stats.percentile_band`; None: that side unbounded)."""
+    if value is None or band is None:
+        return False
+    lo, hi = band
+    return (lo is None or lo <= value) and (hi is None or value <= hi)
+
+
+def band_text(band: tuple[float | None, float | None] | list[float | None], unit: float = 1e3) -> str:
+    lo, hi = band
+    return f"{'…' if lo is None else f'{lo * unit:,.1f}'}–{'unbounded' if hi is None else f'{hi * unit:,.1f}'}"
 
 
 def self_replay_lines(replay: dict[str, Any]) -> list[str]:
     lines = [f"Self-replay: the recorded set-up {replay['setup']} predicted against its own recording:"]
+    noise = replay.get("noise", [])
     for r in replay["rows"]:
         if r["recorded"] is None and r["predicted"] is None:
             continue
@@ -189,9 +208,18 @@ def self_replay_lines(replay: dict[str, Any]) -> list[str]:
         pred = "—" if r["predicted"] is None else f"{r['predicted'] * unit:,.1f}"
         err = "n/a" if r["error"] is None else f"{r['error']:+.0%}"
         verdict = {True: "fits", False: "DOES NOT FIT", None: ""}[r["fits"]]
+        if r["figure"] in noise:
+            verdict = "inside the recording's own band"
         stated = f" (stated ±{r['stated_error']:.0%})" if r["stated_error"] is not None else ""
         what = "requests" if r["figure"] == "completed" else "ms"
-        lines.append(f"  {r['figure']}: recorded {rec} {what}, predicted {pred} {what}, error {err}{stated} {verdict}")
+        band = f", the recording's band {band_text(r['band'], unit)} {what}" if r.get("band") else ""
+        lines.append(f"  {r['figure']}: recorded {rec} {what}, predicted {pred} {what}, error {err}{stated}{band}: "
+                     f"{verdict}")
+    if noise:
+        lines.append(f"Outside the stated error but inside the recording's own band for {', '.join(noise)}: the band "
+                     f"holds the workload's true figure {stats.BAND_LEVEL:.0%} of the time (the order statistics "
+                     "that bracket it among the recorded requests: a lower bound on the recording's noise); this "
+                     "recording cannot tell the model wrong there")
     if replay["misfit"]:
         lines.append(f"The model does not fit this recording for {', '.join(replay['misfit'])}: its predictions of "
                      "those figures, for every set-up, are not within the stated error (read them as an ordering "
@@ -340,6 +368,8 @@ def suggest(entries: list[dict[str, Any]], predictions: list[Prediction],
             out.append(f"{name}: {best_label} predicts best ({best * 1e3:.0f} ms), clear of the others by more "
                        f"than the ±{err:.0%} error")
     recorded = next((p.setup.name for p in predictions if p.setup.recorded), None)
+    if len(entries) < 2:
+        return ["Nothing to compare: only one set-up predicted (name others with --setup, or leave --setup out)"]
     if worth and all(len(figs) == len(COMPARED) for figs in worth.values()) and len(worth) == len(entries) > 1:
         head = "Nothing separates the set-ups within the stated error on any figure: a real run of each is needed"
     else:

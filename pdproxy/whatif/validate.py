@@ -40,6 +40,11 @@ class Row:
     figure: str
     recorded: float | None
     predicted: float | None
+    band: tuple[float | None, float | None] | None = None  # where the target's true figure lies (predict.inside)
+
+    @property
+    def in_band(self) -> bool:
+        return predict.inside(self.predicted, self.band)
 
     @property
     def error(self) -> float | None:
@@ -131,4 +136,5 @@ def run_case(case: Case, calibrate: bool = False, fit: bool = False) -> list[Row
     pred = predict.run_setup(wl, setup, params, deaths)
     recorded = recorded_entry(case.target, case.target_traces)
     predicted = predict.build_report(wl, [pred])["runs"][0]
-    return [Row(case.name, name, get(recorded), get(predicted)) for name, get in FIGURES]
+    bands = recorded.get("bands") or {}
+    return [Row(case.name, name, get(recorded), get(predicted), bands.get(name)) for name, get in FIGURES]
