@@ -87,6 +87,19 @@ def test_trace_files_alone(tmp_path):
     assert any("gpu.count" in n for n in notes)  # the recording's resource attributes lack it: said, and inferred
 
 
+def test_one_run_of_a_trace_file_holding_two():
+    """vllm023's 1-GPU trace file holds the P/D proxy's run and the single-mode proxy's: `--run` replays one, with
+    the self-replay against that run's requests only."""
+    r = whatif("--traces", str(V / "vllm023-pd-1gpu.otlp.jsonl.gz"), "--run", "single-1gpu", "--setup", "1xsingle",
+               "--no-fit-run", "--json", "-", "--no-table")
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["whatif"]["workload"]["requests"] == 135
+    assert [e["label"] for e in rep["runs"]] == ["1xsingle (recorded)"]
+    completed = next(row for row in rep["whatif"]["self_replay"]["rows"] if row["figure"] == "completed")
+    assert completed["recorded"] == 135
+
+
 def test_missing_fields_are_named_and_assumed(tmp_path):
     """A trace without output token counts: the prediction says so and what it assumed."""
     stripped = tmp_path / "stripped.jsonl"
@@ -127,6 +140,10 @@ def test_a_gpu_count_below_one_is_not_used(tmp_path, count):
     ((), "no input"),
     (("--records", str(PD_RECORDS), "--warm-from",
       str(Path(__file__).parent / "fixtures" / "vllm023" / "bench-1gpu-pd.jsonl.gz")), "not the same seeded prompts"),
+    # two proxies' runs in one trace file (vllm023: P/D and single mode on the same instances): not mixed into one
+    (("--traces", str(V / "vllm023-pd-1gpu.otlp.jsonl.gz")),
+     "the trace files hold 2 runs: single-1gpu (single, 135 requests), pd-1gpu (pd, 81 requests); choose one"),
+    (("--traces", str(V / "vllm023-pd-1gpu.otlp.jsonl.gz"), "--run", "pd-2gpu"), "--run pd-2gpu: no such run"),
 ])
 def test_bad_input_is_a_clear_error(args, message):
     r = whatif(*args, timeout=60)

@@ -31,7 +31,7 @@ from pdproxy.sim.presets import DEFAULT_PRESET, PRESETS
 from pdproxy.config import Settings
 from pdproxy.whatif import failures, predict, recorded as recorded_run, setups
 from pdproxy.whatif.model import Death, ModelParams
-from pdproxy.whatif.workload import Workload, WorkloadError, load, warm_from
+from pdproxy.whatif.workload import Workload, WorkloadError, load, one_run, warm_from
 
 CALIBRATED_NOTE = ("calibrated on the given spans: the stated error is the shipped presets'; replaying a run's own "
                    "workload with the curves fitted to its spans, TTFT and KV wait landed within 21 % on vllm023 "
@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i.add_argument("--traces", action="append", default=[], metavar="FILE",
                    help="pdproxy trace file(s) (OTLP-JSON lines): the workload when no records are given; with "
                         "--calibrate also the spans to fit")
+    i.add_argument("--run", metavar="NAME",
+                   help="the run to replay when the trace files hold several proxies' runs: its proxy's run label "
+                        "(pd.run) or instance id; the error lists them")
     i.add_argument("--warm-from", metavar="FILE",
                    help="the bench record of a run just before this one on the same instances with the same seeded "
                         "prompts: the replay starts with its prompts in the prefix caches")
@@ -238,7 +241,7 @@ def html_page(rep: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
-        wl = load(args.records, args.traces, args.prefixes_as_counted)
+        wl = load(args.records, args.traces, args.prefixes_as_counted, args.run)
         if args.warm_from:
             warm_from(wl, args.warm_from)
         if args.records and args.traces and not args.calibrate:
@@ -246,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
                             "KV wait (self-replay) and the preset, and serve --calibrate")
         chosen = choose_setups(args, wl)
         idx = traces.read_traces(args.traces) if args.traces else None
+        if idx is not None and (args.run or not args.records):  # a bench record names its own requests
+            idx = one_run(idx, args.run)
         params = model_params(args, wl, choose_preset(args, wl, idx), recorded_run.routing(idx) if idx else None)
         recorded = recorded_run.entry(args.records[0] if args.records else None, idx)
         rec_setup = next((s for s in chosen if s.recorded), None)

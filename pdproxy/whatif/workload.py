@@ -13,7 +13,7 @@ has it, the rest is unique to the request (or, in a multi-turn class, to its con
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -226,8 +226,32 @@ def warm_from(wl: Workload, before: str | Path) -> None:
                     + ", ".join(f"{n} {c}" for c, n in seen.items()) + " requests)")
 
 
-def from_traces(paths: list[str]) -> Workload:
-    idx = traces.read_traces(paths)
+def run_name(info: traces.TraceInfo) -> str:
+    """Which recorded run a request trace belongs to: its proxy's run label (`pd.run`), else the proxy instance."""
+    return str(info.resource.get("pd.run") or info.resource.get("service.instance.id") or "unnamed")
+
+
+def one_run(idx: traces.TraceIndex, wanted: str | None) -> traces.TraceIndex:
+    """The index narrowed to one proxy's run (`run_name`). Trace files may hold several side by side (vllm023's: a
+    P/D proxy's run and a single-mode proxy's on the same instances); a workload, its set-up and its self-replay are
+    one run's, so several need `wanted` (`--run`)."""
+    primary = [i for i in idx.by_request.values() if i.deployment == "primary"]
+    runs = Counter(run_name(i) for i in primary)
+    if wanted is None and len(runs) <= 1:
+        return idx
+    modes = {name: Counter(str(i.attrs.get("pd.mode", "?")) for i in primary if run_name(i) == name).most_common(1)[0][0]
+             for name in runs}
+    held = ", ".join(f"{name} ({modes[name]}, {n} requests)" for name, n in runs.most_common())
+    if wanted is None:
+        raise WorkloadError(f"the trace files hold {len(runs)} runs: {held}; choose one with --run NAME")
+    if wanted not in runs:
+        raise WorkloadError(f"--run {wanted}: no such run in the trace files (they hold {held})")
+    keep = {k: i for k, i in idx.by_request.items() if i.deployment != "primary" or run_name(i) == wanted}
+    return replace(idx, by_request=keep)
+
+
+def from_traces(paths: list[str], run: str | None = None) -> Workload:
+    idx = one_run(traces.read_traces(paths), run)
     infos = [i for i in idx.by_request.values() if i.deployment == "primary"]
     if not infos:
         raise WorkloadError(f"{', '.join(paths)}: no pdproxy request traces (root spans with pd.request_id)")
@@ -274,12 +298,13 @@ def from_traces(paths: list[str]) -> Workload:
                     conditions={k: str(v) for k, v in conditions.items()}, label="recorded", notes=notes)
 
 
-def load(bench: list[str], trace_files: list[str], prefixes_as_counted: bool = False) -> Workload:
-    """One workload: the bench records when given (one run), else the trace files."""
+def load(bench: list[str], trace_files: list[str], prefixes_as_counted: bool = False,
+         run: str | None = None) -> Workload:
+    """One workload: the bench records when given (one run), else the trace files (`run`: which of their runs)."""
     if len(bench) > 1:
         raise WorkloadError("give one bench record file per prediction (one recorded workload)")
     if bench:
         return from_bench(bench[0], prefixes_as_counted)
     if trace_files:
-        return from_traces(trace_files)
+        return from_traces(trace_files, run)
     raise WorkloadError("no input: give a bench record file (--records) or trace files (--traces)")
