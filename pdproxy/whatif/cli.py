@@ -249,8 +249,8 @@ def run(args: argparse.Namespace) -> int:
                             "KV wait (self-replay) and the preset, and serve --calibrate")
         chosen = choose_setups(args, wl)
         idx = traces.read_traces(args.traces) if args.traces else None
-        if idx is not None and (args.run or not args.records):  # a bench record names its own requests
-            idx = one_run(idx, args.run)
+        if idx is not None:
+            idx = one_run(idx, args.run, [r.request_id for r in wl.requests] if args.records else None)
         params = model_params(args, wl, choose_preset(args, wl, idx), recorded_run.routing(idx) if idx else None)
         recorded = recorded_run.entry(args.records[0] if args.records else None, idx)
         rec_setup = next((s for s in chosen if s.recorded), None)

@@ -95,7 +95,8 @@ def lost(wl: workload.Workload, setup: setups.Setup, trace_files: tuple[str, ...
     """The instances the run of `wl` lost, from its proxy's traces (pdproxy/whatif/failures.py)."""
     if not trace_files:
         return ()
-    return tuple(failures.read(traces.read_traces(list(trace_files)), wl, setup.mode)[0])
+    idx = workload.one_run(traces.read_traces(list(trace_files)), None, [r.request_id for r in wl.requests])
+    return tuple(failures.read(idx, wl, setup.mode)[0])
 
 
 def fitted(case: Case, params: ModelParams) -> ModelParams:
@@ -114,9 +115,12 @@ def fitted(case: Case, params: ModelParams) -> ModelParams:
 
 def case_params(case: Case, preset: Any) -> ModelParams:
     """The preset with the source run's routing, as `pdproxy whatif` reads it from the proxy's spans."""
-    own = setups.recorded(records.read_run(case.source).conditions)
+    run = records.read_run(case.source)
+    own = setups.recorded(run.conditions)
     files = _proxy_traces(case.source_traces)
-    routing = recorded_run.routing(traces.read_traces(list(files))) if files and own is not None else {}
+    idx = workload.one_run(traces.read_traces(list(files)), None, [str(r["request_id"]) for r in run.requests]) \
+        if files and own is not None else None
+    routing = recorded_run.routing(idx) if idx is not None else {}
     return ModelParams(preset, **(recorded_run.policies(routing, own.mode) if own is not None else {}))
 
 

@@ -231,12 +231,18 @@ def run_name(info: traces.TraceInfo) -> str:
     return str(info.resource.get("pd.run") or info.resource.get("service.instance.id") or "unnamed")
 
 
-def one_run(idx: traces.TraceIndex, wanted: str | None) -> traces.TraceIndex:
+def one_run(idx: traces.TraceIndex, wanted: str | None, request_ids: list[str] | None = None) -> traces.TraceIndex:
     """The index narrowed to one proxy's run (`run_name`). Trace files may hold several side by side (vllm023's: a
-    P/D proxy's run and a single-mode proxy's on the same instances); a workload, its set-up and its self-replay are
-    one run's, so several need `wanted` (`--run`)."""
+    P/D proxy's run and a single-mode proxy's on the same instances); a workload, its set-up, its routing and its
+    self-replay are one run's: `wanted` (`--run`), else the run a bench record's `request_ids` join, else the only
+    one."""
     primary = [i for i in idx.by_request.values() if i.deployment == "primary"]
     runs = Counter(run_name(i) for i in primary)
+    if wanted is None and request_ids is not None:
+        joined = {run_name(i) for r in request_ids if (i := idx.by_request.get(r)) is not None}
+        if len(joined) != 1:
+            return idx  # nothing (or several runs) joined: the records are the workload, the traces stay as given
+        wanted = joined.pop()
     if wanted is None and len(runs) <= 1:
         return idx
     modes = {name: Counter(str(i.attrs.get("pd.mode", "?")) for i in primary if run_name(i) == name).most_common(1)[0][0]
