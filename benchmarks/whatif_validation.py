@@ -4,7 +4,7 @@ Self-replay of every shared recording (its workload on its own set-up) and the c
 same workload recorded as 2P2D and as four single instances, each predicted from the other), compared
 with the recording: TTFT, per-request max ITL (tail ITL), the KV wait (pd.kv_transfer, upper bound),
 p50 and p99, and the completed requests, beside the recording's own band (where the workload's true figure
-lies, 95 % of the time: pdproxy/bench/stats.py `percentile_band`; "…": unbounded) and whether the prediction
+lies, 95 % of the time: pdproxy/bench/stats.py `percentile_band`) and whether the prediction
 lands in it. Last, the worst error per figure: what the output states.
 
     PYTHONPATH=. python3 benchmarks/whatif_validation.py              # presets as shipped
@@ -82,7 +82,7 @@ def main() -> int:
             err = f"{r.error:+.0%}" if r.error is not None else "n/a"
             rec = fmt.format(r.recorded * unit) if r.recorded is not None else "—"
             pred = fmt.format(r.predicted * unit) if r.predicted is not None else "—"
-            band = " / ".join("…" if b is None else f"{b / r.recorded - 1:+.0%}" for b in r.band) \
+            band = " / ".join("unbounded" if b is None else f"{b / r.recorded - 1:+.0%}" for b in r.band) \
                 if r.band and r.recorded else ""
             inside = ("yes" if r.in_band else "no") if r.band else ""
             print(f"| {case.name} | {r.figure} | {rec} | {pred} | {err} | {band} | {inside} |")

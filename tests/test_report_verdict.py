@@ -178,3 +178,30 @@ def test_requested_vs_actual_lengths_per_class_and_the_off_class_flagged(tmp_pat
                        timeout=60)
     text = " ".join(p.stdout.split())
     assert "1000 → 1081 (off)" in text and "FLAG: pd: class default: prompt tokens 1081" in text
+
+
+def test_a_difference_each_run_could_have_given_is_said_to_may_not_reproduce(tmp_path):
+    """200 requests of one TTFT distribution against the same drawn again 3 % faster: p50 improved, but each run's
+    p50 lies inside the other's 95 % band, and the verdict says so (and the table shows the bands); against a run
+    twice as fast, no such note."""
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    base = rng.lognormal(np.log(0.2), 0.4, 200)
+    single = write_run(tmp_path / "s.jsonl", "single", list(base), 0.05, conditions=SINGLE)
+    near = write_run(tmp_path / "n.jsonl", "near", list(rng.lognormal(np.log(0.194), 0.4, 200)), 0.05,
+                     conditions=SINGLE)
+    far = write_run(tmp_path / "f.jsonl", "far", list(rng.lognormal(np.log(0.1), 0.4, 200)), 0.05, conditions=SINGLE)
+    for cand, noted in (("near", True), ("far", False)):
+        rep = report(str(single), str(near if cand == "near" else far), "--candidate", cand, "--baseline", "single",
+                     "--slo-percentile", "50")
+        ttft = next(c for c in rep["verdicts"][0]["criteria"] if c["criterion"] == "TTFT p50 improved")
+        assert ttft["passed"] is True, ttft
+        assert ("each inside the other's 95 % band: may not reproduce" in ttft["detail"]) is noted, ttft
+        for e in rep["runs"]:
+            lo, hi = e["stats"]["bands"]["ttft"]["p50"]
+            assert lo < e["stats"]["ttft"]["p50"] < hi
+            assert e["stats"]["bands"]["ttft"]["p99"][1] is None  # 200 requests do not bound a p99 from above
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "report", str(single), str(near)], capture_output=True,
+                       text=True, timeout=60, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})
+    assert "TTFT p50 / p99: 95 % band" in p.stdout and "per-request max p50 / p99: 95 % band" in p.stdout, p.stdout

@@ -76,7 +76,7 @@ def test_a_miss_inside_the_recordings_band_is_noise_and_one_outside_is_a_misfit(
     rows = {r["figure"]: r for r in replay["rows"]}
     assert rows["TTFT p99"]["fits"] is False and rows["TTFT p99"]["in_band"] is True
     text = "\n".join(predict.self_replay_lines(replay))
-    assert "TTFT p99: recorded 100.0 ms" in text and "the recording's band 50.0–unbounded ms: inside the recording's own band" in text
+    assert "TTFT p99: recorded 100.0 ms" in text and "the recording's band ≥50.0 ms: inside the recording's own band" in text
     assert "inside the recording's own band for TTFT p99" in text
     assert "does not fit this recording for TTFT p50" in text
     # the verdicts' note names the misfit only

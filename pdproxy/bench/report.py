@@ -59,6 +59,13 @@ PARALLEL_KEYS = ("pd.prefill.tp", "pd.prefill.pp", "pd.decode.tp", "pd.decode.pp
 IGNORED_KEYS = {"pd.run", "gpu.count"}
 
 
+BAND_DEFINITION = (
+    f"{stats.BAND_LEVEL:.0%} band of a percentile: where the workload's true percentile lies, given the requests "
+    "measured (the order statistics that bracket it; '≥ x': the run does not bound it above, as a p99 of fewer than "
+    "368 requests is not bounded above); a lower bound on the run-to-run spread, requests of one run not being "
+    "independent. A difference between runs whose bands overlap may not reproduce")
+
+
 def _cdf(values: Sequence[float], points: int = 200) -> list[list[float]]:
     """Down-sampled empirical CDF: [[value, fraction], ...] (exact for small sets)."""
     if not values:
@@ -138,6 +145,7 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
             kv = {
                 "definition": KV_DEFINITION,
                 "upper_bound": stats.describe(i.stages["kv_transfer"] for i in kv_infos),
+                "upper_bound_bands": stats.bands(i.stages["kv_transfer"] for i in kv_infos),
                 "estimated": stats.describe(i.stage_attrs["kv_transfer"].get("pd.kv_transfer.estimated")
                                             for i in kv_infos),
                 "handoff_gap": stats.describe(engine_spans.handoff(i)[0] for i in kv_infos),
@@ -338,6 +346,7 @@ def build(runs: list[Run], idx: traces.TraceIndex | None = None, *, unit: str = 
         "itl_unit_note": unit_note,
         "ttft": "client start -> first token-bearing SSE message (client clock)",
         "tail_itl": "per request: p99 and max of its own gaps; then p50/p90/p99 across requests",
+        "bands": BAND_DEFINITION,
         "stall_threshold_s": stall_threshold,
         "kv_transfer": KV_DEFINITION,
         "engine_split": engine_spans.SPLIT_DEFINITION,

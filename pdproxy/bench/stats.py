@@ -13,6 +13,9 @@
   only when every successful request has per-chunk token counts; the unit is always reported.
 * Tail ITL: for each request, the p99 and the max of its own gaps; then p50/p90/p99 of those
   values across requests (requests with at least one gap).
+* Bands: for TTFT, the per-request max ITL and the KV transfer, where the workload's true p50/p90/p99
+  lies, 95 % of the time, given the requests measured (`percentile_band`): how far another run of the
+  same workload may land, and why a p99 of a hundred requests decides nothing by a few percent.
 * Stall share: requests with at least one gap above the threshold (default 100 ms).
 * TPOT: (E2E − TTFT) / (output tokens − 1), requests with more than one output token.
 * Throughput: over the measurement window = first measured start → last measured end;
@@ -63,6 +66,12 @@ def percentile_band(values: Iterable[float], p: float,
     low = int(np.searchsorted(below, tail, side="right"))  # P(fewer than `low` below) <= tail: x_(low), from 1
     high = int(np.searchsorted(below, 1.0 - tail, side="left")) + 1  # P(at least `high` below) <= tail
     return (float(arr[low - 1]) if low >= 1 else None, float(arr[high - 1]) if high <= n else None)
+
+
+def bands(values: Iterable[float], ps: Sequence[int] = PERCENTILES) -> dict[str, list[float | None] | None]:
+    """`percentile_band` of each percentile `describe` reports: p50 -> [low, high] (None where unbounded)."""
+    vals = [float(v) for v in values if v is not None]
+    return {f"p{p}": list(band) if (band := percentile_band(vals, p)) else None for p in ps}
 
 
 def describe(values: Iterable[float], ps: Sequence[int] = PERCENTILES) -> dict[str, Any]:
@@ -216,6 +225,7 @@ def run_stats(
             "errors": dict(reasons.most_common()),
         },
         "ttft": describe(r["ttft"] for r in ok),
+        "bands": {"ttft": bands(r["ttft"] for r in ok), "tail_itl": bands(maxes)},
         "e2e": describe(r["e2e"] for r in ok),
         "tpot": describe(t for t in (tpot(r) for r in ok) if t is not None),
         "itl": {"unit": u, **describe(pooled)},

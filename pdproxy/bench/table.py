@@ -34,6 +34,21 @@ def trio(d: dict[str, Any] | None, keys: tuple[str, ...] = ("p50", "p90", "p99")
     return " / ".join(ms(d.get(k)) for k in keys)
 
 
+def band_pair(bands: dict[str, Any] | None) -> str:
+    """p50 and p99 95 % bands (stats.bands): "44.0–48.0 / ≥130.7" (≥: the run does not bound it above)."""
+    if not bands:
+        return "n/a"
+    return f"{band_text(bands.get('p50'))} / {band_text(bands.get('p99'))}"
+
+
+def band_text(band: list[float | None] | tuple[float | None, float | None] | None, unit: float = 1e3) -> str:
+    """A percentile's band in ms: "44.0–48.0", "≥130.7" where unbounded above, "≤9.0" below, "any" both."""
+    if band is None:
+        return "n/a"
+    lo, hi = (None if b is None else f"{b * unit:,.1f}" for b in band)
+    return f"{lo}–{hi}" if lo and hi else f"≥{lo}" if lo else f"≤{hi}" if hi else "any"
+
+
 def _num(x: float | None, fmt: str = "{:.1f}") -> str:
     return "n/a" if x is None else fmt.format(x)
 
@@ -103,12 +118,14 @@ def metric_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
         for c in length_classes:
             row(f"{what} tokens asked → actual (p50), class {c}", lambda e, c=c, what=what: _asked(e, c, what))
     row("TTFT", lambda e: trio(e["stats"]["ttft"]))
+    row("  TTFT p50 / p99: 95 % band", lambda e: band_pair((e["stats"].get("bands") or {}).get("ttft")))
     classes = sorted({c for e in runs for c in (e["stats"].get("classes") or {})})
     for c in classes:
         row(f"  TTFT, class {c}", lambda e, c=c: trio(((e["stats"].get("classes") or {}).get(c) or {}).get("ttft")))
     row(f"ITL pooled (per {d['itl_unit']})", _pooled_itl)
     row("tail ITL: per-request p99", lambda e: trio(e["stats"]["tail_itl"]["per_request_p99"]))
     row("tail ITL: per-request max", lambda e: trio(e["stats"]["tail_itl"]["per_request_max"]))
+    row("  per-request max p50 / p99: 95 % band", lambda e: band_pair((e["stats"].get("bands") or {}).get("tail_itl")))
     for c in classes:
         row(f"  per-request max, class {c}", lambda e, c=c: trio(
             (((e["stats"].get("classes") or {}).get(c) or {}).get("tail_itl") or {}).get("per_request_max")))
@@ -369,7 +386,8 @@ def definitions_text(report: dict[str, Any]) -> str:
     d = report["definitions"]
     return (f"Percentiles: {d['percentiles']}. ITL unit: {d['itl_unit']}"
             + (f" ({d['itl_unit_note']})" if d.get("itl_unit_note") else "")
-            + f". Tail ITL: {d['tail_itl']}. KV transfer: {d['kv_transfer']} Failures: {d['failures']}."
+            + f". Tail ITL: {d['tail_itl']}. Bands: {d['bands']}. KV transfer: {d['kv_transfer']} Failures: "
+              f"{d['failures']}."
             + (f" Split by vLLM's spans: {d['engine_split']}" if any(e.get("engine_split") for e in report["runs"])
                else "")
             + (f" Stall attribution: {d['stall_attribution']}"

@@ -91,7 +91,8 @@ def decide(candidate: dict[str, Any], baselines: list[dict[str, Any]], slo: Slo)
             need = bv * (1 - slo.min_improvement)
             change = (value - bv) / bv if bv else 0.0
             add(f"{name} p{p} improved", value, need, value < need,
-                f"{value * 1e3:.1f} ms vs {bv * 1e3:.1f} ms on {b['label']} ({change:+.1%})",
+                f"{value * 1e3:.1f} ms vs {bv * 1e3:.1f} ms on {b['label']} ({change:+.1%})"
+                + _unseparated(value, _band(cs, metric, p), bv, _band(b["stats"], metric, p)),
                 _rel_margin(need, value), baseline=b["label"])
 
     failing = [c for c in crit if c["passed"] is False]
@@ -127,6 +128,19 @@ def _metric(stats: dict[str, Any], metric: str) -> dict[str, Any] | None:
     if metric == "tail_itl":
         return stats["tail_itl"]["per_request_max"]
     return stats[metric]
+
+
+def _band(stats: dict[str, Any], metric: str, p: int) -> list[float | None] | None:
+    return ((stats.get("bands") or {}).get(metric) or {}).get(f"p{p}")
+
+
+def _unseparated(value: float, a: list[float | None] | None, other: float, b: list[float | None] | None) -> str:
+    """A note when each run's figure lies inside the other's 95 % band (stats.percentile_band): nothing in either
+    run tells the two apart, so the difference may not reproduce."""
+    def inside(x: float, band: list[float | None] | None) -> bool:
+        return band is not None and (band[0] is None or band[0] <= x) and (band[1] is None or x <= band[1])
+
+    return "; each inside the other's 95 % band: may not reproduce" if inside(value, b) and inside(other, a) else ""
 
 
 def _name(c: dict[str, Any] | None) -> str:

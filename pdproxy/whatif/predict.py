@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdproxy.bench import report as bench_report, stats
+from pdproxy.bench import report as bench_report, stats, table
 from pdproxy.bench.records import Run
 from pdproxy.bench.traces import TraceIndex, TraceInfo
 from pdproxy.bench.verdict import Slo, decide
@@ -192,11 +192,6 @@ def inside(value: float | None, band: tuple[float | None, float | None] | list[f
     return (lo is None or lo <= value) and (hi is None or value <= hi)
 
 
-def band_text(band: tuple[float | None, float | None] | list[float | None], unit: float = 1e3) -> str:
-    lo, hi = band
-    return f"{'…' if lo is None else f'{lo * unit:,.1f}'}–{'unbounded' if hi is None else f'{hi * unit:,.1f}'}"
-
-
 def self_replay_lines(replay: dict[str, Any]) -> list[str]:
     lines = [f"Self-replay: the recorded set-up {replay['setup']} predicted against its own recording:"]
     noise = replay.get("noise", [])
@@ -212,7 +207,7 @@ def self_replay_lines(replay: dict[str, Any]) -> list[str]:
             verdict = "inside the recording's own band"
         stated = f" (stated ±{r['stated_error']:.0%})" if r["stated_error"] is not None else ""
         what = "requests" if r["figure"] == "completed" else "ms"
-        band = f", the recording's band {band_text(r['band'], unit)} {what}" if r.get("band") else ""
+        band = f", the recording's band {table.band_text(r['band'], unit)} {what}" if r.get("band") else ""
         lines.append(f"  {r['figure']}: recorded {rec} {what}, predicted {pred} {what}, error {err}{stated}{band}: "
                      f"{verdict}")
     if noise:

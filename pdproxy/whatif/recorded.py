@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from pdproxy.bench import records, report as bench_report, stats, traces
+from pdproxy.bench import records, report as bench_report, traces
 
 
 def from_traces(idx: traces.TraceIndex) -> dict[str, Any] | None:
@@ -33,32 +33,24 @@ def from_traces(idx: traces.TraceIndex) -> dict[str, Any] | None:
                      "prompt_tokens": a.get("gen_ai.usage.input_tokens")})
     run = records.Run(header={"type": "run", "run_id": "recorded", "label": "recorded", "tool": "pdproxy traces",
                               "conditions": {}}, requests=recs, source="traces")
-    return _with_bands(bench_report.build([run], idx, unit="chunk", verdict=False)["runs"][0], run)
+    return _with_bands(bench_report.build([run], idx, unit="chunk", verdict=False)["runs"][0])
 
 
 def entry(bench: str | None, idx: traces.TraceIndex | None) -> dict[str, Any] | None:
     """The recording's report entry, with the sampling band of each figure the self-replay checks (`bands`);
     None when there is neither a bench record nor a request trace."""
     if bench:
-        run = records.read_run(bench)
-        return _with_bands(bench_report.build([run], idx, verdict=False)["runs"][0], run)
+        return _with_bands(bench_report.build([records.read_run(bench)], idx, verdict=False)["runs"][0])
     return from_traces(idx) if idx is not None else None
 
 
-def _with_bands(e: dict[str, Any], run: records.Run) -> dict[str, Any]:
+def _with_bands(e: dict[str, Any]) -> dict[str, Any]:
     """`bands`: per self-replay figure (pdproxy/whatif/predict.py FIGURES), where the workload's true figure lies
-    (`stats.percentile_band`), from the requests and traces the report counted."""
-    ok = [r for r in run.requests if not r.get("warmup") and r.get("ok")]
-    unit = e["stats"]["itl"]["unit"]
-    joined = run.traces or {}
-    values = {
-        "TTFT": [r["ttft"] for r in ok],
-        "tail ITL": [t[1] for r in ok if (t := stats.request_tail(r, unit))],
-        "KV wait": [i.stages["kv_transfer"] for r in ok
-                    if (i := joined.get(r["request_id"])) is not None and "kv_transfer" in i.stages],
-    }
-    e["bands"] = {f"{name} p{p}": band for name, vals in values.items() for p in (50, 99)
-                  if (band := stats.percentile_band(vals, p)) is not None}
+    (`stats.percentile_band`, as the report computed it)."""
+    found = {"TTFT": e["stats"]["bands"]["ttft"], "tail ITL": e["stats"]["bands"]["tail_itl"],
+             "KV wait": (e.get("kv_transfer") or {}).get("upper_bound_bands") or {}}
+    e["bands"] = {f"{name} {p}": band for name, per in found.items() for p, band in per.items()
+                  if band is not None and p in ("p50", "p99")}
     return e
 
 
