@@ -63,7 +63,7 @@ BAND_DEFINITION = (
     f"{stats.BAND_LEVEL:.0%} band of a percentile: where the workload's true percentile lies, given the requests "
     "measured (the order statistics that bracket it; '≥ x': the run does not bound it above, as a p99 of fewer than "
     "368 requests is not bounded above); a lower bound on the run-to-run spread, requests of one run not being "
-    "independent. A difference between runs whose bands overlap may not reproduce")
+    "independent. A difference where each run's figure lies inside the other's band may not reproduce")
 
 
 def _cdf(values: Sequence[float], points: int = 200) -> list[list[float]]:

@@ -68,6 +68,14 @@ def percentile_band(values: Iterable[float], p: float,
     return (float(arr[low - 1]) if low >= 1 else None, float(arr[high - 1]) if high <= n else None)
 
 
+def in_band(value: float | None, band: Sequence[float | None] | None) -> bool:
+    """`value` within a `percentile_band` (None for a side: unbounded there)."""
+    if value is None or band is None:
+        return False
+    lo, hi = band
+    return (lo is None or lo <= value) and (hi is None or value <= hi)
+
+
 def bands(values: Iterable[float], ps: Sequence[int] = PERCENTILES) -> dict[str, list[float | None] | None]:
     """`percentile_band` of each percentile `describe` reports: p50 -> [low, high] (None where unbounded)."""
     vals = [float(v) for v in values if v is not None]

@@ -125,7 +125,8 @@ def metric_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
     row(f"ITL pooled (per {d['itl_unit']})", _pooled_itl)
     row("tail ITL: per-request p99", lambda e: trio(e["stats"]["tail_itl"]["per_request_p99"]))
     row("tail ITL: per-request max", lambda e: trio(e["stats"]["tail_itl"]["per_request_max"]))
-    row("  per-request max p50 / p99: 95 % band", lambda e: band_pair((e["stats"].get("bands") or {}).get("tail_itl")))
+    row("  per-request max p50 / p99: 95 % band",
+        lambda e: band_pair((e["stats"].get("bands") or {}).get("tail_itl")))
     for c in classes:
         row(f"  per-request max, class {c}", lambda e, c=c: trio(
             (((e["stats"].get("classes") or {}).get(c) or {}).get("tail_itl") or {}).get("per_request_max")))

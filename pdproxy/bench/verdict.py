@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pdproxy.bench.stats import in_band
+
 
 @dataclass
 class Slo:
@@ -137,10 +139,7 @@ def _band(stats: dict[str, Any], metric: str, p: int) -> list[float | None] | No
 def _unseparated(value: float, a: list[float | None] | None, other: float, b: list[float | None] | None) -> str:
     """A note when each run's figure lies inside the other's 95 % band (stats.percentile_band): nothing in either
     run tells the two apart, so the difference may not reproduce."""
-    def inside(x: float, band: list[float | None] | None) -> bool:
-        return band is not None and (band[0] is None or band[0] <= x) and (band[1] is None or x <= band[1])
-
-    return "; each inside the other's 95 % band: may not reproduce" if inside(value, b) and inside(other, a) else ""
+    return "; each inside the other's 95 % band: may not reproduce" if in_band(value, b) and in_band(other, a) else ""
 
 
 def _name(c: dict[str, Any] | None) -> str:

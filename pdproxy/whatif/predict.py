@@ -176,20 +176,12 @@ def self_replay(recorded: dict[str, Any], predicted: dict[str, Any],
         limit = errors.get(name)
         band = bands.get(name)
         fits = None if err is None or limit is None else abs(err) <= limit
-        in_band = inside(p, band)
+        in_band = stats.in_band(p, band)
         if fits is False:
             (noise if in_band else misfit).append(name)
         rows.append({"figure": name, "recorded": r, "predicted": p, "error": err, "stated_error": limit,
                      "fits": fits, "band": list(band) if band else None, "in_band": in_band})
     return {"setup": predicted["label"], "rows": rows, "misfit": misfit, "noise": noise}
-
-
-def inside(value: float | None, band: tuple[float | None, float | None] | list[float | None] | None) -> bool:
-    """`value` within a recorded figure's band (`stats.percentile_band`; None: that side unbounded)."""
-    if value is None or band is None:
-        return False
-    lo, hi = band
-    return (lo is None or lo <= value) and (hi is None or value <= hi)
 
 
 def self_replay_lines(replay: dict[str, Any]) -> list[str]:
@@ -341,6 +333,8 @@ def suggest(entries: list[dict[str, Any]], predictions: list[Prediction],
             errors: dict[str, float] = EXPECTED_ERROR) -> list[str]:
     """The set-ups worth running for real: per figure, the best prediction and every set-up whose error band
     overlaps the best one's (the model cannot separate those; a real run can)."""
+    if len(entries) < 2:
+        return ["Nothing to compare: only one set-up predicted (name others with --setup, or leave --setup out)"]
     out: list[str] = []
     worth: dict[str, list[str]] = {}
     for name, metric, p in COMPARED:
@@ -363,8 +357,6 @@ def suggest(entries: list[dict[str, Any]], predictions: list[Prediction],
             out.append(f"{name}: {best_label} predicts best ({best * 1e3:.0f} ms), clear of the others by more "
                        f"than the ±{err:.0%} error")
     recorded = next((p.setup.name for p in predictions if p.setup.recorded), None)
-    if len(entries) < 2:
-        return ["Nothing to compare: only one set-up predicted (name others with --setup, or leave --setup out)"]
     if worth and all(len(figs) == len(COMPARED) for figs in worth.values()) and len(worth) == len(entries) > 1:
         head = "Nothing separates the set-ups within the stated error on any figure: a real run of each is needed"
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdproxy.bench import records, report as bench_report, traces
+from pdproxy.bench import records, report as bench_report, stats, traces
 from pdproxy.sim.presets import PRESETS
 from pdproxy.whatif import failures, predict, recorded as recorded_run, setups, workload
 from pdproxy.whatif.model import Death, ModelParams
@@ -40,11 +40,11 @@ class Row:
     figure: str
     recorded: float | None
     predicted: float | None
-    band: tuple[float | None, float | None] | None = None  # where the target's true figure lies (predict.inside)
+    band: tuple[float | None, float | None] | None = None  # where the target's true figure lies
 
     @property
     def in_band(self) -> bool:
-        return predict.inside(self.predicted, self.band)
+        return stats.in_band(self.predicted, self.band)
 
     @property
     def error(self) -> float | None:
