@@ -56,16 +56,20 @@ def percentile_band(values: Iterable[float], p: float,
     37 % of the time). A p99 of a hundred requests rests on its one or two largest, so a model (or another
     run) that misses it by 20 % may be inside what the run could not pin down. A lower bound on that noise:
     requests of one run are not independent (closed-loop clients in step share their delays)."""
-    arr = np.sort(np.asarray([float(v) for v in values if v is not None], dtype=float))
-    n, q, tail = arr.size, p / 100.0, (1.0 - level) / 2.0
+    return _band(np.sort(np.asarray([float(v) for v in values if v is not None], dtype=float)), p, level)
+
+
+def _band(ordered: np.ndarray, p: float, level: float = BAND_LEVEL) -> tuple[float | None, float | None] | None:
+    n, q, tail = ordered.size, p / 100.0, (1.0 - level) / 2.0
     if n < 2 or not 0.0 < q < 1.0:
         return None
+    k = np.arange(1, n + 1)
+    log_choose = np.concatenate(([0.0], np.cumsum(np.log(n - k + 1) - np.log(k))))  # log C(n, k), k = 0..n
     k = np.arange(n + 1)
-    log_choose = math.lgamma(n + 1) - np.array([math.lgamma(i + 1) + math.lgamma(n - i + 1) for i in range(n + 1)])
     below = np.cumsum(np.exp(log_choose + k * math.log(q) + (n - k) * math.log1p(-q)))  # P(at most k below)
     low = int(np.searchsorted(below, tail, side="right"))  # P(fewer than `low` below) <= tail: x_(low), from 1
     high = int(np.searchsorted(below, 1.0 - tail, side="left")) + 1  # P(at least `high` below) <= tail
-    return (float(arr[low - 1]) if low >= 1 else None, float(arr[high - 1]) if high <= n else None)
+    return (float(ordered[low - 1]) if low >= 1 else None, float(ordered[high - 1]) if high <= n else None)
 
 
 def in_band(value: float | None, band: Sequence[float | None] | None) -> bool:
@@ -78,8 +82,8 @@ def in_band(value: float | None, band: Sequence[float | None] | None) -> bool:
 
 def bands(values: Iterable[float], ps: Sequence[int] = PERCENTILES) -> dict[str, list[float | None] | None]:
     """`percentile_band` of each percentile `describe` reports: p50 -> [low, high] (None where unbounded)."""
-    vals = [float(v) for v in values if v is not None]
-    return {f"p{p}": list(band) if (band := percentile_band(vals, p)) else None for p in ps}
+    ordered = np.sort(np.asarray([float(v) for v in values if v is not None], dtype=float))
+    return {f"p{p}": list(band) if (band := _band(ordered, p)) else None for p in ps}
 
 
 def describe(values: Iterable[float], ps: Sequence[int] = PERCENTILES) -> dict[str, Any]:
