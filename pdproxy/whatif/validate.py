@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdproxy.bench import records, report as bench_report, stats, traces
+from pdproxy.bench import records, stats, traces
 from pdproxy.sim.presets import PRESETS
 from pdproxy.whatif import failures, predict, recorded as recorded_run, setups, workload
 from pdproxy.whatif.model import Death, ModelParams
