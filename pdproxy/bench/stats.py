@@ -56,7 +56,7 @@ def percentile_band(values: Iterable[float], p: float,
     37 % of the time). A p99 of a hundred requests rests on its one or two largest, so a model (or another
     run) that misses it by 20 % may be inside what the run could not pin down. A lower bound on that noise:
     requests of one run are not independent (closed-loop clients in step share their delays)."""
-    return _band(np.sort(np.asarray([float(v) for v in values if v is not None], dtype=float)), p, level)
+    return _band(_ordered(values), p, level)
 
 
 def _band(ordered: np.ndarray, p: float, level: float = BAND_LEVEL) -> tuple[float | None, float | None] | None:
@@ -82,8 +82,12 @@ def in_band(value: float | None, band: Sequence[float | None] | None) -> bool:
 
 def bands(values: Iterable[float], ps: Sequence[int] = PERCENTILES) -> dict[str, list[float | None] | None]:
     """`percentile_band` of each percentile `describe` reports: p50 -> [low, high] (None where unbounded)."""
-    ordered = np.sort(np.asarray([float(v) for v in values if v is not None], dtype=float))
+    ordered = _ordered(values)
     return {f"p{p}": list(band) if (band := _band(ordered, p)) else None for p in ps}
+
+
+def _ordered(values: Iterable[float]) -> np.ndarray:
+    return np.sort(np.asarray([float(v) for v in values if v is not None], dtype=float))
 
 
 def describe(values: Iterable[float], ps: Sequence[int] = PERCENTILES) -> dict[str, Any]:

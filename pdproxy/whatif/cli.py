@@ -31,7 +31,7 @@ from pdproxy.sim.presets import DEFAULT_PRESET, PRESETS
 from pdproxy.config import Settings
 from pdproxy.whatif import failures, predict, recorded as recorded_run, setups
 from pdproxy.whatif.model import Death, ModelParams
-from pdproxy.whatif.workload import Workload, WorkloadError, load, one_run, warm_from
+from pdproxy.whatif.workload import Workload, WorkloadError, from_index, load, one_run, warm_from
 
 CALIBRATED_NOTE = ("calibrated on the given spans: the stated error is the shipped presets'; replaying a run's own "
                    "workload with the curves fitted to its spans, TTFT and KV wait landed within 21 % on vllm023 "
@@ -241,16 +241,22 @@ def html_page(rep: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
-        wl = load(args.records, args.traces, args.prefixes_as_counted, args.run)
+        # the trace files read once, narrowed to one proxy's run: the one named, else the one the record's requests
+        # join; without a record they are the workload
+        idx = traces.read_traces(args.traces) if args.traces else None
+        if idx is not None and not args.records:
+            idx = one_run(idx, args.run)
+            wl = from_index(idx, args.traces)
+        else:
+            wl = load(args.records, [], args.prefixes_as_counted)
+            if idx is not None:
+                idx = one_run(idx, args.run, [r.request_id for r in wl.requests])
         if args.warm_from:
             warm_from(wl, args.warm_from)
         if args.records and args.traces and not args.calibrate:
             wl.notes.append("the workload is the bench record's; the trace files given beside it give the recorded "
                             "KV wait (self-replay) and the preset, and serve --calibrate")
         chosen = choose_setups(args, wl)
-        idx = traces.read_traces(args.traces) if args.traces else None
-        if idx is not None:
-            idx = one_run(idx, args.run, [r.request_id for r in wl.requests] if args.records else None)
         params = model_params(args, wl, choose_preset(args, wl, idx), recorded_run.routing(idx) if idx else None)
         recorded = recorded_run.entry(args.records[0] if args.records else None, idx)
         rec_setup = next((s for s in chosen if s.recorded), None)

@@ -257,7 +257,11 @@ def one_run(idx: traces.TraceIndex, wanted: str | None, request_ids: list[str] |
 
 
 def from_traces(paths: list[str], run: str | None = None) -> Workload:
-    idx = one_run(traces.read_traces(paths), run)
+    return from_index(one_run(traces.read_traces(paths), run), paths)
+
+
+def from_index(idx: traces.TraceIndex, paths: list[str]) -> Workload:
+    """The workload of the request traces in `idx` (read from `paths`, narrowed to one run: `one_run`)."""
     infos = [i for i in idx.by_request.values() if i.deployment == "primary"]
     if not infos:
         raise WorkloadError(f"{', '.join(paths)}: no pdproxy request traces (root spans with pd.request_id)")
