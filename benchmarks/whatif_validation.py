@@ -66,15 +66,19 @@ def main() -> int:
                     help="fit the model to each source run as a whole first (pdproxy whatif --fit-run)")
     ap.add_argument("--prefixes-as-counted", action="store_true",
                     help="shared prefixes at the size the server counted (pdproxy whatif --prefixes-as-counted)")
+    ap.add_argument("--spread", action="store_true",
+                    help="self-replays: the model's own range over replays with a millisecond of API-server jitter "
+                         "(pdproxy whatif's spread; four more replays per case)")
     args = ap.parse_args()
-    print("| case | figure | recorded | predicted | error | recorded's band | in it |")
-    print("|---|---|---:|---:|---:|---:|:---:|")
+    print("| case | figure | recorded | predicted | error | recorded's band | in it |"
+          + (" model's spread | recorded in it |" if args.spread else ""))
+    print("|---|---|---:|---:|---:|---:|:---:|" + ("---:|:---:|" if args.spread else ""))
     worst: dict[str, float] = {}
     started = time.perf_counter()
     for case in cases():
         case = replace(case, prefixes_as_counted=args.prefixes_as_counted)
         t = time.perf_counter()
-        rows = run_case(case, calibrate=args.calibrate, fit=args.fit_run)
+        rows = run_case(case, calibrate=args.calibrate, fit=args.fit_run, spread=args.spread)
         for r in rows:
             if r.recorded is None and r.predicted is None:
                 continue
@@ -85,7 +89,13 @@ def main() -> int:
             band = " / ".join("unbounded" if b is None else f"{b / r.recorded - 1:+.0%}" for b in r.band) \
                 if r.band and r.recorded else ""
             inside = ("yes" if r.in_band else "no") if r.band else ""
-            print(f"| {case.name} | {r.figure} | {rec} | {pred} | {err} | {band} | {inside} |")
+            spread = ""
+            if args.spread:
+                lo_hi = " / ".join(f"{b / r.recorded - 1:+.0%}" for b in r.spread) if r.spread and r.recorded else ""
+                held = ("yes" if r.spread[0] <= r.recorded <= r.spread[1] else "no") \
+                    if r.spread and r.recorded is not None else ""
+                spread = f" {lo_hi} | {held} |"
+            print(f"| {case.name} | {r.figure} | {rec} | {pred} | {err} | {band} | {inside} |{spread}")
             if r.error is not None and not case.outside:
                 worst[r.figure] = max(worst.get(r.figure, 0.0), abs(r.error))
         print(f"<!-- {case.name}: {time.perf_counter() - t:.1f} s -->", file=sys.stderr)

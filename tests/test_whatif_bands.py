@@ -102,5 +102,12 @@ def test_the_cli_prints_each_figures_band_and_says_when_there_is_nothing_to_comp
         assert r["in_band"] == stats.in_band(r["predicted"], r["band"])
         assert f"{r['figure']}: recorded" in proc.stdout
     assert "the recording's band" in proc.stdout
+    # the model's own spread (tests/test_whatif_spread.py): around every prediction, widening no error below the stated
+    for r in rep["whatif"]["self_replay"]["rows"]:
+        if r["predicted"] is not None:
+            assert r["spread"][0] <= r["predicted"] <= r["spread"][1], r
+    assert "the model's spread" in proc.stdout
+    allowed = rep["whatif"]["allowed_error"]
+    assert all(allowed[k] >= v for k, v in predict.EXPECTED_ERROR.items()), allowed
     assert rep["whatif"]["suggested_runs"] == [
         "Nothing to compare: only one set-up predicted (name others with --setup, or leave --setup out)"]

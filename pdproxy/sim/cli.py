@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--frontend-finish-ms", type=float, default=None,
                    help="API-server work of finishing a stream, one stream at a time: streams ending in one step "
                         "reach their clients this far apart (presets: 0, off; recorded vLLM 0.23: 1.0-1.3 ms)")
+    g.add_argument("--frontend-jitter-ms", type=float, default=None,
+                   help="each request's API-server time up to this much longer, uniformly at random (--seed; "
+                        "presets: 0, off; recorded vLLM 0.23: lone requests' spans ~1 ms)")
     g.add_argument("--kv-pull-overhead-ms", type=float, default=None,
                    help="decode-side cost of taking over a remote prefill, besides the transfer (preset: 4 ms)")
 
@@ -189,7 +192,7 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
         max_model_len=args.max_model_len, kv_bandwidth_gbps=args.kv_bandwidth_gbps, kv_latency_ms=args.kv_latency_ms,
         kv_bytes_per_token=args.kv_bytes_per_token, frontend_overhead_ms=args.frontend_overhead_ms,
         frontend_request_ms=args.frontend_request_ms, frontend_stream_ms=args.frontend_stream_ms,
-        frontend_finish_ms=args.frontend_finish_ms,
+        frontend_finish_ms=args.frontend_finish_ms, frontend_jitter_ms=args.frontend_jitter_ms,
         kv_pull_overhead_ms=args.kv_pull_overhead_ms, kv_pull_stalls_decode=args.kv_pull_stalls_decode,
         gpu_share=args.gpu_share, kv_intake_gbps=args.kv_intake_gbps, kv_intake_bursts=args.kv_intake_bursts,
         async_scheduling=args.async_scheduling, kv_link_shares_gpu=args.kv_link_shares_gpu,

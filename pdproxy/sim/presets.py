@@ -132,6 +132,10 @@ class Preset:
     # the other tokens of a step arrive 0.05 ms apart. Off in every preset: at 1.0-1.3 ms the fitted singles do
     # not fit better, with or without async scheduling (docs/whatif.md, "Async scheduling").
     frontend_finish_ms: float = 0.0
+    # each intake up to this much longer, uniformly at random (vLLM 0.23's lone requests' API-server time, arrival to
+    # the engine's queue, spans 9.9-10.7 ms at p10-p90 beside four streams, tests/fixtures/vllm023). Off in every
+    # preset; `pdproxy whatif` replays the recorded set-up with 1 ms of it, seed by seed, for the model's own spread.
+    frontend_jitter_ms: float = 0.0
     instant: bool = False  # no engine loop at all: every answer is produced immediately
     notes: tuple[str, ...] = field(default=())
 

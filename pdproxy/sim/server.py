@@ -90,7 +90,8 @@ class SimServer:
         self.link = TransferLink.outgoing(s, self.clock, self.gpu)  # its copies keep this instance busy on the GPU
         self.faults = FaultBook(s.faults, s.seed)
         self.journal = Journal(s.journal_size)
-        self.frontend = FrontEnd(s.preset, s.time_scale)  # the API server's time, growing with its load
+        # the API server's time, growing with its load
+        self.frontend = FrontEnd(s.preset, s.time_scale, seed=s.seed or 0)
         tokens.configure(s.tokens_per_word)
         self._engine_task: asyncio.Task[None] | None = None
         self.tracer = None

@@ -21,6 +21,7 @@ import heapq
 import itertools
 import mmap
 import os
+import random
 import struct
 import threading
 import time
@@ -102,6 +103,7 @@ class FrontEndShape(Protocol):
     frontend_request_ms: float
     frontend_stream_ms: float
     frontend_finish_ms: float
+    frontend_jitter_ms: float
 
 
 class FrontEnd:
@@ -117,15 +119,19 @@ class FrontEnd:
     `frontend_overhead_ms`, as calibrated. On the way out, the same loop finishes each stream that ends
     (`frontend_finish_ms`, FIFO with the intake work): streams ending in one engine step reach their clients one
     after another, as vLLM 0.23's did 1.0-1.3 ms apart, and their closed-loop clients' next prompts follow as far
-    apart. The simulator's server and the what-if's instances both use it.
+    apart. Each intake may take up to `frontend_jitter_ms` more, drawn from a generator seeded by `seed` (vLLM's
+    lone requests' API-server time varies by about a millisecond). The simulator's server and the what-if's
+    instances both use it.
     """
 
-    def __init__(self, shape: FrontEndShape, time_scale: float = 1.0) -> None:
+    def __init__(self, shape: FrontEndShape, time_scale: float = 1.0, seed: int = 0) -> None:
         scale = time_scale / 1000.0
         self.fixed = shape.frontend_overhead_ms * scale
         self.request = shape.frontend_request_ms * scale
         self.per_stream = shape.frontend_stream_ms * scale
         self.finish = shape.frontend_finish_ms * scale
+        self.jitter = shape.frontend_jitter_ms * scale
+        self._random = random.Random(seed)
         self.in_flight = 0  # requests between intake and their last chunk: the streams it serves or is about to
         self.busy_until = 0.0  # the loop's serial work queued so far (intakes, finishes) ends then
 
@@ -133,7 +139,8 @@ class FrontEnd:
         """Seconds from arrival (`now`) until the engine sees the request; queues its intake work."""
         start = max(now, self.busy_until)
         self.busy_until = start + self.request
-        return start - now + self.fixed + self.per_stream * self.in_flight
+        jitter = self._random.random() * self.jitter if self.jitter > 0 else 0.0
+        return start - now + self.fixed + self.per_stream * self.in_flight + jitter
 
     def finished(self, now: float) -> float:
         """Seconds a stream's last output, ready at `now`, waits for the loop's earlier work; queues its finishing."""

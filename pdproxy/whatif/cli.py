@@ -298,7 +298,11 @@ def run(args: argparse.Namespace) -> int:
             params = fitted.params
         preds = predictions(wl, chosen, params, args.jobs)
         replayed = predict.run_setup(wl, rec_setup, params, deaths) if deaths and rec_setup is not None else None
-        rep = predict.build_report(wl, preds, slo=slo_from(args), recorded=recorded, replayed=replayed)
+        # the model's own spread where the self-replay checks it: the recorded set-up, its failures replayed
+        spreads = predict.spread(wl, rec_setup, params, deaths) if recorded is not None and rec_setup is not None \
+            else None
+        rep = predict.build_report(wl, preds, slo=slo_from(args), recorded=recorded, replayed=replayed,
+                                   spreads=spreads)
         if calibration is not None:
             rep["whatif"]["calibration"] = calibration.to_dict()
             rep["whatif"]["calibration_notes"] = [CALIBRATED_NOTE]

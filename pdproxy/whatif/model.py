@@ -18,6 +18,7 @@ import asyncio
 import math
 import statistics
 import time
+import zlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -46,6 +47,7 @@ class ModelParams:
     loopback_ms: float = SIM_LOOPBACK_MS  # one HTTP leg's cost (request and first answer), left out of the curves
     # the proxy's retries, ejection, health checks and --migrate-mid-stream: what it does when an instance dies
     proxy: Settings = field(default_factory=Settings)
+    seed: int = 0  # of the API servers' jitter (preset frontend_jitter_ms), each instance its own stream
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,8 @@ class _Instance:
         self.engine = Engine(self.settings, virtual.NullMetrics(), clock, self.puller,  # type: ignore[arg-type]
                              cluster.gpu)
         self.link = TransferLink.outgoing(self.settings, clock, cluster.gpu)  # type: ignore[arg-type]
-        self.frontend = FrontEnd(preset, self.settings.time_scale)
+        self.frontend = FrontEnd(preset, self.settings.time_scale,
+                                 seed=zlib.crc32(f"{cluster.params.seed}:{name}".encode()))
         self.tokens = cluster.tokens  # the client's token times, by leg id (the last one moved by its finishing)
         self.loopback = cluster.params.loopback_ms / 1000.0
         self.task: asyncio.Future[None] | None = None  # the engine's step loop

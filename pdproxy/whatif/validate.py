@@ -41,6 +41,7 @@ class Row:
     recorded: float | None
     predicted: float | None
     band: tuple[float | None, float | None] | None = None  # where the target's true figure lies
+    spread: tuple[float, float] | None = None  # self-replay: the model's own range (`predict.spread`)
 
     @property
     def in_band(self) -> bool:
@@ -124,9 +125,10 @@ def case_params(case: Case, preset: Any) -> ModelParams:
     return ModelParams(preset, **(recorded_run.policies(routing, own.mode) if own is not None else {}))
 
 
-def run_case(case: Case, calibrate: bool = False, fit: bool = False) -> list[Row]:
+def run_case(case: Case, calibrate: bool = False, fit: bool = False, spread: bool = False) -> list[Row]:
     """The target run as the model predicts it from the source's workload: the target set-up with the target
-    run's own failures (a recording with a failure is compared with a replay of it)."""
+    run's own failures (a recording with a failure is compared with a replay of it); `spread`: a self-replay's
+    rows also get the model's own range over jittered replays."""
     wl = source_workload(case)
     target = records.read_run(case.target)
     preset = replace(PRESETS[case.preset], **dict(case.overrides))
@@ -141,4 +143,11 @@ def run_case(case: Case, calibrate: bool = False, fit: bool = False) -> list[Row
     recorded = recorded_entry(case.target, case.target_traces)
     predicted = predict.build_report(wl, [pred])["runs"][0]
     bands = recorded.get("bands") or {}
-    return [Row(case.name, name, get(recorded), get(predicted), bands.get(name)) for name, get in FIGURES]
+    spreads = predict.spread(wl, setup, params, deaths) if spread and case.source == case.target else {}
+    rows = []
+    for name, get in FIGURES:
+        p = get(predicted)
+        lo_hi = spreads.get(name)
+        rows.append(Row(case.name, name, get(recorded), p, bands.get(name),
+                        (min(lo_hi[0], p), max(lo_hi[1], p)) if lo_hi and p is not None else None))
+    return rows
