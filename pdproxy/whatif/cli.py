@@ -196,16 +196,30 @@ def model_params(args: argparse.Namespace, wl: Workload, preset_name: str,
     return ModelParams(preset, **chosen, proxy=Settings(migrate_mid_stream=args.migrate_mid_stream))
 
 
-def _one(job: tuple[Workload, setups.Setup, ModelParams]) -> predict.Prediction:
-    return predict.run_setup(*job)
+Job = tuple[Workload, setups.Setup, ModelParams, tuple[Death, ...], bool]
 
 
-def predictions(wl: Workload, chosen: list[setups.Setup], params: ModelParams, jobs: int) -> list[predict.Prediction]:
-    work = [(wl, s, params) for s in chosen]
+def _one(job: Job) -> Any:
+    wl, setup, params, deaths, figures_only = job
+    pred = predict.run_setup(wl, setup, params, deaths)
+    return predict.prediction_figures(pred) if figures_only else pred
+
+
+def predictions(wl: Workload, chosen: list[setups.Setup], params: ModelParams, jobs: int,
+                spread_of: setups.Setup | None = None, deaths: tuple[Death, ...] = ()
+                ) -> tuple[list[predict.Prediction], dict[str, tuple[float, float]] | None]:
+    """Every chosen set-up predicted, and with `spread_of` the model's own spread there (`predict.spread`, its
+    replays in the same pool of `jobs` processes)."""
+    work: list[Job] = [(wl, s, params, (), False) for s in chosen]
+    if spread_of is not None:
+        work += [(wl, spread_of, p, deaths, True) for p in predict.jittered(params)]
     if jobs <= 1 or len(work) == 1:
-        return [_one(w) for w in work]
-    with ProcessPoolExecutor(max_workers=min(jobs, len(work))) as pool:
-        return list(pool.map(_one, work))
+        done = [_one(w) for w in work]
+    else:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(work))) as pool:
+            done = list(pool.map(_one, work))
+    n = len(chosen)
+    return done[:n], predict.spread_of(done[n:]) if spread_of is not None else None
 
 
 def print_prediction(rep: dict[str, Any], console: Console) -> None:
@@ -296,11 +310,10 @@ def run(args: argparse.Namespace) -> int:
             fitted = fitrun.fit_run(wl, rec_setup, params, recorded, deaths=deaths)
             err.print(fitrun.render(fitted, rec_setup.name))
             params = fitted.params
-        preds = predictions(wl, chosen, params, args.jobs)
-        replayed = predict.run_setup(wl, rec_setup, params, deaths) if deaths and rec_setup is not None else None
         # the model's own spread where the self-replay checks it: the recorded set-up, its failures replayed
-        spreads = predict.spread(wl, rec_setup, params, deaths) if recorded is not None and rec_setup is not None \
-            else None
+        preds, spreads = predictions(wl, chosen, params, args.jobs, rec_setup if recorded is not None else None,
+                                     deaths)
+        replayed = predict.run_setup(wl, rec_setup, params, deaths) if deaths and rec_setup is not None else None
         rep = predict.build_report(wl, preds, slo=slo_from(args), recorded=recorded, replayed=replayed,
                                    spreads=spreads)
         if calibration is not None:

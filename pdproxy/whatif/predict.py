@@ -166,17 +166,26 @@ def run_setup(workload: Workload, setup: Setup, params: ModelParams, deaths: tup
     return Prediction(setup, Run(header=header, requests=recs, source=f"whatif:{setup.name}"), infos)
 
 
-def spread(workload: Workload, setup: Setup, params: ModelParams, deaths: tuple[Death, ...] = (),
-           seeds: int = SPREAD_SEEDS, jitter_ms: float = SPREAD_JITTER_MS) -> dict[str, tuple[float, float]]:
-    """Each figure's range over `setup` replayed with `jitter_ms` of API-server jitter, one replay per seed."""
-    jittered = replace(params.preset, frontend_jitter_ms=jitter_ms)
+def jittered(params: ModelParams, seeds: int = SPREAD_SEEDS, jitter_ms: float = SPREAD_JITTER_MS) -> list[ModelParams]:
+    """The parameters of the spread's replays: `jitter_ms` of API-server jitter, one seed each."""
+    preset = replace(params.preset, frontend_jitter_ms=jitter_ms)
+    return [replace(params, preset=preset, seed=seed) for seed in range(1, seeds + 1)]
+
+
+def spread_of(replays: list[dict[str, float | None]]) -> dict[str, tuple[float, float]]:
+    """Each figure's range over the jittered replays' `prediction_figures`."""
     values: dict[str, list[float]] = {}
-    for seed in range(1, seeds + 1):
-        figs = prediction_figures(run_setup(workload, setup, replace(params, preset=jittered, seed=seed), deaths))
+    for figs in replays:
         for name, v in figs.items():
             if v is not None:
                 values.setdefault(name, []).append(v)
     return {name: (min(v), max(v)) for name, v in values.items()}
+
+
+def spread(workload: Workload, setup: Setup, params: ModelParams,
+           deaths: tuple[Death, ...] = ()) -> dict[str, tuple[float, float]]:
+    """Each figure's range over `setup` replayed with the API servers' jitter, one replay per seed."""
+    return spread_of([prediction_figures(run_setup(workload, setup, p, deaths)) for p in jittered(params)])
 
 
 def spread_errors(replay: dict[str, Any] | None, errors: dict[str, float]) -> dict[str, float]:
