@@ -188,6 +188,13 @@ def spread(workload: Workload, setup: Setup, params: ModelParams,
     return spread_of([prediction_figures(run_setup(workload, setup, p, deaths)) for p in jittered(params)])
 
 
+def around(spread_: tuple[float, float] | None, predicted: float | None) -> list[float] | None:
+    """A figure's spread with the unjittered prediction in it."""
+    if spread_ is None or predicted is None:
+        return None
+    return [min(spread_[0], predicted), max(spread_[1], predicted)]
+
+
 def spread_errors(replay: dict[str, Any] | None, errors: dict[str, float]) -> dict[str, float]:
     """The stated errors, widened where the model's own spread around its prediction is wider: a difference
     inside either is no measurable difference."""
@@ -220,8 +227,7 @@ def self_replay(recorded: dict[str, Any], predicted: dict[str, Any],
         band = bands.get(name)
         fits = None if err is None or limit is None else abs(err) <= limit
         in_band = stats.in_band(p, band)
-        jittered = (spreads or {}).get(name)
-        lo_hi = [min(jittered[0], p), max(jittered[1], p)] if jittered and p is not None else None
+        lo_hi = around((spreads or {}).get(name), p)
         if fits is False:
             if in_band:
                 noise.append(name)

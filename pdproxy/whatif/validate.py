@@ -41,7 +41,7 @@ class Row:
     recorded: float | None
     predicted: float | None
     band: tuple[float | None, float | None] | None = None  # where the target's true figure lies
-    spread: tuple[float, float] | None = None  # self-replay: the model's own range (`predict.spread`)
+    spread: list[float] | None = None  # self-replay: the model's own range (`predict.spread`)
 
     @property
     def in_band(self) -> bool:
@@ -144,10 +144,5 @@ def run_case(case: Case, calibrate: bool = False, fit: bool = False, spread: boo
     predicted = predict.build_report(wl, [pred])["runs"][0]
     bands = recorded.get("bands") or {}
     spreads = predict.spread(wl, setup, params, deaths) if spread and case.source == case.target else {}
-    rows = []
-    for name, get in FIGURES:
-        p = get(predicted)
-        lo_hi = spreads.get(name)
-        rows.append(Row(case.name, name, get(recorded), p, bands.get(name),
-                        (min(lo_hi[0], p), max(lo_hi[1], p)) if lo_hi and p is not None else None))
-    return rows
+    return [Row(case.name, name, get(recorded), get(predicted), bands.get(name),
+                predict.around(spreads.get(name), get(predicted))) for name, get in FIGURES]
