@@ -19,6 +19,7 @@ INHERITED = {
     "frontend_request_ms": "as frontend_overhead_ms",
     "frontend_stream_ms": "as frontend_overhead_ms",
     "frontend_finish_ms": "as frontend_overhead_ms (off in both: the fitted singles fit no better with it)",
+    "frontend_jitter_ms": "off in both: what-if replays set it for the model's own spread",
     "kv_pull_overhead_ms": "the connector's own work per pull, not the link's",
     "kv_bytes_per_token": "the model's shape",
     "max_model_len": "the engine's configuration",
