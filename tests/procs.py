@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -77,10 +78,36 @@ def running(pid: int) -> bool:
         return False
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives outgoing connections and port 0 (Linux's default 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A port for a server a test starts: nothing listens on it now, it was not handed out before in this session
+    (a server's port and its metrics port asked for back to back could be one and the same, and the server then
+    answers its health check on the metrics port before failing to bind its own), and it lies below the ports the
+    kernel gives outgoing connections, so no client socket takes it before the server binds it."""
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(10000, _EPHEMERAL_LOW) if _EPHEMERAL_LOW > 11000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError("no free port found in 1000 tries")
 
 
 class TestFiles:
