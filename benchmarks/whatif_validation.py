@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from pdproxy.bench import stats  # noqa: E402
 from pdproxy.whatif.validate import Case, run_case  # noqa: E402
 
 A = ROOT / "tests/fixtures/real-xpyd-2026-12-01b"
@@ -92,7 +93,7 @@ def main() -> int:
             spread = ""
             if args.spread:
                 lo_hi = " / ".join(f"{b / r.recorded - 1:+.0%}" for b in r.spread) if r.spread and r.recorded else ""
-                held = ("yes" if r.spread[0] <= r.recorded <= r.spread[1] else "no") \
+                held = ("yes" if stats.in_band(r.recorded, r.spread) else "no") \
                     if r.spread and r.recorded is not None else ""
                 spread = f" {lo_hi} | {held} |"
             print(f"| {case.name} | {r.figure} | {rec} | {pred} | {err} | {band} | {inside} |{spread}")

@@ -231,7 +231,7 @@ def self_replay(recorded: dict[str, Any], predicted: dict[str, Any],
         if fits is False:
             if in_band:
                 noise.append(name)
-            elif lo_hi and r is not None and lo_hi[0] <= r <= lo_hi[1]:
+            elif stats.in_band(r, lo_hi):
                 unsettled.append(name)
             else:
                 misfit.append(name)
