@@ -11,6 +11,7 @@ import codecs
 import random
 import re
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 from pdproxy import jsonio
@@ -92,7 +93,8 @@ def validate(body: Any, route: Route, client_kv_params: str = "reject") -> dict[
         raise bad_request("request body must be a JSON object")
     if route.chat:
         messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        # (every message's type looked at by C calls alone: a chat of millions of `{}` is checked in milliseconds)
+        if not isinstance(messages, list) or not messages or not all(map(isinstance, messages, repeat(dict))):
             raise bad_request("'messages' must be a non-empty list of message objects", param="messages")
     else:
         if not _valid_prompt(body.get("prompt")):

@@ -176,3 +176,14 @@ def test_the_fast_exact_reader_takes_plain_bodies_and_leaves_ambiguous_ones():
     assert jsonio.loads_if_exact(json.dumps(plain).encode()) == plain
     for text in ('{"seed":%d}' % 2 ** 64, '{"t":1e20}', '{"t":NaN}', '{"s":"\\ud800"}', nested(65)):
         assert jsonio.loads_if_exact(text.encode()) is jsonio.NOT_READ, text
+
+
+def test_a_long_body_goes_to_the_exact_reader_without_a_walk():
+    """Past FAST_MAX_BYTES the walk proving orjson's reading exact would cost several times the parse (a body
+    of millions of `{}`, issue 54 item 8): such JSON is left to the exact reader, which reads it the same."""
+    raw = b'{"messages":[' + b",".join([b"{}"] * (jsonio.FAST_MAX_BYTES // 3 + 1)) + b"]}"
+    assert len(raw) > jsonio.FAST_MAX_BYTES
+    assert jsonio.loads_if_exact(raw) is jsonio.NOT_READ
+    assert parse_body(raw)[0] == jsonio.loads_exact(raw)
+    short = b'{"messages":[' + b",".join([b"{}"] * ((jsonio.FAST_MAX_BYTES - 16) // 3)) + b"]}"
+    assert len(short) <= jsonio.FAST_MAX_BYTES and jsonio.loads_if_exact(short) == jsonio.loads_exact(short)
