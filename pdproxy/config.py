@@ -287,8 +287,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     metavar="HOST:PORT=ENDPOINT",
                     help="this instance's replay endpoint instead of the template's or the port list's (repeatable)")
     kv.add_argument("--tokenizer-file", metavar="PATH",
-                    help="precise_prefix: the served model's tokenizer.json (Hugging Face tokenizers), to turn text "
-                         "prompts into token ids; without it only token-id prompts route by events")
+                    help="precise_prefix and --pd-min-prefill-tokens: the served model's tokenizer.json (Hugging Face "
+                         "tokenizers), to turn text prompts into token ids in the proxy (chat then routes without token "
+                         "ids: no chat template here); without it text and chat prompts are sent to the decode "
+                         "instances' /tokenize")
     kv.add_argument("--pd-min-prefill-tokens", type=int, metavar="N",
                     help="selective disaggregation: a prompt leaving at most N tokens to compute after what its "
                          "decode already holds (from its KV events) goes straight to the decode, no prefill leg "
