@@ -15,11 +15,12 @@ prefill instance, pdproxy forwards straight to them: the single-instance baselin
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import yaml
@@ -118,6 +119,13 @@ class Settings:
     kv_events_max_blocks: int = 1 << 18
     tokenizer_file: str | None = None  # precise_prefix: the served model's tokenizer.json for text prompts
     pd_min_prefill_tokens: int = 0  # selective disaggregation: at most this many to compute -> decode only; 0 off
+    # DNS membership (pdproxy/membership/dns.py): names whose records are the instances of a role
+    dns_prefill: list[str] = field(default_factory=list)
+    dns_decode: list[str] = field(default_factory=list)
+    dns_port: str = "http"  # a number: A/AAAA records on that port; a name: SRV _NAME._tcp.<dns name>
+    dns_interval: float = 5.0
+    dns_server: list[str] = field(default_factory=list)  # HOST[:PORT]; none: /etc/resolv.conf's
+    dns_kv_events_port: str | None = None  # SRV port name giving each instance's KV-event PUB port
 
     @property
     def mode(self) -> str:
@@ -298,6 +306,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-events-max-blocks", type=int,
                     help="blocks kept in each instance's event index, oldest forgotten first; ~230 bytes each (default 262144)")
 
+    dns = parser.add_argument_group("instances from DNS (a headless Service's records; docs/membership.md)")
+    dns.add_argument("--dns-prefill", nargs="+", metavar="NAME[:PORT]",
+                     help="DNS name whose A/AAAA (or SRV) records are the prefill instances, re-resolved while the "
+                          "proxy runs, e.g. vllm-prefill.default.svc.cluster.local; a name starting with _ is an SRV "
+                          "name asked as it is (_http._tcp.NAME); :PORT as --dns-port for this name")
+    dns.add_argument("--dns-decode", nargs="+", metavar="NAME[:PORT]",
+                     help="DNS name of the decode instances (alone, without prefill: the single-instance baseline)")
+    dns.add_argument("--dns-port", metavar="PORT|NAME",
+                     help="the instances' HTTP port: a number uses the names' A/AAAA records on that port; a name "
+                          "asks the SRV records of that named Service port, _NAME._tcp.<dns name> (default http)")
+    dns.add_argument("--dns-interval", type=float,
+                     help="seconds between resolutions; shorter when the answers' TTL is, never under 1 s (default 5)")
+    dns.add_argument("--dns-server", nargs="+", metavar="HOST[:PORT]",
+                     help="nameserver(s) to ask, IP addresses (default: /etc/resolv.conf's, with its search list)")
+    dns.add_argument("--dns-kv-events-port", metavar="NAME",
+                     help="named Service port whose SRV records (_NAME._tcp.<dns name>) give each instance's KV-event "
+                          "PUB port, e.g. kv-events (default: --kv-events-endpoint's template)")
+
     sh = parser.add_argument_group("shadow traffic")
     sh.add_argument("--shadow-url", help="baseline (single instance or decode of another pool) that receives a copy of sampled requests")
     sh.add_argument("--shadow-prefill", dest="shadow_prefill_urls", nargs="+", metavar="URL",
@@ -447,7 +473,7 @@ def _coerce(name: str, raw: Any) -> Any:
             return workers_count(raw)
         if name == "shadow_prefill_urls":
             return [u for g in _groups(raw) for u in _parse_url_group(g)]
-        if name == "served_model_name":
+        if name in ("served_model_name", "dns_prefill", "dns_decode", "dns_server"):
             return [str(v) for v in _as_list(raw)]
         if name in ("kv_events_ports", "kv_events_replay_ports"):
             return [_port(v) for v in _as_list(raw)]
@@ -567,6 +593,10 @@ def _validate(s: Settings) -> None:
     if s.load_metrics_interval <= 0:
         raise ConfigError("load-metrics-interval must be > 0")
     try:
+        dns_queries(s), dns_nameservers(s)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
         parse_hash_key(s.hash_key)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -637,3 +667,88 @@ def parse_hash_key(spec: str) -> tuple[tuple[str, str], ...]:
         sources.append((where, name.strip()))
     return tuple(sources)
 
+
+
+class DnsName(NamedTuple):
+    """One DNS name the DNS source follows (pdproxy/membership/dns.py): its role, what is asked ("A": the A and
+    AAAA records, on `port`; "SRV": the SRV records, which carry the ports), the name asked, and the SRV name of
+    the instances' KV-event port (None: the --kv-events-endpoint template gives it)."""
+
+    role: str
+    kind: str
+    qname: str
+    port: int | None
+    kv_events_qname: str | None
+
+
+_DNS_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+_PORT_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,13}[A-Za-z0-9])?")  # IANA service name, as Kubernetes' port names
+
+
+def dns_queries(s: Settings) -> list[DnsName]:
+    """What --dns-prefill/--dns-decode ask, one entry per name; ValueError saying which name is wrong."""
+    if s.dns_interval <= 0:
+        raise ValueError("dns-interval must be > 0")
+    default_port = _dns_port(s.dns_port, "--dns-port")
+    kv_port = s.dns_kv_events_port
+    if kv_port is not None and (not _PORT_NAME.fullmatch(kv_port) or kv_port.isdigit()):
+        raise ValueError(f"--dns-kv-events-port {kv_port!r} is not a port name such as kv-events (the Service's "
+                         "named port whose SRV records give the KV-event ports)")
+    out: list[DnsName] = []
+    for role, names in (("prefill", s.dns_prefill), ("decode", s.dns_decode)):
+        for text in names:
+            name, sep, port_text = text.rpartition(":") if ":" in text else (text, "", "")
+            if not _dns_name(name):
+                raise ValueError(f"--dns-{role} {text!r}: {name!r} is not a DNS name (NAME[:PORT], e.g. "
+                                 "vllm-prefill.default.svc.cluster.local:8000)")
+            base = re.sub(r"^(_[^.]+\.){2}", "", name.rstrip("."))  # the Service's own name under an SRV name
+            if name.startswith("_"):
+                if sep:
+                    raise ValueError(f"--dns-{role} {text!r}: an SRV name carries its ports; give no :PORT")
+                entry = DnsName(role, "SRV", name, None, None)
+            else:
+                port = _dns_port(port_text, f"--dns-{role} {text!r}") if sep else default_port
+                entry = (DnsName(role, "A", name, port, None) if isinstance(port, int)
+                         else DnsName(role, "SRV", f"_{port}._tcp.{name}", None, None))
+            kv = f"_{kv_port}._tcp.{base}" + ("." if name.endswith(".") else "") if kv_port else None
+            out.append(entry._replace(kv_events_qname=kv))
+    return out
+
+
+def _dns_port(text: str, what: str) -> int | str:
+    if text.isdigit():
+        return _port(text)
+    if not _PORT_NAME.fullmatch(text) or not any(c.isalpha() for c in text):
+        raise ValueError(f"{what}: port {text!r} is neither a number nor a Service port name such as http")
+    return text
+
+
+def _dns_name(name: str) -> bool:
+    bare = name[:-1] if name.endswith(".") else name
+    try:
+        ipaddress.ip_address(bare)
+        return False  # an address is an instance (--prefill URL), not a name to follow
+    except ValueError:
+        pass
+    return 0 < len(bare) <= 253 and all(_DNS_LABEL.fullmatch(label) for label in bare.split("."))
+
+
+def dns_nameservers(s: Settings) -> list[tuple[str, int]]:
+    """--dns-server's (address, port) pairs: IP addresses, port 53 unless given; ValueError if one is not."""
+    out = []
+    for text in s.dns_server:
+        host, port = text, "53"
+        if text.startswith("["):  # [fd00::10]:53
+            host, _, rest = text[1:].partition("]")
+            port = rest[1:] if rest.startswith(":") else ("" if rest else "53")
+        elif text.count(":") == 1:
+            host, _, port = text.partition(":")
+        try:
+            address = str(ipaddress.ip_address(host))
+        except ValueError:
+            raise ValueError(f"--dns-server {text!r} is not an IP address with an optional port (10.96.0.10, "
+                             "127.0.0.1:5353, [fd00::10]:53)") from None
+        if not port.isdigit():
+            raise ValueError(f"--dns-server {text!r}: port {port!r} is not a number")
+        out.append((address, _port(port)))
+    return out

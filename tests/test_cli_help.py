@@ -55,6 +55,8 @@ SAMPLES = {
     "kv_events_ports": "5557", "kv_events_replay_ports": "5567",
     "kv_events_max_blocks": "1000", "tokenizer_file": str(TOKENIZER_FILE),
     "pd_min_prefill_tokens": "64",
+    "dns_prefill": "prefill.test", "dns_decode": "decode.test:8200", "dns_port": "8000", "dns_interval": "2",
+    "dns_server": "127.0.0.1:5353", "dns_kv_events_port": "kv-events",
     "host": "0.0.0.0", "port": "8123", "prefiller_hosts": "10.0.0.1", "prefiller_ports": "9100",
     "decoder_hosts": "10.0.0.2", "decoder_ports": "9200", "prefill": "http://10.0.0.3:8100",
     "decode": "http://10.0.0.4:8200", "model": "m", "policy": "least_inflight", "prefill_policy": "least_inflight",
