@@ -173,6 +173,9 @@ def test_down_at_start_serves_the_static_set_then_follows_dns(caplog) -> None:
     server.stop()  # its port, with nothing on it
     source = source_for(server, interval=0.1, timeout=0.2, dns_prefill=["prefill.test:8100"],
                         dns_decode=["decode.test:8200"])
+    assert source.status() == {"state": "starting", "following": "prefill A prefill.test port 8100, decode A "
+                               "decode.test port 8200", "nameservers": server.server, "interval": 0.1,
+                               "last_error": None, "last_heard": None, "instances": 0, "names": []}
 
     async def main() -> None:
         published = Published()
@@ -196,7 +199,6 @@ def test_down_at_start_serves_the_static_set_then_follows_dns(caplog) -> None:
 
     asyncio.run(main())
     server.stop()
-    assert "dns: following prefill A prefill.test port 8100, decode A decode.test port 8200" in caplog.text
     assert "serving the static set until DNS answers" in caplog.text
     assert caplog.text.count("serving the static set") == 1
 

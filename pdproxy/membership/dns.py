@@ -118,22 +118,23 @@ class DnsSource:
     # --- the Source protocol ---------------------------------------------------------------------------------
 
     async def run(self, publish: Publish) -> None:
-        log.info("dns: following %s every %gs, asking %s", self._names_text(), self.interval,
-                 self._servers_text())
         while True:
             await self.resolve(publish)
             await asyncio.sleep(self._next_wait)
 
     def status(self) -> dict[str, Any]:
         heard = [q.heard for q in self._queries() if q.heard is not None]
+        # (start-up logs these fields that are set, as the source's one line: what it follows comes first, and
+        # the questions' details only once they were asked)
         return {
             "state": self._state,
-            "last_error": self._last_error,
-            "last_heard": max(heard) if heard else None,
+            "following": self._names_text(),
             "nameservers": self._servers_text(),
             "interval": self.interval,
+            "last_error": self._last_error,
+            "last_heard": max(heard) if heard else None,
             "instances": len(self._published or ()),
-            "names": [self._query_status(q) for q in self._queries()],
+            "names": [self._query_status(q) for q in self._queries()] if self.cycles else [],
         }
 
     # --- one cycle ---------------------------------------------------------------------------------------------
