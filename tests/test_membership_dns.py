@@ -309,3 +309,26 @@ def test_settings_flags_and_their_one_line_errors() -> None:
         with pytest.raises(ConfigError, match=".*") as raised:
             load(**given)
         assert error in str(raised.value) and "\n" not in str(raised.value), (given, raised.value)
+
+
+def test_without_dns_server_resolv_conf_gives_the_search_list_and_a_missing_one_is_reported(tmp_path) -> None:
+    """As in a pod: a short name is completed by resolv.conf's search list (there, `<ns>.svc.cluster.local`)."""
+    import dns.nameserver
+
+    server = Dnsmasq(PD_HOSTS)
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("nameserver 127.0.0.1\nsearch elsewhere.test test\noptions ndots:2\n")
+    s = Settings(dns_prefill=["prefill:8100"], dns_decode=["decode.test.:8200"])
+    source = DnsSource(dns_queries(s), interval=0.2, timeout=0.5, resolv_conf=str(conf))
+    resolver = source._get_resolver()
+    assert resolver is not None and [str(n) for n in resolver.search] == ["elsewhere.test.", "test."]
+    resolver.nameservers = [dns.nameserver.Do53Nameserver("127.0.0.1", server.port)]  # resolv.conf has no ports
+    published = Published()
+    asyncio.run(source.resolve(published))
+    server.stop()
+    assert published.last == PD_SET and source.status()["state"] == "ok"
+
+    missing = DnsSource(dns_queries(s), interval=0.2, resolv_conf=str(tmp_path / "absent"))
+    asyncio.run(missing.resolve(published))
+    status = missing.status()
+    assert status["state"] == "degraded" and f"cannot read {tmp_path / 'absent'}" in status["last_error"]
