@@ -126,10 +126,18 @@ class Settings:
     dns_interval: float = 5.0
     dns_server: list[str] = field(default_factory=list)  # HOST[:PORT]; none: /etc/resolv.conf's
     dns_kv_events_port: str | None = None  # SRV port name giving each instance's KV-event PUB port
+    # Kubernetes service discovery (vllm-router's flags; pdproxy/membership/kubernetes.py)
+    service_discovery: bool = False
+    selector: dict[str, str] = field(default_factory=dict)  # single mode's pods
+    prefill_selector: dict[str, str] = field(default_factory=dict)
+    decode_selector: dict[str, str] = field(default_factory=dict)
+    service_discovery_namespace: str | None = None  # None: every namespace (vllm-router's default)
+    service_discovery_port: int | None = None  # None: the pod's container port named http, else 80
+    service_discovery_resync: float = 60.0
 
     @property
     def mode(self) -> str:
-        return "pd" if self.prefill_urls else "single"
+        return "pd" if self.prefill_urls or self.prefill_selector else "single"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -276,6 +284,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tel.add_argument("--capture-content", action="store_true", help="record prompt and completion text in spans (off: never recorded)")
     tel.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="log level (default info)")
 
+    _discovery_arguments(parser)
+
     kv = parser.add_argument_group("KV-cache events (vLLM --kv-events-config; docs/kv-events.md)")
     kv.add_argument("--kv-events-endpoint", metavar="TEMPLATE",
                     help="each instance's KV-event PUB endpoint, {host} and {port} being the instance's and {index} "
@@ -369,7 +379,7 @@ def load_settings(args: argparse.Namespace, environ: dict[str, str] | None = Non
     if "upstream_api_key" not in values and env.get("OPENAI_API_KEY"):
         values["upstream_api_key"] = env["OPENAI_API_KEY"]
 
-    values["prefill_urls"], values["decode_urls"] = _instances(pick)
+    values["prefill_urls"], values["decode_urls"] = _instances(pick, discovery=bool(values.get("service_discovery")))
     settings = Settings(**values)
     _validate(settings)
     return settings
@@ -381,10 +391,12 @@ def _lookup(source: Any, key: str | None, env_style: bool) -> Any:
     return source.get("PDPROXY_" + key.upper() if env_style else key)
 
 
-def _instances(pick) -> tuple[list[str], list[str]]:
+def _instances(pick, discovery: bool = False) -> tuple[list[str], list[str]]:
     toy_given = {k: pick(k) for k in TOY_DEFAULTS if pick(k) is not None}
     prefill = [u for group in _groups(pick("prefill")) for u in _parse_url_group(group)]
     decode = [u for group in _groups(pick("decode")) for u in _parse_url_group(group)]
+    if discovery and not toy_given:
+        return prefill, decode  # instances found at run time; _validate_discovery checks a decode can come
     if toy_given or not (prefill or decode):
         toy = {k: _as_list(toy_given.get(k, v)) for k, v in TOY_DEFAULTS.items()}
         prefill = _pair(toy["prefiller_hosts"], toy["prefiller_ports"], "prefiller") + prefill
@@ -469,6 +481,13 @@ def _coerce(name: str, raw: Any) -> Any:
     try:
         if name in ("resource_attrs", "kv_events_instances", "kv_events_replay_instances"):
             return _parse_attrs(raw)
+        if name in DISCOVERY_SELECTORS:
+            return _parse_selector(name, raw)
+        if name == "service_discovery_port":
+            try:
+                return _port(raw)
+            except ConfigError as exc:
+                raise ConfigError(f"--service-discovery-port: {exc}") from None
         if name == "workers":
             return workers_count(raw)
         if name == "shadow_prefill_urls":
@@ -592,6 +611,7 @@ def _validate(s: Settings) -> None:
         raise ConfigError(str(exc)) from None
     if s.load_metrics_interval <= 0:
         raise ConfigError("load-metrics-interval must be > 0")
+    _validate_discovery(s)
     try:
         dns_queries(s), dns_nameservers(s)
     except ValueError as exc:
@@ -752,3 +772,79 @@ def dns_nameservers(s: Settings) -> list[tuple[str, int]]:
             raise ValueError(f"--dns-server {text!r}: port {port!r} is not a number")
         out.append((address, _port(port)))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Kubernetes service discovery: vllm-router's flags, same names and forms
+
+DISCOVERY_SELECTORS = ("selector", "prefill_selector", "decode_selector")
+# a label key ([DNS-subdomain prefix/]name) and value, as the API server validates them
+_LABEL_NAME = r"[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
+_LABEL_KEY = re.compile(rf"(?:[a-z0-9](?:[-a-z0-9.]{{0,251}}[a-z0-9])?/)?{_LABEL_NAME}")
+_LABEL_VALUE = re.compile(rf"(?:{_LABEL_NAME})?")
+_NAMESPACE = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def _discovery_arguments(parser: argparse.ArgumentParser) -> None:
+    kube = parser.add_argument_group(
+        "Kubernetes service discovery (vllm-router's flags; docs/membership.md)",
+        "Watch the pods a label selector matches and keep the pools in step: a pod joins when it has an IP, "
+        "serves while Ready, drains when deleted. Combines with instances given as flags, which stay.")
+    kube.add_argument("--service-discovery", action="store_true",
+                      help="find prefill and decode instances from Kubernetes pods (in-cluster service account, or "
+                           "KUBECONFIG / ~/.kube/config); needs get, list and watch on pods")
+    for flag, what in (("--prefill-selector", "prefill pods"), ("--decode-selector", "decode pods"),
+                       ("--selector", "single-mode pods (no prefill pool)")):
+        kube.add_argument(flag, nargs="+", metavar="KEY=VALUE",
+                          help=f"labels of the {what}, all of them required, e.g. app=vllm role="
+                               f"{'prefill' if 'prefill' in flag else 'decode'}")
+    kube.add_argument("--service-discovery-namespace", metavar="NAMESPACE",
+                      help="namespace of the pods (default: every namespace, which needs a ClusterRole)")
+    kube.add_argument("--service-discovery-port", type=int, metavar="PORT",
+                      help="the pods' HTTP port, unless a pod's pdproxy.io/port annotation says otherwise (default: "
+                           "the container port named http, else 80 as vllm-router)")
+    kube.add_argument("--service-discovery-resync", type=float, metavar="SECONDS",
+                      help="each watch ends after this long with a full re-list, which also restarts a watch gone "
+                           "silent (default 60)")
+
+
+def _parse_selector(name: str, raw: Any) -> dict[str, str]:
+    """`app=vllm role=prefill` (words, or one comma-separated string from the environment or a file)."""
+    flag = "--" + name.replace("_", "-")
+    if isinstance(raw, dict):
+        items = [f"{k}={v}" for k, v in raw.items()]
+    elif isinstance(raw, str):
+        items = [w for w in re.split(r"[,\s]+", raw.strip()) if w]
+    else:
+        items = [str(w) for w in raw]
+    labels: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if key.endswith("!") or value.startswith("=") or "(" in item:
+            raise ConfigError(f"{flag}: {item!r}: only equality selectors (KEY=VALUE) are supported, as in vllm-router")
+        if not sep or not _LABEL_KEY.fullmatch(key) or len(key.rpartition("/")[2]) > 63:
+            raise ConfigError(f"{flag}: {item!r} is not KEY=VALUE with a Kubernetes label key (e.g. app=vllm)")
+        if not _LABEL_VALUE.fullmatch(value):
+            raise ConfigError(f"{flag}: {item!r}: the value must be a label value (63 characters at most: letters, "
+                              "digits, '-', '_', '.')")
+        labels[key] = value
+    return labels
+
+
+def _validate_discovery(s: Settings) -> None:
+    ns = s.service_discovery_namespace
+    if ns is not None and not _NAMESPACE.fullmatch(ns):
+        raise ConfigError(f"--service-discovery-namespace {ns!r} is not a namespace name (lowercase letters, digits "
+                          "and '-', 63 at most)")
+    if s.service_discovery_resync <= 0:
+        raise ConfigError("service-discovery-resync must be > 0")
+    if not s.service_discovery:
+        return  # selectors without it do nothing, as in vllm-router (the source warns at start-up)
+    if not (s.selector or s.prefill_selector or s.decode_selector):
+        raise ConfigError("--service-discovery needs --prefill-selector and --decode-selector (P/D), or --selector "
+                          "(single mode)")
+    if s.selector and (s.prefill_selector or s.decode_selector or s.prefill_urls):
+        raise ConfigError("--selector finds single-mode instances (no prefill pool); with prefill instances use "
+                          "--decode-selector")
+    if not (s.decode_urls or s.decode_selector or s.selector):
+        raise ConfigError("no decode instance: give --decode-selector (or --decode URL) beside --prefill-selector")

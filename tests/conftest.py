@@ -99,6 +99,22 @@ class Scripted:
         self._call("POST", "/_reset", {})
 
 
+@pytest.fixture(scope="session")
+def kube_apiserver():
+    """A real kube-apiserver on a real etcd (tests/kube.py), started once for the session's Kubernetes tests."""
+    from kube import KubeCluster
+
+    # (a session fixture's setup runs outside this conftest's pytest_fixture_setup, which only wraps the
+    # fixtures of nodes below tests/: say here that its directory outlives the test)
+    with procs.FILES.fixture("session"):
+        cluster = KubeCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture
 def started():
     """What a test starts (append each process), stopped at its end, also when a later start fails."""

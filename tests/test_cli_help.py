@@ -77,8 +77,12 @@ SAMPLES = {
     "shadow_timeout": "5", "cache_threshold": "0.5", "balance_abs_threshold": "8", "balance_rel_threshold": "2",
     "max_tree_size": "1000", "hash_key": "body:user", "load_metrics_interval": "0.5",
     "hash_load_factor": "2",
+    "service_discovery": "1", "prefill_selector": "app=vllm,role=prefill", "decode_selector": "app=vllm role=decode",
+    "selector": "app=vllm", "service_discovery_namespace": "vllm", "service_discovery_port": "8000",
+    "service_discovery_resync": "30",
 }
-NEEDS = {"shadow_prefill": {"PDPROXY_SHADOW_URL": "http://10.0.0.5:8000"}}  # not valid on its own
+NEEDS = {"shadow_prefill": {"PDPROXY_SHADOW_URL": "http://10.0.0.5:8000"},  # not valid on its own
+         "service_discovery": {"PDPROXY_SELECTOR": "app=vllm"}}
 
 
 def serve_flags() -> list[str]:
