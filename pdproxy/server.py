@@ -24,8 +24,9 @@ from pdproxy.protocol import CHAT, COMPLETIONS, check_body_encoding
 from pdproxy.runtime import LoopLag, tune_gc, tune_malloc
 from pdproxy.served import ServedModels
 from pdproxy.serving import AioExchange
+from pdproxy.telemetry import check_trace_file, trace_destination
 from pdproxy.telemetry import setup as setup_telemetry
-from pdproxy.telemetry import trace_destination
+from pdproxy.telemetry import status as telemetry_status
 from pdproxy.telemetry.clock import now
 from pdproxy.telemetry.metrics import merge_expositions
 from pdproxy.upstream import UpstreamClient
@@ -222,6 +223,8 @@ async def status(request: web.Request) -> web.Response:
         "instances": {"prefill": describe(proxy.prefill), "decode": describe(proxy.decode)},
         "mode": proxy.settings.mode, "version": __version__,
         "tracing": trace_destination(proxy.settings).as_dict(),
+        "telemetry": telemetry_status(proxy.recorder),
+        "shadow": proxy.shadow.status() if proxy.shadow is not None else None,
         "model_labels": proxy.recorder.models.describe(),
         "served_models": proxy.served.describe() if proxy.served is not None else None,
         "kv_events": kv_events.status() if (kv_events := request.app.get(KV_EVENTS_KEY)) is not None else None,
@@ -336,6 +339,7 @@ def serve(settings: Settings) -> int:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     try:
         traces = trace_destination(settings)
+        trace_file_warning = check_trace_file(settings)
     except ValueError as exc:
         print(f"pdproxy serve: error: {exc}", file=sys.stderr)
         return 2
@@ -351,6 +355,12 @@ def serve(settings: Settings) -> int:
     # said at warning level when nobody chose it: a proxy with no trace destination records no spans at all
     quiet = traces.enabled or not settings.tracing
     log.log(logging.INFO if quiet else logging.WARNING, "%s", traces.summary())
+    if trace_file_warning:
+        log.warning("%s", trace_file_warning)
+    if settings.shadow_url:
+        from pdproxy.shadow import describe
+
+        log.info("%s", describe(settings))
     # a stale or partial build runs code other than the sources beside it, a failed compile fell back: said louder
     form = compiled.report()
     log.log(logging.WARNING if compiled.warns(form) else logging.INFO, "%s", compiled.summary(form))

@@ -5,6 +5,8 @@ is read and thrown away. Its trace is a child of the primary's root span and its
 `deployment="shadow"`. It can never slow or fail the primary: copies run as background tasks,
 at most `--shadow-max-inflight` at once (beyond that they are dropped and counted), each within
 `--shadow-timeout`, and whatever happens to them never reaches the client.
+
+Start-up says where copies go (`describe`), and /status shows it with what became of them (`status`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import aiohttp
 
 from pdproxy.admission import Admission
-from pdproxy.config import Settings
+from pdproxy.config import Settings, redact_url
 from pdproxy.errors import ProxyError, UpstreamResponse
 from pdproxy.pd import Proxy
 from pdproxy.pool import DECODE, PREFILL, Pool
@@ -40,16 +42,23 @@ class Shadow:
         self.timeout = settings.shadow_timeout
         self.outcomes = recorder.metrics.shadow
         self.tasks: set[asyncio.Task] = set()
+        self.settings = settings
+        # what became of the requests, for /status (the same counts as pdproxy_shadow_requests_total)
+        self.counts = {"sent": 0, "failed": 0, "dropped_busy": 0, "sampled_out": 0}
 
     def mirror(self, body: dict[str, Any], route: Route, primary: RequestTrace, headers: dict[str, str]) -> None:
         """Maybe start a copy of this request; returns at once either way."""
+        counts = self.counts
         if self.rate < 1.0 and random.random() >= self.rate:
             self.outcomes.labels("sampled_out").inc()
+            counts["sampled_out"] += 1
             return
         if len(self.tasks) >= self.limit:
             self.outcomes.labels("dropped_busy").inc()
+            counts["dropped_busy"] += 1
             return
         self.outcomes.labels("sent").inc()
+        counts["sent"] += 1
         task = asyncio.create_task(self._run(body, route, primary, headers))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -75,6 +84,7 @@ class Shadow:
         finally:
             if trace.error_type is not None:
                 self.outcomes.labels("failed").inc()
+                self.counts["failed"] += 1
             trace.finish()
 
     async def close(self) -> None:
@@ -82,3 +92,25 @@ class Shadow:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
+    def status(self) -> dict[str, Any]:
+        """`shadow` in /status: where copies go, how many, and what became of them (this process's)."""
+        return {**target(self.settings), "in_flight": len(self.tasks), **self.counts}
+
+
+def target(settings: Settings) -> dict[str, Any]:
+    """The shadow's configuration as /status shows it."""
+    return {"target": redact_url(settings.shadow_url or ""), "mode": "pd" if settings.shadow_prefill_urls else "single",
+            "prefill": [redact_url(u) for u in settings.shadow_prefill_urls], "sample_rate": settings.shadow_sample_rate,
+            "max_inflight": settings.shadow_max_inflight, "timeout_seconds": settings.shadow_timeout}
+
+
+def describe(settings: Settings) -> str:
+    """Start-up's line (with --shadow-url): where the copies go and within which bounds."""
+    where = redact_url(settings.shadow_url)
+    if settings.shadow_prefill_urls:
+        where = (f"a P/D pool (decode {where}, prefill {', '.join(redact_url(u) for u in settings.shadow_prefill_urls)})")
+    else:
+        where = f"{where} (single instance)"
+    return (f"shadow: a copy of {settings.shadow_sample_rate:.0%} of requests to {where}, at most "
+            f"{settings.shadow_max_inflight} in flight, each within {settings.shadow_timeout:g} s; traced and counted "
+            'with deployment="shadow", never seen by clients')

@@ -67,9 +67,9 @@ class TapReceiver:
 
 
 class GrpcReceiver:
-    """A minimal OTLP/gRPC TraceService that keeps every span it is sent."""
+    """A minimal OTLP/gRPC TraceService that keeps every span it is sent (on `port`, or a free one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int | None = None) -> None:
         import grpc
         from google.protobuf.json_format import MessageToDict
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -82,7 +82,7 @@ class GrpcReceiver:
                 receiver.requests.append(MessageToDict(request))
                 return trace_service_pb2.ExportTraceServiceResponse()
 
-        self.port = free_port()
+        self.port = port or free_port()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Service(), self.server)
         self.server.add_insecure_port(f"127.0.0.1:{self.port}")

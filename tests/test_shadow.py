@@ -105,6 +105,10 @@ def test_dead_or_slow_shadow_leaves_the_primary_unchanged(backends):
             shadow_failed = (metric(url, "pdproxy_requests_total", deployment="shadow")
                              - metric(url, "pdproxy_requests_total", deployment="shadow", failed_stage="none"))
             assert shadow_failed >= 19  # traced and counted like any request, never dropped from the statistics
+            status = wait_until(lambda: (s := httpx.get(url + "/status").json()["shadow"])["in_flight"] == 0 and s,
+                                "the copies to the dead shadow to end")
+            assert status["target"] == dead and status["failed"] == status["sent"] >= 19
+            assert status["failed"] == metric(url, "pdproxy_shadow_requests_total", outcome="failed")
         finally:
             proxy.stop()
         print(f"primary p50 side by side: no shadow {statistics.median(base) * 1e3:.1f} ms, dead shadow "
@@ -126,6 +130,13 @@ def test_dead_or_slow_shadow_leaves_the_primary_unchanged(backends):
         mirrored = wait_until(lambda: journal(shadow, 2), "the shadow to hold the two mirrored requests")
         assert len(mirrored) == 2
         assert not any(e["completed"] or e["aborted"] for e in mirrored), mirrored  # still held: nobody waited
+        # an operator sees it: a start-up line, and /status with the two copies in flight
+        (line,) = [x for x in proxy.output().splitlines() if "pdproxy: shadow:" in x]
+        assert f"to {shadow} (single instance), at most 2 in flight, each within 120 s" in line
+        status = httpx.get(url + "/status").json()["shadow"]
+        assert status == {"target": shadow, "mode": "single", "prefill": [], "sample_rate": 1.0, "max_inflight": 2,
+                          "timeout_seconds": 120.0, "in_flight": 2, "sent": 2, "failed": 0, "dropped_busy": 18,
+                          "sampled_out": 0}
     finally:
         proxy.stop()
 
@@ -140,5 +151,7 @@ def test_sample_rate_mirrors_a_fraction(backends):
         sent = metric(url, "pdproxy_shadow_requests_total", outcome="sent")
         skipped = metric(url, "pdproxy_shadow_requests_total", outcome="sampled_out")
         assert sent + skipped == 40 and 2 <= sent <= 25
+        status = httpx.get(url + "/status").json()["shadow"]
+        assert (status["sample_rate"], status["sent"], status["sampled_out"]) == (0.3, sent, skipped)
     finally:
         proxy.stop()

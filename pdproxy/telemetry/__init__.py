@@ -10,13 +10,13 @@ from pdproxy.telemetry.metrics import Metrics
 from pdproxy.telemetry.models import ModelNames
 from pdproxy.telemetry.recorder import Recorder, RequestTrace
 from pdproxy.telemetry.stalls import StallRecords
-from pdproxy.telemetry.export import LoopSink, ThreadedSink, otlp_sink
+from pdproxy.telemetry.export import Exporter, ThreadedSink, otlp_exporter
 from pdproxy.telemetry.otlp import otlp_target
-from pdproxy.telemetry.tracefile import TraceFileExporter
+from pdproxy.telemetry.tracefile import TraceFileExporter, check_writable
 from pdproxy.telemetry.tracing import Tracing
 
-__all__ = ["Metrics", "ModelNames", "Recorder", "RequestTrace", "TraceDestination", "Tracing", "setup",
-           "trace_destination"]
+__all__ = ["Metrics", "ModelNames", "Recorder", "RequestTrace", "TraceDestination", "Tracing", "check_trace_file",
+           "setup", "status", "trace_destination"]
 
 TURN_ON = "to record traces, give --otlp-endpoint URL (or set OTEL_EXPORTER_OTLP_ENDPOINT) and/or --trace-file FILE"
 
@@ -74,29 +74,48 @@ def trace_destination(settings: Settings) -> TraceDestination:
     return TraceDestination(protocol, shown, settings.trace_file, sampler or None)
 
 
+def check_trace_file(settings: Settings) -> str | None:
+    """Start-up's look at --trace-file: ValueError when it cannot be written at all; a warning (or None)
+    when its disk has less room than it may take."""
+    if not settings.tracing or not settings.trace_file:
+        return None
+    return check_writable(settings.trace_file, settings.trace_file_max_bytes, settings.trace_file_backups)
+
+
 def setup(settings: Settings) -> tuple[Recorder, Tracing | None]:
+    """The recorder and the span export; called on the serving loop, where the OTLP endpoint's
+    start-up probe runs in the background."""
     metrics = Metrics(settings.run_label)
     tracing = None
     destination = trace_destination(settings)
     if destination.enabled:
-        sinks: list[LoopSink] = []
-        otlp = otlp_sink(settings.otlp_endpoint, settings.otlp_protocol)  # None: no endpoint (the file only)
+        exporters: list[Exporter] = []
+        # None: no endpoint (the file only)
+        otlp = otlp_exporter(settings.otlp_endpoint, settings.otlp_protocol, destination.otlp_endpoint or "")
         if otlp is not None:
-            sinks.append(otlp)
+            exporters.append(otlp)
         if settings.trace_file:
-            sinks.append(ThreadedSink(TraceFileExporter(settings.trace_file, settings.trace_file_max_bytes,
-                                                        settings.trace_file_backups)))
+            exporters.append(Exporter(ThreadedSink(TraceFileExporter(settings.trace_file, settings.trace_file_max_bytes,
+                                                                     settings.trace_file_backups)),
+                                      "file", settings.trace_file))
         # both reasons exist from the start: a healthy export shows 0 dropped, not "no data"
         for reason in ("queue_full", "export_failed"):
             metrics.spans_dropped.labels(reason)
-        tracing = Tracing(resource_attributes(settings), sinks, settings.span_queue_size,
+        tracing = Tracing(resource_attributes(settings), exporters, settings.span_queue_size,
                           on_drop=lambda reason, count: metrics.spans_dropped.labels(reason).inc(count))
+        tracing.start()
     models = ModelNames([*settings.served_model_name, *([settings.model] if settings.model else [])])
     recorder = Recorder(metrics, tracing, stall_threshold=settings.stall_threshold, run_label=settings.run_label,
                         capture_content=settings.capture_content, models=models,
                         rejected_trace_rate=settings.trace_rejected_rate,
                         stalls=StallRecords() if settings.stall_attribution else None)
     return recorder, tracing
+
+
+def status(recorder: Recorder) -> dict | None:
+    """`telemetry` in /status: each span destination's state (last success, last error, spans sent and
+    dropped) and the export queue, of the process that answers; None with tracing off."""
+    return recorder.tracing.status() if recorder.tracing is not None else None
 
 
 def resource_attributes(settings: Settings) -> dict:

@@ -21,6 +21,7 @@ import gzip
 import http.client
 import os
 import select
+import socket
 import ssl
 import struct
 from collections.abc import Callable, Iterable, Sequence
@@ -391,6 +392,10 @@ def export_framed(resource_field: bytes, scope_field: bytes, spans: list[bytes])
 
 
 class Transport(Protocol):
+    """A blocking sink of encoded batches; after a False `send`, `error` says why (the log, /status)."""
+
+    error: str | None
+
     def send(self, payload: bytes) -> bool: ...
     def close(self) -> None: ...
 
@@ -442,6 +447,7 @@ class HttpTransport:
     def __init__(self, endpoint: str | None) -> None:
         self.target = HttpTarget(endpoint)
         self.conn: http.client.HTTPConnection | None = None
+        self.error: str | None = None
 
     def _connect(self) -> http.client.HTTPConnection:
         target = self.target
@@ -466,10 +472,14 @@ class HttpTransport:
                 self.conn.request("POST", self.target.path, body, self.target.headers)
                 written = True
                 resp = self.conn.getresponse()
-                resp.read()
-                return 200 <= resp.status < 300
+                answer = resp.read()
+                if 200 <= resp.status < 300:
+                    return True
+                self.error = http_refusal(resp.status, answer)
+                return False
             except (OSError, http.client.HTTPException) as exc:
                 self.close()
+                self.error = transport_error(exc, self.target.timeout)
                 if not (reused and _unanswered(exc, written)):
                     return False
         return False
@@ -478,6 +488,24 @@ class HttpTransport:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+
+
+def http_refusal(status: int, body: bytes) -> str:
+    """Why a collector refused a batch over OTLP/HTTP: the status and the start of its answer."""
+    text = body[:200].decode("utf-8", "replace").strip()
+    return f"HTTP {status}" + (f": {text}" if text else "")
+
+
+def transport_error(exc: BaseException, timeout: float) -> str:
+    """A transport failure in a few words, for the log and /status ("connection refused", "no answer
+    within 10 s", "name not resolved: ...")."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout:g} s"
+    if isinstance(exc, socket.gaierror):
+        return f"name not resolved ({exc.strerror})"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__
 
 
 def _dropped(conn: http.client.HTTPConnection) -> bool:
@@ -530,6 +558,7 @@ class GrpcTransport:
         self.timeout = _timeout()
         compression = _env("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "OTEL_EXPORTER_OTLP_COMPRESSION")
         self.compression = grpc.Compression.Gzip if compression == "gzip" else None
+        self.error: str | None = None
 
     def send(self, payload: bytes) -> bool:
         import grpc
@@ -537,11 +566,22 @@ class GrpcTransport:
         try:
             self.call(payload, timeout=self.timeout, metadata=self.metadata, compression=self.compression)
             return True
-        except grpc.RpcError:
+        except grpc.RpcError as exc:
+            self.error = grpc_error(exc)
             return False
 
     def close(self) -> None:
         self.channel.close()
+
+
+def grpc_error(exc: Any) -> str:
+    """A failed gRPC call in a few words: its status code and details ("UNAVAILABLE: failed to connect
+    to all addresses; ... Connection refused (111)")."""
+    code = getattr(exc, "code", None)
+    details = getattr(exc, "details", None)
+    name = code().name if callable(code) and code() is not None else type(exc).__name__
+    text = details() if callable(details) else None
+    return f"{name}: {text}" if text else name
 
 
 def http_traces_url(endpoint: str | None) -> str:

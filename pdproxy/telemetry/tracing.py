@@ -24,8 +24,9 @@ import logging
 import os
 import random
 import socket
+import time
 from collections.abc import Callable, Mapping
-from typing import Final
+from typing import Any, Final
 
 from opentelemetry import trace as trace_api
 from opentelemetry.context import Context
@@ -35,7 +36,7 @@ from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from pdproxy import __version__
-from pdproxy.telemetry.export import LoopSink
+from pdproxy.telemetry.export import Exporter, LossLog
 from pdproxy.telemetry.otlp import SpanData, encode_span, export_framed, frame_prefix
 
 log = logging.getLogger("pdproxy.tracing")
@@ -119,7 +120,7 @@ def _span_ids() -> bytes:
 
 
 class Tracing:
-    def __init__(self, resource_attrs: dict[str, str], sinks: list[LoopSink], queue_size: int,
+    def __init__(self, resource_attrs: dict[str, str], sinks: list[Any], queue_size: int,
                  on_drop: DropCounter) -> None:
         provider = TracerProvider(resource=_resource(resource_attrs))  # for its env-configured sampler and resource
         # the SDK's own default (parentbased_always_on) would let a client's sampled=00 switch the proxy's spans off
@@ -129,9 +130,13 @@ class Tracing:
         self._sample_new_traces = self._sample_all or self.sampler is sampling.DEFAULT_ON
         self.resource = provider.resource
         self.resource_field, self.scope_field = frame_prefix(dict(self.resource.attributes), "pdproxy", __version__)
-        self.sinks = sinks
+        # each destination watched: its failures said in the log and its state in /status (export.py)
+        self.exporters: list[Exporter] = [s if isinstance(s, Exporter) else Exporter(s) for s in sinks]
         self.queue_size = queue_size
         self.on_drop = on_drop
+        self.queue_loss = LossLog(f"span queue ({queue_size} spans, --span-queue-size)", "queue_full", "is full",
+                                  "has room again")
+        self.dropped_queue_full = 0
         self.delay = float(os.environ.get("OTEL_BSP_SCHEDULE_DELAY", 1000)) / 1000.0
         self.batch = min(MAX_BATCH, queue_size)
         self.queue: list[list[bytes]] = []  # each request's framed spans, oldest first
@@ -178,6 +183,8 @@ class Tracing:
         count = len(spans)
         if self.queued + count > self.queue_size:
             self.on_drop("queue_full", count)
+            self.dropped_queue_full += count
+            self.queue_loss.lost(count, "spans come faster than the destinations take them", time.monotonic())
             return
         self.queue.append(spans)
         self.queued += count
@@ -226,9 +233,11 @@ class Tracing:
                 self.queued -= count
                 payload = export_framed(self.resource_field, self.scope_field, spans)
                 least = self.batch
-                for ok in await asyncio.gather(*[_sent(sink, payload) for sink in self.sinks]):
+                for ok in await asyncio.gather(*[exporter.export(payload, count) for exporter in self.exporters]):
                     if not ok:
                         self.on_drop("export_failed", count)
+                if self.queue_loss.failing_since is not None and self.queued < self.queue_size // 2:
+                    self.queue_loss.recovered(time.monotonic())
         finally:
             self.sending = None
         if self.queued:
@@ -247,19 +256,22 @@ class Tracing:
                 self.sending.cancel()
         if self.timer is not None:
             self.timer.cancel()
-        for sink in self.sinks:
+        for exporter in self.exporters:
             try:
-                await sink.close()
+                await exporter.close()
             except Exception:
                 pass
 
+    def start(self) -> None:
+        """On the serving loop: probe the OTLP endpoint in the background (start-up says when nothing answers)."""
+        for exporter in self.exporters:
+            exporter.start_probe()
 
-async def _sent(sink: LoopSink, payload: bytes) -> bool:
-    try:
-        return await sink.send(payload)
-    except Exception as exc:  # a sink's bug must not end the export
-        log.warning("span export raised %s", exc)
-        return False
+    def status(self) -> dict[str, Any]:
+        """For /status: each destination's state, and the queue in front of them (this process's)."""
+        return {"exporters": [exporter.status() for exporter in self.exporters],
+                "queue": {"spans": self.queued, "capacity": self.queue_size,
+                          "spans_dropped_full": self.dropped_queue_full}}
 
 
 def _tracestate(state: trace_api.TraceState | None, header: str | None) -> tuple[str | None, str | None]:
