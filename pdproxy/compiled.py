@@ -45,6 +45,7 @@ MODULES = (
     "pdproxy.policies.base",
     "pdproxy.policies.prefix_index",
     "pdproxy.policies.round_robin",
+    "pdproxy.policies.random_choice",
     "pdproxy.policies.least_inflight",
     "pdproxy.policies.power_of_two",
     "pdproxy.policies.consistent_hash",

@@ -31,13 +31,26 @@ ENV_HELP = ("Every flag can also be set as an environment variable PDPROXY_<FLAG
             "environment, which wins over the file.")
 TOY_DEFAULTS = {"prefiller_hosts": ["localhost"], "prefiller_ports": [8100], "decoder_hosts": ["localhost"], "decoder_ports": [8200]}
 # routing policies, one module each in pdproxy/policies/ (a test keeps the two lists equal)
-POLICIES = ("round_robin", "least_inflight", "power_of_two", "consistent_hash", "cache_aware", "load_aware",
+POLICIES = ("round_robin", "random", "least_inflight", "power_of_two", "consistent_hash", "cache_aware", "load_aware",
             "precise_prefix")
 DEFAULT_HASH_KEY = "header:X-Session-Id,body:user"
 # flags named other than their setting: the flag's name works in the environment and the file too
 FLAG_NAMES = {"resource_attrs": "resource_attr", "shadow_prefill_urls": "shadow_prefill",
               "kv_events_instances": "kv_events_instance", "kv_events_replay_instances": "kv_events_replay_instance"}
-NEGATED_FLAGS = {"tracing": "no_tracing", "stall_attribution": "no_stall_attribution"}  # PDPROXY_NO_TRACING=1 is tracing off
+NEGATED_FLAGS = {"tracing": "no_tracing", "stall_attribution": "no_stall_attribution",  # PDPROXY_NO_TRACING=1 is tracing off
+                 "admin_api": "no_admin_api"}
+# settings that name a membership source finding instances at run time (pdproxy/membership): with one set,
+# the pools may start empty, and the toy proxy's default instances do not apply
+DISCOVERY_SETTINGS = ("instances_file", "service_discovery", "dns_prefill", "dns_decode")
+
+
+class _Ignored(argparse.Action):
+    """A vllm-router flag that has no effect here: recorded, so start-up can say so."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        seen = list(getattr(namespace, self.dest, None) or [])
+        seen.append(option_string or self.dest)
+        setattr(namespace, self.dest, seen)
 
 
 class ConfigError(ValueError):
@@ -134,10 +147,21 @@ class Settings:
     service_discovery_namespace: str | None = None  # None: every namespace (vllm-router's default)
     service_discovery_port: int | None = None  # None: the pod's container port named http, else 80
     service_discovery_resync: float = 60.0
+    # membership at run time (pdproxy/membership; docs/membership.md)
+    bootstrap_ports: dict[str, int] = field(default_factory=dict)  # prefill URL -> its bootstrap port, as given
+    ignored_flags: list[str] = field(default_factory=list)  # vllm-router's, accepted with no effect
+    pd_disaggregation: bool = False  # P/D even with no prefill instance given (they are discovered or added)
+    instances_file: str | None = None
+    instances_file_interval: float = 1.0
+    admin_api: bool = True
+    admin_api_key: str | None = None
+    drain_timeout: float = 30.0
+    instance_series_retention: float = 300.0
 
     @property
     def mode(self) -> str:
-        return "pd" if self.prefill_urls or self.prefill_selector else "single"
+        return "pd" if self.prefill_urls or self.pd_disaggregation or self.prefill_selector or self.dns_prefill \
+            else "single"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -190,7 +214,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="load_aware: seconds between reads of each instance's /metrics (default 2)")
     conn = parser.add_argument_group("connections and timeouts to the instances")
     conn.add_argument("--connect-timeout", type=float, help="seconds to open a connection to an instance (default 10)")
-    conn.add_argument("--read-timeout", type=float, help="seconds an instance may stay silent mid-response (default 600)")
+    conn.add_argument("--read-timeout", "--request-timeout-secs", type=float,
+                      help="seconds an instance may stay silent mid-response (default 600)")
     conn.add_argument("--upstream-keep-alive", type=float,
                        help="seconds an idle connection to an instance is kept for reuse; keep it below the instances' "
                             "own idle timeout (vLLM's uvicorn: 5); 0: a new connection per request (default 4)")
@@ -214,9 +239,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="longest Retry-After (from a 429/503) the proxy waits out to retry; a longer one is relayed "
                             "to the client (default 2)")
     health = parser.add_argument_group("health checks and ejection")
-    health.add_argument("--health-check-interval", type=float, help="seconds between active health checks; 0 disables (default 5)")
-    health.add_argument("--health-check-timeout", type=float, help="seconds a health check may take (default 2)")
-    health.add_argument("--health-check-path", help="instance path probed by health checks (default /health)")
+    health.add_argument("--health-check-interval", "--health-check-interval-secs", type=float,
+                        help="seconds between active health checks; 0 disables (default 5)")
+    health.add_argument("--health-check-timeout", "--health-check-timeout-secs", type=float,
+                        help="seconds a health check may take (default 2)")
+    health.add_argument("--health-check-path", "--health-check-endpoint",
+                        help="instance path probed by health checks (default /health)")
     health.add_argument("--eject-after-failures", type=int,
                        help="consecutive failures an instance is to blame for (connect errors and timeouts, dropped "
                             "connections, 5xx; not read timeouts) that eject it; 0 disables (default 3)")
@@ -226,12 +254,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="largest share of a pool's instances that failures may eject at once; at least one always "
                             "stays in rotation (default 50, as Envoy's max_ejection_percent)")
     limits = parser.add_argument_group("admission and client limits")
-    limits.add_argument("--max-inflight", type=int, help="requests served at once (completions, chat, /tokenize and /detokenize); 0 = unlimited (default 0)")
+    limits.add_argument("--max-inflight", "--max-concurrent-requests", type=int, help="requests served at once (completions, chat, /tokenize and /detokenize); 0 = unlimited (default 0)")
     limits.add_argument("--max-queue", type=int,
                         help="requests waiting for a slot beyond --max-inflight before 503; only with --max-inflight "
                              "set (without it nothing waits) (default 1024)")
     limits.add_argument("--queue-timeout", type=float, help="seconds a request may wait for a slot before 503 (default 30)")
-    limits.add_argument("--max-body-bytes", type=int, help="largest request body accepted; larger gets 413 (default 8 MiB: '[{},{},...]' costs 27x its size in memory)")
+    limits.add_argument("--max-body-bytes", "--max-payload-size", type=int, help="largest request body accepted; larger gets 413 (default 8 MiB: '[{},{},...]' costs 27x its size in memory)")
     limits.add_argument("--body-timeout", type=float, help="seconds a client may take to send its request body; then 408 (default 30)")
     limits.add_argument("--write-timeout", type=float,
                        help="seconds a client may leave streamed data unread before it is cut off and its decode "
@@ -257,7 +285,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     tel = parser.add_argument_group("telemetry")
     tel.add_argument("--no-tracing", dest="tracing", action="store_false", help="do not create spans (metrics stay on)")
-    tel.add_argument("--otlp-endpoint", help="OTLP collector endpoint (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)")
+    tel.add_argument("--otlp-endpoint", "--otlp-traces-endpoint", help="OTLP collector endpoint (default: OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT)")
     tel.add_argument("--otlp-protocol", choices=("grpc", "http/protobuf"), help="OTLP protocol (default: OTEL_EXPORTER_OTLP_PROTOCOL or grpc)")
     tel.add_argument("--trace-file", help="also write spans as OTLP-JSON lines (the Collector file-exporter format) to this file")
     tel.add_argument("--trace-file-max-bytes", type=int,
@@ -282,7 +310,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tel.add_argument("--resource-attr", dest="resource_attrs", action="append", metavar="KEY=VALUE",
                      help="fixed condition recorded on every span, e.g. vllm.version=0.23.0 gpu.kind=H200 (repeatable)")
     tel.add_argument("--capture-content", action="store_true", help="record prompt and completion text in spans (off: never recorded)")
-    tel.add_argument("--log-level", choices=("debug", "info", "warning", "error"), help="log level (default info)")
+    tel.add_argument("--log-level", choices=("debug", "info", "warning", "warn", "error"),
+                     help="log level (default info; 'warn' as vllm-router spells it)")
 
     _discovery_arguments(parser)
 
@@ -334,6 +363,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="named Service port whose SRV records (_NAME._tcp.<dns name>) give each instance's KV-event "
                           "PUB port, e.g. kv-events (default: --kv-events-endpoint's template)")
 
+    mem = parser.add_argument_group("membership: instances found, drained and dropped at run time (docs/membership.md)")
+    mem.add_argument("--vllm-pd-disaggregation", "--pd-disaggregation", dest="pd_disaggregation", action="store_true",
+                     help="prefill/decode mode even when no prefill instance is given (vllm-router's and SGLang's "
+                          "flag): prefills come from discovery or the admin API; without any, requests get 503")
+    mem.add_argument("--worker-urls", nargs="+", action="append", metavar="URL",
+                     help="vllm-router's regular mode: instances that serve whole requests (as --decode)")
+    mem.add_argument("--instances-file", metavar="PATH",
+                     help="YAML or JSON file of instances, watched (edits in place and atomic renames): "
+                          "[{url, role|worker_type, bootstrap_port, kv_events_endpoint, kv_events_replay_endpoint}] "
+                          "or {prefill: [...], decode: [...]}")
+    mem.add_argument("--instances-file-interval", type=float,
+                     help="seconds between looks at --instances-file (default 1)")
+    mem.add_argument("--admin-api-key",
+                     help="key the admin API (/workers, /add_worker, /remove_worker, /list_workers) requires as "
+                          "'Authorization: Bearer KEY' (default: --api-key; with neither, loopback callers only)")
+    mem.add_argument("--no-admin-api", dest="admin_api", action="store_false",
+                     help="serve no admin API: instances change only through the flags and discovery")
+    mem.add_argument("--drain-timeout", type=float,
+                     help="seconds a departing instance's requests in flight get to finish before it is removed "
+                          "(it gets no new request meanwhile) (default 30)")
+    mem.add_argument("--instance-series-retention", type=float,
+                     help="seconds a removed instance's metric series stay, so scrapes see their last values "
+                          "(default 300)")
+    router = parser.add_argument_group("vllm-router flags accepted for a drop-in launch line (no effect here)")
+    for flag, why in (("--worker-startup-timeout-secs", "an instance enters rotation once it passes its health check"),
+                      ("--worker-startup-check-interval", "health checks run every --health-check-interval"),
+                      ("--eviction-interval", "the prefix index is bounded by --max-tree-size instead"),
+                      ("--kv-connector", "the KV connector is the instances' (NIXL: no bootstrap needed)"),
+                      ("--backend", "vLLM only"), ("--prometheus-port", "metrics are on this port's /metrics"),
+                      ("--prometheus-host", "metrics are on this port's /metrics"),
+                      ("--enable-trace", "tracing is on unless --no-tracing")):
+        takes = flag != "--enable-trace"
+        router.add_argument(flag, dest="ignored_flags", action=_Ignored, nargs=1 if takes else 0, help=why,
+                            **({"metavar": "VALUE"} if takes else {}))
+
     sh = parser.add_argument_group("shadow traffic")
     sh.add_argument("--shadow-url", help="baseline (single instance or decode of another pool) that receives a copy of sampled requests")
     sh.add_argument("--shadow-prefill", dest="shadow_prefill_urls", nargs="+", metavar="URL",
@@ -364,7 +428,7 @@ def load_settings(args: argparse.Namespace, environ: dict[str, str] | None = Non
 
     values: dict[str, Any] = {}
     for f in fields(Settings):
-        if f.name in ("prefill_urls", "decode_urls"):
+        if f.name in ("prefill_urls", "decode_urls", "bootstrap_ports"):
             continue
         raw = pick(f.name)
         if raw is not None:
@@ -379,7 +443,9 @@ def load_settings(args: argparse.Namespace, environ: dict[str, str] | None = Non
     if "upstream_api_key" not in values and env.get("OPENAI_API_KEY"):
         values["upstream_api_key"] = env["OPENAI_API_KEY"]
 
-    values["prefill_urls"], values["decode_urls"] = _instances(pick, discovery=bool(values.get("service_discovery")))
+    values["bootstrap_ports"] = {}
+    discovered = any(values.get(name) for name in DISCOVERY_SETTINGS)
+    values["prefill_urls"], values["decode_urls"] = _instances(pick, values["bootstrap_ports"], discovered)
     settings = Settings(**values)
     _validate(settings)
     return settings
@@ -391,18 +457,20 @@ def _lookup(source: Any, key: str | None, env_style: bool) -> Any:
     return source.get("PDPROXY_" + key.upper() if env_style else key)
 
 
-def _instances(pick, discovery: bool = False) -> tuple[list[str], list[str]]:
+def _instances(pick, bootstrap: dict[str, int], discovered: bool) -> tuple[list[str], list[str]]:
+    """The instances the flags give. With none, the toy proxy's defaults, unless instances are to be discovered
+    (then the pools start empty and fill as they are found)."""
     toy_given = {k: pick(k) for k in TOY_DEFAULTS if pick(k) is not None}
-    prefill = [u for group in _groups(pick("prefill")) for u in _parse_url_group(group)]
+    prefill = [u for group in _groups(pick("prefill")) for u in _parse_url_group(group, bootstrap)]
     decode = [u for group in _groups(pick("decode")) for u in _parse_url_group(group)]
-    if discovery and not toy_given:
-        return prefill, decode  # instances found at run time; _validate_discovery checks a decode can come
-    if toy_given or not (prefill or decode):
+    decode += [u for group in _groups(pick("worker_urls")) for u in _parse_url_group(group)]  # vllm-router's
+    if toy_given or not (prefill or decode or discovered):
         toy = {k: _as_list(toy_given.get(k, v)) for k, v in TOY_DEFAULTS.items()}
         prefill = _pair(toy["prefiller_hosts"], toy["prefiller_ports"], "prefiller") + prefill
         decode = _pair(toy["decoder_hosts"], toy["decoder_ports"], "decoder") + decode
-    if not decode:
-        raise ConfigError("no decode instance: give --decode URL or --decoder-hosts/--decoder-ports")
+    if not decode and not discovered:
+        raise ConfigError("no decode instance: give --decode URL or --decoder-hosts/--decoder-ports, or a source "
+                          "that finds them (--instances-file, --service-discovery, DNS; docs/membership.md)")
     return prefill, decode
 
 
@@ -425,12 +493,15 @@ def _groups(value: Any) -> list[list[str]]:
     return [[str(v)] for v in value]
 
 
-def _parse_url_group(group: list[str]) -> list[str]:
-    """`URL [BOOTSTRAP_PORT|none]` (router form) or one or more `host:port` (demo-proxy form)."""
+def _parse_url_group(group: list[str], bootstrap: dict[str, int] | None = None) -> list[str]:
+    """`URL [BOOTSTRAP_PORT|none]` (router form) or one or more `host:port` (demo-proxy form); a bootstrap port
+    goes into `bootstrap` by URL (shown in /status and /workers; NIXL needs none, Mooncake does)."""
     urls: list[str] = []
     for i, token in enumerate(group):
         if re.fullmatch(r"\d+|none", token) and i > 0 and group[i - 1].startswith(("http://", "https://")):
-            continue  # a bootstrap port after a URL: only Mooncake uses it; NIXL needs none
+            if token != "none" and bootstrap is not None:
+                bootstrap[group[i - 1].rstrip("/")] = _port(token)
+            continue
         if token.startswith(("http://", "https://")):
             urls.append(token.rstrip("/"))
         elif re.fullmatch(r"\[?[\w.:-]+\]?:\d+", token):
@@ -492,7 +563,7 @@ def _coerce(name: str, raw: Any) -> Any:
             return workers_count(raw)
         if name == "shadow_prefill_urls":
             return [u for g in _groups(raw) for u in _parse_url_group(g)]
-        if name in ("served_model_name", "dns_prefill", "dns_decode", "dns_server"):
+        if name in ("served_model_name", "dns_prefill", "dns_decode", "dns_server", "ignored_flags"):
             return [str(v) for v in _as_list(raw)]
         if name in ("kv_events_ports", "kv_events_replay_ports"):
             return [_port(v) for v in _as_list(raw)]
@@ -548,7 +619,7 @@ def _read_config_file(path: str | None) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of settings")
-    known = ({f.name for f in fields(Settings)} | set(TOY_DEFAULTS) | {"prefill", "decode", "policy"}
+    known = ({f.name for f in fields(Settings)} | set(TOY_DEFAULTS) | {"prefill", "decode", "policy", "worker_urls"}
              | set(FLAG_NAMES.values()) | set(NEGATED_FLAGS.values()))
     values = {str(k).replace("-", "_"): v for k, v in data.items()}
     unknown = sorted(set(values) - known)
@@ -603,6 +674,8 @@ def _validate(s: Settings) -> None:
         raise ConfigError(f"tokenizer-file {s.tokenizer_file} is not a readable file")
     if s.pd_min_prefill_tokens < 0:
         raise ConfigError("pd-min-prefill-tokens must be >= 0")
+    if s.drain_timeout < 0 or s.instance_series_retention < 0 or s.instances_file_interval <= 0:
+        raise ConfigError("drain-timeout and instance-series-retention must be >= 0, instances-file-interval > 0")
     if s.kv_events_max_blocks < 1:
         raise ConfigError("kv-events-max-blocks must be >= 1")
     try:

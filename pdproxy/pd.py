@@ -132,6 +132,8 @@ class Proxy:
             if prefill_instance is not None:
                 with decode_instance.reserved():
                     kv = await self._prefill(body, route, trace, prefill_instance, headers)
+                if decode_instance.draining:  # it began leaving the pool meanwhile: another takes the request
+                    decode_instance = self.router.next_decode(exclude=decode_instance)
             budget = Budget.start(self.settings.decode_retries, self.settings.decode_deadline)
             continuation, tap, trace.migration_refusal = (arm(body, route.chat) if self.settings.migrate_mid_stream
                                                           else (None, None, None))

@@ -16,6 +16,12 @@ An instance is in rotation when three things hold:
 When no instance of a role is in rotation, the ones that pass their health check are used anyway
 (panic routing, as Envoy does): refusing every request because each instance failed a few times
 would turn a blip into an outage. Only when none passes its health check is the request refused.
+
+Membership changes at run time (pdproxy/membership): an instance that leaves is first `draining` (no new
+request goes there; those in flight finish) and one its source says is not ready (a pod failing its
+readiness probe) is kept but out of rotation. Both are used only when nothing else of the role answers
+its health check: removal never fails a request that could be served. The list of instances is replaced,
+never changed in place, so a loop over it is never disturbed by a change.
 """
 
 from __future__ import annotations
@@ -51,6 +57,8 @@ class Instance:
     ejections: int = 0  # passive ejections in a row; reset by a success after re-admission
     ejected_until: float = 0.0  # monotonic; passively ejected until then
     held_until: float = 0.0  # monotonic; the instance asked (Retry-After) not to get requests until then
+    draining: bool = False  # leaving the pool (membership): no new requests
+    ready: bool = True  # its membership source says it is ready (a pod's Ready condition)
     host: str = field(init=False)
     port: int = field(init=False)
 
@@ -77,8 +85,14 @@ class Instance:
         decode is chosen before the prefill runs, and a burst must see the requests already bound for it."""
         return Reserved(self)
 
+    @property
+    def in_rotation(self) -> bool:
+        """Not leaving and ready, as far as membership knows (health and ejection aside)."""
+        return self.ready and not self.draining
+
     def available(self, now: float) -> bool:
-        return self.probe_ok and now >= self.ejected_until and now >= self.held_until
+        return (self.probe_ok and now >= self.ejected_until and now >= self.held_until and self.ready
+                and not self.draining)
 
 
 class Reserved:
@@ -104,15 +118,52 @@ class Pool:
     def __init__(self, role: str, urls: list[str], policy: str | Policy = "round_robin", eject_after: int = 3,
                  eject_seconds: float = EJECT_SECONDS, max_ejection_percent: float = MAX_EJECTION_PERCENT) -> None:
         self.role = role
-        self.instances = [Instance(url, role) for url in urls]
+        self.instances: list[Instance] = [Instance(url, role) for url in urls]
         self.policy = create(policy) if isinstance(policy, str) else policy
         self.eject_after = eject_after  # 0 disables passive ejection
         self.eject_seconds = eject_seconds
-        # instances that may be ejected at once: the share, rounded down, and never all of them
-        self.max_ejected = min(len(self.instances) - 1, int(len(self.instances) * max_ejection_percent / 100))
+        self.max_ejection_percent = max_ejection_percent
+        self.max_ejected = 0
+        self._addresses: frozenset[str] = frozenset()
+        self._addresses_of: list[Instance] | None = None
+        self._resized()
 
     def __len__(self) -> int:
         return len(self.instances)
+
+    def _resized(self) -> None:
+        # instances that may be ejected at once: the share, rounded down, and never all of them
+        count = len(self.instances)
+        self.max_ejected = max(0, min(count - 1, int(count * self.max_ejection_percent / 100)))
+
+    def has_address(self, address: str) -> bool:
+        """Whether an instance of this pool is at `address` (host:port); per KV-event batch, so a set kept
+        per version of the list."""
+        if self._addresses_of is not self.instances:
+            self._addresses = frozenset(i.address for i in self.instances)
+            self._addresses_of = self.instances
+        return address in self._addresses
+
+    def find(self, url: str) -> Instance | None:
+        for instance in self.instances:
+            if instance.url == url:
+                return instance
+        return None
+
+    def add(self, url: str) -> Instance:
+        """A new instance in the pool (membership): in rotation once it passes its health check, if checked."""
+        instance = Instance(url, self.role)
+        self.instances = [*self.instances, instance]
+        self._resized()
+        return instance
+
+    def remove(self, instance: Instance) -> None:
+        """Out of the pool for good; requests still holding it finish there. The policy forgets it."""
+        self.instances = [i for i in self.instances if i is not instance]
+        self._resized()
+        forget = getattr(self.policy, "forget", None)
+        if forget is not None:
+            forget(instance)
 
     def choose(self, exclude: Instance | None = None) -> Instance:
         """Pick an instance by load alone; `exclude` steers a retry away from the one that just failed."""
@@ -127,23 +178,29 @@ class Pool:
 
     def candidates(self, exclude: Instance | None = None) -> list[Instance]:
         """The instances a policy may choose from: those in rotation, else (panic routing) those that pass their
-        health check; `exclude` only when nothing else is left."""
+        health check, leaving or unready ones last; `exclude` only when nothing else is left."""
         now = time.monotonic()
         others = [i for i in self.instances if i is not exclude]
         candidates = [i for i in others if i.available(now)]
         if not candidates:  # panic routing: everything is out of rotation; try what still answers /health
+            candidates = [i for i in others if i.probe_ok and i.in_rotation]
+        if not candidates:  # ... and then what is leaving or unready but answers: better than refusing
             candidates = [i for i in others if i.probe_ok]
         if not candidates and exclude is not None and exclude.probe_ok:
             candidates = [exclude]
         if not candidates:
+            if not self.instances:
+                raise ProxyError(503, f"no {self.role} instance (none given or discovered yet)",
+                                 error_type="no_healthy_instance", stage=self.role, retry_after=1)
             raise ProxyError(503, f"no healthy {self.role} instance available (all fail their health checks)",
                              error_type="no_healthy_instance", stage=self.role, retry_after=1)
         return candidates
 
     def start(self, session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
-        """Start what the policy runs in the background (load_aware's engine readings)."""
+        """Start what the policy runs in the background (load_aware's engine readings of the instances of
+        the moment)."""
         if hasattr(self.policy, "start"):
-            self.policy.start(self.instances, session, headers)
+            self.policy.start(lambda: self.instances, session, headers)
 
     async def stop(self) -> None:
         if hasattr(self.policy, "stop"):
@@ -192,17 +249,23 @@ class HealthChecker:
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.headers = headers or {}
         self._task: asyncio.Task | None = None
+        self._soon: set[asyncio.Task] = set()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="health-checker")
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        tasks = [t for t in (self._task, *self._soon) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def probe_soon(self, pool: Pool, inst: Instance) -> None:
+        """Check an instance that just joined now, rather than at the next round: it enters rotation as soon
+        as it answers."""
+        task = asyncio.create_task(self._probe(pool, inst), name=f"health-check {inst.url}")
+        self._soon.add(task)
+        task.add_done_callback(self._soon.discard)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._probe(pool, inst) for pool in self.pools for inst in pool.instances))

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from pdproxy import __version__, compiled, kvevents, policies, routing, workers
+from pdproxy import __version__, compiled, kvevents, membership, policies, routing, workers
 from pdproxy.admission import Admission
 from pdproxy.config import Settings
 from pdproxy.errors import ProxyError, error_body
@@ -36,7 +36,9 @@ log = logging.getLogger("pdproxy")
 PROXY_KEY = web.AppKey("proxy", Proxy)
 WORKER_KEY = web.AppKey("worker", workers.WorkerInfo)
 LOOP_LAG_KEY = web.AppKey("loop_lag", LoopLag)
-KV_EVENTS_KEY = web.AppKey("kv_events", object)  # pdproxy.kvevents.KVEvents, or None when events are off
+KV_EVENTS_KEY = web.AppKey("kv_events", kvevents.Following)  # its `current`: None while events are off
+MEMBERSHIP_KEY = web.AppKey("membership", membership.Membership)
+ADMIN_KEY = web.AppKey("admin", membership.AdminAPI)
 SHUTDOWN_GRACE = 10.0  # seconds in-flight requests get to finish on SIGTERM
 
 
@@ -52,6 +54,8 @@ def create_app(settings: Settings) -> web.Application:
     for path in TOKENIZER_PATHS:
         app.router.add_post(path, tokenizer)
     app.router.add_get("/metrics", metrics)
+    if settings.admin_api:
+        membership.admin_routes(app, ADMIN_KEY)
     if settings.debug_endpoints:
         app.router.add_get("/debug/runtime", debug_runtime)
     return app
@@ -69,11 +73,22 @@ async def _lifecycle(app: web.Application, settings: Settings):
     ejection = {"eject_after": settings.eject_after_failures, "eject_seconds": settings.eject_seconds,
                 "max_ejection_percent": settings.max_ejection_percent}
     params = policies.params_of(settings)
-    prefill = (Pool(PREFILL, settings.prefill_urls, policies.create(settings.prefill_policy, params), **ejection)
-               if settings.prefill_urls else None)
-    decode = Pool(DECODE, settings.decode_urls, policies.create(settings.decode_policy, params), **ejection)
+    # the pools start empty: membership (pdproxy/membership) puts the flags' instances in before serving,
+    # and those found or added at run time as they come
+    prefill = (Pool(PREFILL, [], policies.create(settings.prefill_policy, params), **ejection)
+               if settings.mode == "pd" else None)
+    decode = Pool(DECODE, [], policies.create(settings.decode_policy, params), **ejection)
     pools = [p for p in (prefill, decode) if p is not None]
     admission = Admission(settings.max_inflight, settings.max_queue, settings.queue_timeout)
+    auth = {"Authorization": f"Bearer {settings.upstream_api_key}"} if settings.upstream_api_key else {}
+    checker = None
+    if settings.health_check_interval > 0:
+        checker = HealthChecker(pools, session, settings.health_check_path, settings.health_check_interval,
+                                settings.health_check_timeout, auth)
+    following = app[KV_EVENTS_KEY] = kvevents.Following(settings, recorder.metrics.registry, pools, recorder.stalls,
+                                                        decode.has_address)
+    members = app[MEMBERSHIP_KEY] = membership.start(settings, pools, following, recorder.metrics, checker)
+    await members.start()  # the flags' instances in the pools; discovery goes on
     recorder.metrics.watch(
         lambda: [(p.role, i.address, i.inflight, i.healthy) for p in pools for i in p.instances],
         lambda: (admission.inflight, admission.waiting),
@@ -81,9 +96,8 @@ async def _lifecycle(app: web.Application, settings: Settings):
     recorder.metrics.watch_engine_reads(
         lambda: [(p.role, i.address, p.policy.failures.get(i.url, 0)) for p in pools
                  if hasattr(p.policy, "failures") for i in p.instances])
-    auth = {"Authorization": f"Bearer {settings.upstream_api_key}"} if settings.upstream_api_key else {}
-    kv_events = app[KV_EVENTS_KEY] = kvevents.start(settings, recorder.metrics.registry, pools, recorder.stalls,
-                                                    [i.address for i in decode.instances])
+    recorder.metrics.registry.register(membership.Collector(members))
+    kv_events = following.current
     router = routing.build(settings, session, prefill, decode, kv_events, recorder.metrics, auth)
     shadow = None
     if settings.shadow_url:
@@ -95,11 +109,11 @@ async def _lifecycle(app: web.Application, settings: Settings):
     lag = app[LOOP_LAG_KEY] = LoopLag()
     if settings.debug_endpoints:
         lag.start()
-    checker = None
-    if settings.health_check_interval > 0:
-        checker = HealthChecker(pools, session, settings.health_check_path, settings.health_check_interval,
-                                settings.health_check_timeout, auth)
+    if checker is not None:
         checker.start()
+    if settings.admin_api:
+        key = settings.admin_api_key or settings.api_key
+        app[ADMIN_KEY] = membership.AdminAPI(members, key, settings.mode == "pd", forward=_forwarder(app))
     for pool in pools:
         pool.start(session, auth)  # load_aware reads the engines' /metrics
     # what the instances serve: checked before a prefill, and the model names that may label telemetry
@@ -111,9 +125,9 @@ async def _lifecycle(app: web.Application, settings: Settings):
     learning.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await learning
+    await members.stop()
     await proxy.slow_readers.stop()
-    if kv_events is not None:
-        await kv_events.stop()
+    await following.stop()
     await lag.stop()
     if checker:
         await checker.stop()
@@ -126,6 +140,13 @@ async def _lifecycle(app: web.Application, settings: Settings):
     recorder.flush()  # records waiting for their stalls' attribution window, before their spans can go
     if tracing is not None:
         await tracing.shutdown()
+
+
+def _forwarder(app: web.Application) -> membership.admin.Forward | None:
+    """With --workers N: an admin change made in one worker, applied in the others too."""
+    def forward(action: str, fields: dict) -> Awaitable[list[str]]:
+        return workers.forward_admin(app[WORKER_KEY], action, fields)
+    return forward if WORKER_KEY in app else None
 
 
 def _inference(route) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -210,12 +231,15 @@ async def status(request: web.Request) -> web.Response:
     prefill = proxy.prefill.instances if proxy.prefill else []
     decode = proxy.decode.instances
 
+    members = request.app[MEMBERSHIP_KEY]
+
     def describe(pool):
         if pool is None:
             return []
         scores = pool.policy.status(pool.instances)
         return [{"url": i.url, "healthy": i.healthy, "ejected": i.ejected, "inflight": i.inflight,
-                 "policy": pool.policy.name, "scores": scores.get(i.address, {})} for i in pool.instances]
+                 "policy": pool.policy.name, "scores": scores.get(i.address, {}), **members.describe(i)}
+                for i in pool.instances]
 
     return web.json_response({
         "prefill_node_count": len(prefill), "decode_node_count": len(decode),
@@ -227,7 +251,8 @@ async def status(request: web.Request) -> web.Response:
         "shadow": proxy.shadow.status() if proxy.shadow is not None else None,
         "model_labels": proxy.recorder.models.describe(),
         "served_models": proxy.served.describe() if proxy.served is not None else None,
-        "kv_events": kv_events.status() if (kv_events := request.app.get(KV_EVENTS_KEY)) is not None else None,
+        "membership": members.status(),
+        "kv_events": events.status() if (events := request.app[KV_EVENTS_KEY].current) is not None else None,
         "compiled": compiled.report(),
     })
 
@@ -349,9 +374,12 @@ def serve(settings: Settings) -> int:
         print(f"pdproxy serve: error: cannot listen on {settings.host}:{settings.port}: {exc.strerror}",
               file=sys.stderr)
         return 2
-    log.info("pdproxy %s listening on http://%s:%d (%s mode: %d prefill, %d decode, %d worker(s))", __version__,
-             settings.host, sock.getsockname()[1], settings.mode, len(settings.prefill_urls),
+    log.info("pdproxy %s listening on http://%s:%d (%s mode: %d prefill, %d decode given, %d worker(s))",
+             __version__, settings.host, sock.getsockname()[1], settings.mode, len(settings.prefill_urls),
              len(settings.decode_urls), settings.workers)
+    if settings.ignored_flags:
+        log.info("vllm-router flag(s) with no effect here: %s (see `pdproxy serve --help`)",
+                 ", ".join(sorted(set(settings.ignored_flags))))
     # said at warning level when nobody chose it: a proxy with no trace destination records no spans at all
     quiet = traces.enabled or not settings.tracing
     log.log(logging.INFO if quiet else logging.WARNING, "%s", traces.summary())
@@ -391,7 +419,9 @@ async def _serve_forever(settings: Settings, sock: socket.socket, worker: worker
     await runner.setup()
     if worker is not None:
         app[PROXY_KEY].recorder.metrics.process.worker = str(worker.index)  # each worker's process_* series
-        private = await workers.serve_private_metrics(worker, app[PROXY_KEY].recorder.metrics.exposition)
+        admin = app.get(ADMIN_KEY)
+        private = await workers.serve_private(worker, app[PROXY_KEY].recorder.metrics.exposition,
+                                              admin.apply if admin is not None else None)
     # plain inference POSTs on pdproxy's own protocol, everything else on aiohttp's (pdproxy/listener.py)
     listening, lean = await listen(runner, sock, settings, INFERENCE_ROUTES, app[PROXY_KEY].handle)
     stop = asyncio.Event()

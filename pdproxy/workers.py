@@ -90,15 +90,27 @@ def run_workers(count: int, first: socket.socket, host: str, run: callable) -> i
     return code
 
 
-async def serve_private_metrics(info: WorkerInfo, exposition: callable) -> web.AppRunner:
-    """This worker's own OpenMetrics exposition on its Unix socket, for the worker that gets a scrape."""
+async def serve_private(info: WorkerInfo, exposition: callable, admin_apply: callable | None) -> web.AppRunner:
+    """This worker's own OpenMetrics exposition on its Unix socket, for the worker that gets a scrape; and
+    the admin API's changes another worker got (`admin_apply(action, fields)`), so every worker has them."""
 
     async def own(request: web.Request) -> web.Response:
         body, content_type = exposition("application/openmetrics-text")
         return web.Response(body=body, headers={"Content-Type": content_type})
 
+    async def membership(request: web.Request) -> web.Response:
+        change = await request.json()
+        try:
+            admin_apply(change["action"], change["fields"])
+        except Exception as exc:  # the worker that got the request checked it: this is not expected
+            log.warning("worker %d: forwarded admin change failed: %s", info.index, exc)
+            return web.Response(status=500, text=str(exc))
+        return web.Response(status=204)
+
     app = web.Application()
     app.router.add_get("/metrics", own)
+    if admin_apply is not None:
+        app.router.add_post("/membership", membership)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     path = info.socket_path(info.index)
@@ -106,6 +118,23 @@ async def serve_private_metrics(info: WorkerInfo, exposition: callable) -> web.A
         os.unlink(path)
     await web.UnixSite(runner, path).start()
     return runner
+
+
+async def forward_admin(info: WorkerInfo, action: str, fields: dict, timeout: float = 5.0) -> list[str]:
+    """Apply an admin change in every other worker; the indexes of those that did not take it."""
+
+    async def send(index: int) -> str | None:
+        try:
+            connector = aiohttp.UnixConnector(path=info.socket_path(index))
+            async with aiohttp.ClientSession(connector=connector) as session:
+                async with session.post("http://worker/membership", json={"action": action, "fields": fields},
+                                        timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                    return None if r.status == 204 else str(index)
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return str(index)
+
+    failed = await asyncio.gather(*(send(i) for i in range(info.count) if i != info.index))
+    return [f for f in failed if f is not None]
 
 
 async def sibling_expositions(info: WorkerInfo, timeout: float = 2.0) -> list[str]:

@@ -6,19 +6,20 @@ that subscribes to every instance builds the same per-instance prefix index with
 replicas and workers agree on where a prompt's KV sits (llm-d's precise prefix-cache scorer and Dynamo's KV
 router work the same way).
 
-Public face: `start` (from the server's lifecycle: subscribe to every configured instance, count it in
-/metrics, hand it to the policies that route by it and to live stall attribution; `KVEvents.stop` at
-shutdown), `KVEvents.get(address)` (an instance's subscription: its `index`, `flowing` and
+Public face: `Following` (from the server's lifecycle: the process's `KVEvents`, made on first use, counted in
+/metrics, handed to the policies that route by it and to live stall attribution; pdproxy/membership adds and
+removes each instance's subscription as the instance joins and leaves), `KVEvents.get(address)` (an instance's subscription: its `index`, `flowing` and
 `not_flowing_reason`), `decode_batch` (one message's payload), `BlockIndex` (one instance's cached blocks,
 keyed by pdproxy's hash of their tokens, `pdproxy.blocks.chain_hashes`, re-exported here). Inside: decode,
-index, subscriber (+ sources, metrics), publisher (the simulator's), arrivals (live stall attribution). What
+index, subscriber (+ metrics), publisher (the simulator's), arrivals (live stall attribution). What
 routes by the index (precise_prefix, selective disaggregation) is pdproxy/policies and pdproxy/routing: this
 package imports neither.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from pdproxy.blocks import chain_hashes
 from pdproxy.kvevents.decode import (AllBlocksCleared, BlockRemoved, BlockStored, DecodeError, Event, EventBatch,
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from pdproxy.kvevents.subscriber import KVEvents
 
 __all__ = ["AllBlocksCleared", "BlockIndex", "BlockRemoved", "BlockStored", "DecodeError", "Event", "EventBatch",
-           "KVEvents", "chain_hashes", "decode_batch", "parse_seq", "start"]
+           "Following", "KVEvents", "chain_hashes", "decode_batch", "parse_seq"]
 
 
 def __getattr__(name: str):
@@ -40,25 +41,36 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def start(settings, registry, pools=(), stalls=None, decodes=()) -> KVEvents | None:
-    """Subscribe to every instance that has an endpoint (None when events are off), count it in `registry`,
-    hand it to the pools' policies that route by it, and file the `decodes`' KV arrivals into `stalls`
-    (telemetry.StallRecords, None: live attribution off). Call on the running loop."""
-    from pdproxy.kvevents.metrics import KVEventsCollector
-    from pdproxy.kvevents.sources import sources_of
-    from pdproxy.kvevents.subscriber import KVEvents
+class Following:
+    """This process's `KVEvents`, made on first use (`following()`): when an instance with an event endpoint
+    joins the pools (pdproxy/membership), or at start when events are configured. Made, it is counted in
+    the registry, handed to the pools' policies that route by it, and files the decodes' KV arrivals into
+    `stalls` (telemetry.StallRecords; None: live attribution off). `current`: None until then."""
 
-    sources = sources_of(settings)
-    if not sources:
-        return None
-    events = KVEvents(sources, settings.kv_events_max_blocks)
-    registry.register(KVEventsCollector(events))
-    for pool in pools:
-        if hasattr(pool.policy, "use_events"):
-            pool.policy.use_events(events)
-    if stalls is not None:
-        from pdproxy.kvevents.arrivals import arrival_listener
+    def __init__(self, settings: Any, registry: Any, pools: Iterable[Any] = (), stalls: Any = None,
+                 is_decode: Callable[[str], bool] = lambda address: False) -> None:
+        self.settings, self.registry, self.pools, self.stalls, self.is_decode = (settings, registry, list(pools),
+                                                                                stalls, is_decode)
+        self.current: KVEvents | None = None
 
-        events.add_listener(arrival_listener(stalls, decodes, "kv_arrival" if settings.mode == "pd" else "prefill"))
-    events.start()
-    return events
+    def __call__(self) -> KVEvents:
+        if self.current is None:
+            from pdproxy.kvevents.metrics import KVEventsCollector
+            from pdproxy.kvevents.subscriber import KVEvents
+
+            events = self.current = KVEvents(max_blocks=self.settings.kv_events_max_blocks)
+            self.registry.register(KVEventsCollector(events))
+            for pool in self.pools:
+                if hasattr(pool.policy, "use_events"):
+                    pool.policy.use_events(events)
+            if self.stalls is not None:
+                from pdproxy.kvevents.arrivals import arrival_listener
+
+                kind = "kv_arrival" if self.settings.mode == "pd" else "prefill"
+                events.add_listener(arrival_listener(self.stalls, self.is_decode, kind))
+            events.start()
+        return self.current
+
+    async def stop(self) -> None:
+        if self.current is not None:
+            await self.current.stop()

@@ -18,7 +18,7 @@ arriving at once, one of them another process's, are then named once: the cause 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pdproxy.kvevents.decode import BlockStored, EventBatch
@@ -32,13 +32,14 @@ def kv_arrivals(batch: EventBatch) -> list[BlockStored]:
             and (e.parent_block_hash is None or len(e.block_hashes) >= 2)]
 
 
-def arrival_listener(stalls: Any, decodes: Iterable[str], kind: str = "kv_arrival"):
+def arrival_listener(stalls: Any, decodes: Iterable[str] | Callable[[str], bool], kind: str = "kv_arrival"):
     """A subscriber listener filing every live KV arrival on a decode into `stalls` (telemetry.StallRecords);
-    `kind` "prefill" for instances serving whole requests (single mode: their prompt stores are prefills)."""
-    decodes = frozenset(decodes)
+    `decodes`: the decodes' addresses, or a test of an address (decodes come and go); `kind` "prefill" for
+    instances serving whole requests (single mode: their prompt stores are prefills)."""
+    is_decode = decodes if callable(decodes) else frozenset(decodes).__contains__
 
     def listener(address: str, batch: EventBatch, live: bool) -> None:
-        if not live or address not in decodes:
+        if not live or not is_decode(address):
             return
         arrivals = kv_arrivals(batch)
         if not arrivals:

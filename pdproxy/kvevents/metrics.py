@@ -1,6 +1,7 @@
 """The subscriptions' counters in /metrics, read at scrape time (the stream never touches prometheus_client).
 
-Labels: `server_address` (the configured instances: bounded)."""
+Labels: `server_address` (the pools' instances, and those removed until the membership's retention ends:
+bounded)."""
 
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ class KVEventsCollector:
 
     def collect(self):
         subs = self.events.subscriptions
+        counted = {**self.events.retired, **subs}
         for name, doc, key in _COUNTERS:
             family = CounterMetricFamily(name, doc, labels=["server_address"])
-            for address, sub in subs.items():
+            for address, sub in counted.items():
                 family.add_metric([address], sub.counts[key])
             yield family
         flowing = GaugeMetricFamily("pdproxy_kv_events_flowing", "1 while an instance's event index is in sync "

@@ -455,26 +455,73 @@ class _BrokenOff(Exception):
 
 
 class KVEvents:
-    """Every instance's subscription, for one pdproxy process (workers and replicas each run their own)."""
+    """Every instance's subscription, for one pdproxy process (workers and replicas each run their own).
 
-    def __init__(self, sources: Iterable[Source], max_blocks: int = DEFAULT_MAX_BLOCKS,
+    Instances come and go at run time (pdproxy/membership): `add` subscribes to a new one (or anew to one whose
+    endpoint or incarnation changed), `remove` closes its sockets and drops its index, so the streams followed
+    are always the pools' instances."""
+
+    def __init__(self, sources: Iterable[Source] = (), max_blocks: int = DEFAULT_MAX_BLOCKS,
                  probe_interval: float = 2.0, replay_timeout: float = 2.0) -> None:
-        self.subscriptions = {s.address: Subscription(s, max_blocks, probe_interval, replay_timeout)
-                              for s in sources}
+        self.max_blocks, self.probe_interval, self.replay_timeout = max_blocks, probe_interval, replay_timeout
+        self.subscriptions: dict[str, Subscription] = {}
+        self.retired: dict[str, Subscription] = {}  # removed, counters still shown until `forget`
+        self._listeners: list[Listener] = []
         self._ctx: zmq.asyncio.Context | None = None
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[str, asyncio.Task] = {}
+        for source in sources:
+            self.subscriptions[source.address] = self._subscription(source)
+
+    def _subscription(self, source: Source) -> Subscription:
+        sub = Subscription(source, self.max_blocks, self.probe_interval, self.replay_timeout)
+        sub.listeners.extend(self._listeners)
+        return sub
 
     def get(self, address: str) -> Subscription | None:
         return self.subscriptions.get(address)
 
     def add_listener(self, listener: Listener) -> None:
+        self._listeners.append(listener)
         for sub in self.subscriptions.values():
             sub.listeners.append(listener)
 
     def start(self) -> None:
         self._ctx = zmq.asyncio.Context.instance()
-        self._tasks = [asyncio.create_task(self._keep(sub), name=f"kv-events {sub.source.address}")
-                       for sub in self.subscriptions.values()]
+        for sub in self.subscriptions.values():
+            self._follow(sub)
+
+    def _follow(self, sub: Subscription) -> None:
+        address = sub.source.address
+        self._tasks[address] = asyncio.create_task(self._keep(sub), name=f"kv-events {address}")
+
+    async def add(self, source: Source, fresh: bool = False) -> Subscription:
+        """Follow `source` (already followed at the same endpoints: kept as it is, unless `fresh`: a new
+        incarnation of the instance, whose index starts again)."""
+        current = self.subscriptions.get(source.address)
+        if current is not None:
+            if current.source == source and not fresh:
+                return current
+            await self.remove(source.address)
+        sub = self.subscriptions[source.address] = self._subscription(source)
+        if self._ctx is not None:
+            self._follow(sub)
+        return sub
+
+    async def remove(self, address: str) -> None:
+        """Stop following `address`: its sockets closed, its index dropped (its counters stay in /metrics
+        until `forget`, so a scrape sees their last values)."""
+        sub = self.subscriptions.pop(address, None)
+        task = self._tasks.pop(address, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if sub is not None:
+            sub.index.clear()
+            self.retired[address] = sub
+
+    def forget(self, address: str) -> None:
+        """A removed instance's counters leave /metrics."""
+        self.retired.pop(address, None)
 
     async def _keep(self, sub: Subscription) -> None:
         assert self._ctx is not None
@@ -490,10 +537,11 @@ class KVEvents:
             await asyncio.sleep(delay)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = list(self._tasks.values())
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks = {}
 
     def status(self) -> dict[str, dict]:
         return {address: sub.status() for address, sub in self.subscriptions.items()}

@@ -17,14 +17,15 @@ from pdproxy.policies.least_inflight import LeastInflight
 from pdproxy.policies.load_aware import LoadAware
 from pdproxy.policies.power_of_two import PowerOfTwo
 from pdproxy.policies.precise_prefix import PrecisePrefix
+from pdproxy.policies.random_choice import Random
 from pdproxy.policies.request import RequestView
 from pdproxy.policies.round_robin import RoundRobin
 
-POLICIES: dict[str, type] = {cls.name: cls for cls in (RoundRobin, LeastInflight, PowerOfTwo, ConsistentHash,
+POLICIES: dict[str, type] = {cls.name: cls for cls in (RoundRobin, Random, LeastInflight, PowerOfTwo, ConsistentHash,
                                                         CacheAware, LoadAware, PrecisePrefix)}
 # the settings each policy takes (flag names with `_`); any other is not a parameter of that policy
 PARAMETERS: dict[str, tuple[str, ...]] = {
-    "round_robin": (), "least_inflight": (), "power_of_two": (), "consistent_hash": ("hash_key", "hash_load_factor"),
+    "round_robin": (), "random": (), "least_inflight": (), "power_of_two": (), "consistent_hash": ("hash_key", "hash_load_factor"),
     "cache_aware": ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold", "max_tree_size"),
     "load_aware": ("load_metrics_interval",),
     "precise_prefix": ("cache_threshold", "balance_abs_threshold", "balance_rel_threshold", "max_tree_size",

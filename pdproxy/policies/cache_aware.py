@@ -24,6 +24,7 @@ from pdproxy.policies.prefix_index import PrefixIndex
 from pdproxy.policies.request import PrefixKey, RequestView
 
 LOAD_SCALE = 1 << 32  # above any in-flight count
+RETIRED_BITS = 64  # bits of departed instances tolerated before the index is renumbered
 
 class CacheAware:
     name: ClassVar[str] = "cache_aware"
@@ -37,13 +38,31 @@ class CacheAware:
         self.index = PrefixIndex(max_tree_size)
         self.rotation = Rotation()
         self._bits: dict[Any, int] = {}  # instance -> its bit in the index
+        self._next_bit = 0
+        self._retired = 0  # bits of instances gone from the pool, still set in some entries
         self._masks: dict[tuple[int, ...], int] = {}
 
     def _bit(self, instance: Instance) -> int:
         bit = self._bits.get(instance)
         if bit is None:
-            bit = self._bits[instance] = len(self._bits)
+            bit = self._bits[instance] = self._next_bit
+            self._next_bit += 1
         return bit
+
+    def forget(self, instance: Instance) -> None:
+        """`instance` left the pool: its bit is never matched again (no mask names it), and once as many bits
+        are retired as are live (at least RETIRED_BITS), the index is renumbered, so churn does not widen it."""
+        bit = self._bits.pop(instance, None)
+        if bit is None:
+            return
+        self.index.sizes.pop(bit, None)
+        self._masks.clear()
+        self._retired += 1
+        if self._retired >= max(RETIRED_BITS, len(self._bits)):
+            keep = {old: new for new, old in enumerate(sorted(self._bits.values()))}
+            self.index.compact(keep)
+            self._bits = {i: keep[b] for i, b in self._bits.items()}
+            self._next_bit, self._retired = len(keep), 0
 
     def _bits_of(self, instances: Sequence[Instance]) -> tuple[list[int], int]:
         """The instances' bits in the index and their mask (the mask cached per set of instances)."""

@@ -30,7 +30,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -132,8 +132,16 @@ class LoadAware:
 
     # -- reading the engines ----------------------------------------------------------------
 
-    def start(self, instances: Sequence[Instance], session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
-        self._task = asyncio.create_task(self._loop(list(instances), session, headers), name="engine-metrics")
+    def start(self, instances: Callable[[], Sequence[Instance]], session: aiohttp.ClientSession,
+              headers: dict[str, str]) -> None:
+        """Read the engines `instances()` names at each round (the pool's members of the moment)."""
+        self._task = asyncio.create_task(self._loop(instances, session, headers), name="engine-metrics")
+
+    def forget(self, instance: Instance) -> None:
+        """`instance` left the pool: its reading and failure count go (no series of a departed instance)."""
+        self.readings.pop(instance.url, None)
+        self.failures.pop(instance.url, None)
+        self._failing.discard(instance.url)
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -143,10 +151,11 @@ class LoadAware:
             except asyncio.CancelledError:
                 pass
 
-    async def _loop(self, instances: list, session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
+    async def _loop(self, instances: Callable[[], Sequence[Instance]], session: aiohttp.ClientSession,
+                    headers: dict[str, str]) -> None:
         timeout = aiohttp.ClientTimeout(total=max(self.interval, 0.5))
         while True:
-            await asyncio.gather(*(self.read(i.url, session, headers, timeout) for i in instances))
+            await asyncio.gather(*(self.read(i.url, session, headers, timeout) for i in instances()))
             await asyncio.sleep(self.interval)
 
     async def read(self, url: str, session: aiohttp.ClientSession, headers: dict[str, str],

@@ -23,7 +23,7 @@ at the instances whose state caused it, or at the chosen one when the request di
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import aiohttp
@@ -52,8 +52,14 @@ class PrecisePrefix:
     def use_events(self, events: Any) -> None:
         self.events = events
 
-    def start(self, instances: Sequence[Instance], session: aiohttp.ClientSession, headers: dict[str, str]) -> None:
+    def start(self, instances: Callable[[], Sequence[Instance]], session: aiohttp.ClientSession,
+              headers: dict[str, str]) -> None:
         self.engine_load.start(instances, session, headers)
+
+    def forget(self, instance: Instance) -> None:
+        self.approximate.forget(instance)
+        self.engine_load.forget(instance)
+        self.fallbacks.pop(instance.address, None)
 
     async def stop(self) -> None:
         await self.engine_load.stop()

@@ -64,3 +64,22 @@ class PrefixIndex:
                     got ^= low
             else:  # one owner, the usual case
                 sizes[got.bit_length() - 1] -= 1
+
+    def compact(self, keep: dict[int, int]) -> None:
+        """Renumber the instance bits: `keep` maps each live bit to its new one; every other bit (instances
+        gone from the pool) is cleared, and entries left with no instance are dropped. One pass over the
+        index: run it rarely (once many instances have gone), not per removal."""
+        entries: OrderedDict[int, int] = OrderedDict()
+        sizes: dict[int, int] = {}
+        for h, got in self._entries.items():
+            new = 0
+            while got:
+                low = got & -got
+                bit = keep.get(low.bit_length() - 1)
+                if bit is not None:
+                    new |= 1 << bit
+                    sizes[bit] = sizes.get(bit, 0) + 1
+                got ^= low
+            if new:
+                entries[h] = new
+        self._entries, self.sizes = entries, sizes

@@ -419,6 +419,19 @@ class Metrics:
             series[2].inc(seconds)
             series[3].inc(count)
 
+    def forget_instance(self, address: str) -> None:
+        """An instance left the pools (pdproxy/membership) a while ago: its series go, so instances coming and
+        going do not grow the label sets."""
+        for counter in (self.instance_stall_seconds, self.instance_stalls, self.route_fallbacks,
+                        self.tokenize_failures, self.abandoned_handoffs):
+            found = {tuple(sample.labels.values()) for metric in counter.collect()  # in the label names' order
+                     for sample in metric.samples if sample.labels.get("server_address") == address}
+            for labels in found:
+                counter.remove(*labels)
+        for key in [k for k in self._stall_series if k[2] == address]:
+            del self._stall_series[key]
+        self.attempts.forget(address)
+
     def exposition(self, accept: str) -> tuple[bytes, str]:
         if "application/openmetrics-text" in accept:
             return generate_openmetrics(self.registry), OPENMETRICS_TYPE
@@ -555,6 +568,13 @@ class InstanceAttempts:
                     self.moved.setdefault((*key, stage), 0)
                 if key[0] == "decode":  # only a decode's failure gives a hand-off up
                     self.abandoned.setdefault(key, 0)
+
+    def forget(self, address: str) -> None:
+        """Every series of `address` (both roles) goes; its attempts count as `other` from now on."""
+        self.known = {k for k in self.known if k[1] != address}
+        for counts in (self.sent, self.failed, self.moved, self.abandoned):
+            for key in [k for k in counts if k[1] == address]:
+                del counts[key]
 
     def _key(self, role: str, address: str) -> tuple[str, str]:
         return (role, address) if (role, address) in self.known else (role, self.OTHER)
