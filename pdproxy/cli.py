@@ -43,13 +43,17 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:  # only the chosen subcommand's module is imported
             importlib.import_module(module).add_arguments(p)
+            parser.set_defaults(_subparser=p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    chosen = vars(args).pop("_subparser", None)
+    if unknown:  # said with the subcommand's usage, which lists its flags, not the top level's
+        (chosen or parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     module = importlib.import_module(SUBCOMMANDS[args.command][0])
     try:
         return int(module.run(args) or 0)

@@ -310,8 +310,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tel.add_argument("--resource-attr", dest="resource_attrs", action="append", metavar="KEY=VALUE",
                      help="fixed condition recorded on every span, e.g. vllm.version=0.23.0 gpu.kind=H200 (repeatable)")
     tel.add_argument("--capture-content", action="store_true", help="record prompt and completion text in spans (off: never recorded)")
-    tel.add_argument("--log-level", choices=("debug", "info", "warning", "warn", "error"),
-                     help="log level (default info; 'warn' as vllm-router spells it)")
+    tel.add_argument("--log-level", choices=("debug", "info", "warning", "warn", "error", "critical"),
+                     help="log level (default info; 'warn' and 'critical' as vllm-router's CLIs spell them)")
 
     _discovery_arguments(parser)
 
@@ -389,13 +389,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     router = parser.add_argument_group("vllm-router flags accepted for a drop-in launch line (no effect here)")
     for flag, why in (("--worker-startup-timeout-secs", "an instance enters rotation once it passes its health check"),
                       ("--worker-startup-check-interval", "health checks run every --health-check-interval"),
-                      ("--eviction-interval", "the prefix index is bounded by --max-tree-size instead"),
+                      ("--eviction-interval-secs", "the prefix index is bounded by --max-tree-size instead"),
                       ("--kv-connector", "the KV connector is the instances' (NIXL: no bootstrap needed)"),
                       ("--backend", "vLLM only"), ("--prometheus-port", "metrics are on this port's /metrics"),
                       ("--prometheus-host", "metrics are on this port's /metrics"),
                       ("--enable-trace", "tracing is on unless --no-tracing")):
         takes = flag != "--enable-trace"
-        router.add_argument(flag, dest="ignored_flags", action=_Ignored, nargs=1 if takes else 0, help=why,
+        aliases = ("--eviction-interval",) if flag == "--eviction-interval-secs" else ()  # the Rust CLI's name
+        router.add_argument(flag, *aliases, dest="ignored_flags", action=_Ignored, nargs=1 if takes else 0, help=why,
                             **({"metavar": "VALUE"} if takes else {}))
 
     sh = parser.add_argument_group("shadow traffic")

@@ -378,7 +378,7 @@ def serve(settings: Settings) -> int:
              __version__, settings.host, sock.getsockname()[1], settings.mode, len(settings.prefill_urls),
              len(settings.decode_urls), settings.workers)
     if settings.ignored_flags:
-        log.info("vllm-router flag(s) with no effect here: %s (see `pdproxy serve --help`)",
+        log.warning("vllm-router flag(s) with no effect here: %s (see `pdproxy serve --help`)",
                  ", ".join(sorted(set(settings.ignored_flags))))
     # said at warning level when nobody chose it: a proxy with no trace destination records no spans at all
     quiet = traces.enabled or not settings.tracing

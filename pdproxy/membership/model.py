@@ -7,6 +7,8 @@ set by not publishing, so an outage of the API server or the resolver never empt
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -17,6 +19,9 @@ ROLES = (PREFILL, DECODE)
 # sources, in the order their details win when two name one instance (the flags and the operator's own
 # word before discovery's)
 SOURCES = ("flags", "admin", "file", "kubernetes", "dns")
+
+
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,251}[A-Za-z0-9])?")  # a DNS name or an IPv4 address
 
 
 class MemberError(ValueError):
@@ -102,6 +107,11 @@ def normalise_url(url: Any) -> str:
     if parts.path.strip("/") or parts.query or parts.fragment:
         raise MemberError(f"url {url!r} must be scheme://host:port only (no path, query or fragment)")
     host = parts.hostname
+    if not _HOST.fullmatch(host):
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise MemberError(f"url {url!r}: {host!r} is neither a host name nor an IP address") from None
     if ":" in host:
         host = f"[{host}]"
     port = port or (443 if parts.scheme == "https" else 80)
