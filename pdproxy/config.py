@@ -36,7 +36,8 @@ POLICIES = ("round_robin", "random", "least_inflight", "power_of_two", "consiste
 DEFAULT_HASH_KEY = "header:X-Session-Id,body:user"
 # flags named other than their setting: the flag's name works in the environment and the file too
 FLAG_NAMES = {"resource_attrs": "resource_attr", "shadow_prefill_urls": "shadow_prefill",
-              "kv_events_instances": "kv_events_instance", "kv_events_replay_instances": "kv_events_replay_instance"}
+              "kv_events_instances": "kv_events_instance", "kv_events_replay_instances": "kv_events_replay_instance",
+              "pd_disaggregation": "vllm_pd_disaggregation"}
 NEGATED_FLAGS = {"tracing": "no_tracing", "stall_attribution": "no_stall_attribution",  # PDPROXY_NO_TRACING=1 is tracing off
                  "admin_api": "no_admin_api"}
 # settings that name a membership source finding instances at run time (pdproxy/membership): with one set,

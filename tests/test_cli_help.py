@@ -80,6 +80,9 @@ SAMPLES = {
     "service_discovery": "1", "prefill_selector": "app=vllm,role=prefill", "decode_selector": "app=vllm role=decode",
     "selector": "app=vllm", "service_discovery_namespace": "vllm", "service_discovery_port": "8000",
     "service_discovery_resync": "30",
+    "vllm_pd_disaggregation": "1", "worker_urls": "http://10.0.0.7:8000", "instances_file": "/tmp/instances.yaml",
+    "instances_file_interval": "2", "admin_api_key": "a", "no_admin_api": "1", "drain_timeout": "5",
+    "instance_series_retention": "10",
 }
 NEEDS = {"shadow_prefill": {"PDPROXY_SHADOW_URL": "http://10.0.0.5:8000"},  # not valid on its own
          "service_discovery": {"PDPROXY_SELECTOR": "app=vllm"}}
@@ -91,6 +94,8 @@ def serve_flags() -> list[str]:
     names = []
     for action in parser._actions:
         longs = [o for o in action.option_strings if o.startswith("--")]
+        if action.dest == "ignored_flags":  # vllm-router's, accepted with no effect: nothing to set
+            continue
         if longs and longs[0] not in ("--help", "--config"):
             names.append(longs[0][2:].replace("-", "_"))
     return names
