@@ -166,3 +166,44 @@ def test_proxy_counts_the_stream_in_metrics_and_shows_it_in_status(ports):
         publisher.stop()
         for proc in procs:
             proc.stop()
+
+
+def test_an_idle_engine_is_caught_up_on_connection_and_again_after_its_restart(ports):
+    """A subscription asks for the replay as soon as it connects, and again after every reconnection, whether
+    or not the engine publishes anything (issue 54 item 7: a replica started in a quiet hour only rebuilt its
+    index when a live batch came, or the probe interval ran out; here that interval is 30 s)."""
+    pub_port, replay_port = ports
+    publishers = [Publisher(pub_port, replay_port)]
+
+    async def scenario():
+        for n in range(3):
+            publishers[0].send(store=prompt(n))  # then the engine is idle
+        events = KVEvents([Source("d0", f"tcp://{HOST}:{pub_port}", f"tcp://{HOST}:{replay_port}", "kv@")],
+                          probe_interval=30.0, replay_timeout=1.0)
+        sub = events.get("d0")
+        events.start()
+        try:
+            started = time.monotonic()
+            await until("the catch-up of an idle engine", lambda: sub.flowing and held(sub, prompt(2)) == 4,
+                        timeout=5)
+            caught_up = time.monotonic() - started
+            assert sub.counts["batches"] == 3 and sub.counts["replays"] >= 1
+            # the engine restarts (a new process, sequence from 0) with one batch, then is idle again
+            publishers[0].stop()
+            await until("the disconnection", lambda: not sub.connected)
+            publishers.append(Publisher(pub_port, replay_port))
+            publishers[1].send(store=prompt(7))
+            started = time.monotonic()
+            await until("the rebuild after the reconnection", lambda: sub.flowing and held(sub, prompt(7)) == 4,
+                        timeout=5)
+            rebuilt = time.monotonic() - started
+            assert all(held(sub, prompt(n)) == 0 for n in range(3)) and sub.next_seq == 1
+            print(f"caught up {caught_up:.2f} s after the start, rebuilt {rebuilt:.2f} s after the restart")
+        finally:
+            await events.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for p in publishers:
+            p.stop()

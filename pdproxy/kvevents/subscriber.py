@@ -4,7 +4,8 @@ One task per instance, on the proxy's event loop (pyzmq's asyncio API). The stre
 
 * on every (re)connection of the SUB socket (start, a dropped connection, an engine restart: the engine's
   socket goes away and comes back) the index is rebuilt from the engine's replay buffer (ROUTER socket,
-  from sequence 0; vLLM keeps 10,000 batches), so a late start catches up before its index is trusted;
+  from sequence 0; vLLM keeps 10,000 batches) as soon as the connection is made, whether or not the engine
+  publishes anything, so a late start catches up before its first request and before its index is trusted;
 * a sequence number above the next expected one is a gap: the missing batches are asked for by replay;
 * one below it, not explained by a replay that just overlapped the live stream, is an engine restarted
   (sequence back to 0, cache empty): the index is rebuilt the same way;
@@ -29,10 +30,11 @@ replay socket before it costs anything, and routing never trusts an index that i
 
 Nothing an engine sends ends the task or stalls the loop: every event's types are checked as it is decoded
 (a malformed event is skipped and counted alone); a message above `message_bound(max_blocks)` bytes is
-refused by ZMQ (`zmq.MAXMSGSIZE`: it drops the connection without retrying, seen here as
-`oversized_messages`, and the socket is made anew; while the engine's replay buffer still holds that
-message no rebuild can complete, so the instance stays untrusted, `rebuild_failed`), and at most
-`receive_hwm` messages wait in each socket, so what waits is bounded in bytes. Work is counted in
+refused by ZMQ before it is kept (`zmq.MAXMSGSIZE`: it drops the connection without retrying, seen here
+as `oversized_messages`, and the socket is made anew); the rebuild that follows skips that batch when its
+replay comes to it (counted again, and in `gaps_unrepaired`: the index misses its blocks, a lost cache
+hit, not a wrong answer) and the index flows again; and at most `receive_hwm` messages wait in each
+socket, so what waits is bounded in bytes. Work is counted in
 `TURN_BUDGET` units (a token id, a block hash, an event; `MESSAGE_UNITS` for a message or a replay answer,
 applied or skipped) and the loop is yielded to after each budget, a huge batch's blocks being stored a
 part at a time; a replay gives up after `replay_timeout` per message, or past `MAX_REPLAY_ANSWERS` answers.
@@ -66,6 +68,10 @@ BLOCK_BYTES = 96  # a 16-token block at msgpack's widest token ids (5 bytes each
 MESSAGE_BYTES = (256 << 10, 4 << 20)  # a message's bound: a full index's worth of blocks, within these
 QUEUE_BYTES = 64 << 20  # what may wait in one socket's receive queue: its high-water mark counts messages
 GAVE_UP_AFTER = 1.0  # a disconnection that ZMQ did not retry within this: it dropped the connection for good
+# A replay socket's disconnection not retried within this: dropped for good (ZMQ starts its retry timer as it
+# disconnects, so a retry shows at once), looked for every REFUSAL_CHECK seconds of silence in a replay
+REFUSAL_GRACE, REFUSAL_CHECK = 0.2, 0.1
+MAX_BLIND_SKIPS = 4  # refused answers skipped in a row where their sequence is not known (see _replay)
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
@@ -126,6 +132,9 @@ class Subscription:
         self.listeners: list[Listener] = []
         self._ctx: zmq.asyncio.Context | None = None
         self._dealer: zmq.asyncio.Socket | None = None
+        self._dealer_monitor: zmq.asyncio.Socket | None = None  # its connection's events: a refused answer
+        self._dropped_at: float | None = None  # monotonic: the replay socket disconnected, not retried since
+        self._woken: asyncio.Future[None] | None = None  # set when the SUB socket (re)connects: rebuild now
 
     @property
     def not_flowing_reason(self) -> str | None:
@@ -160,6 +169,7 @@ class Subscription:
         """Follow the stream until cancelled, or until ZMQ dropped the connection for good (then return:
         the caller makes a new socket)."""
         self._ctx = ctx
+        self._woken = asyncio.get_running_loop().create_future()
         sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         monitor = sub.get_monitor_socket(_MONITORED)
@@ -178,9 +188,7 @@ class Subscription:
             sub.disable_monitor()
             monitor.close(0)
             sub.close(0)
-            if self._dealer is not None:
-                self._dealer.close(0)
-                self._dealer = None  # a restarted task's replay must not use a closed socket
+            self._close_dealer()  # a restarted task's replay must not use a closed socket
             self.connected, self._resync = False, True
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
@@ -208,6 +216,8 @@ class Subscription:
             retrying = event != zmq.EVENT_DISCONNECTED
             if event == zmq.EVENT_CONNECTED:
                 self.connected, self._resync = True, True
+                if self._woken is not None and not self._woken.done():
+                    self._woken.set_result(None)  # the stream rebuilds now, not at its next message
                 log.info("kv events: connected to %s (%s)", self.source.address, self.source.endpoint)
             elif event == zmq.EVENT_DISCONNECTED:
                 self.counts["disconnects"] += 1
@@ -227,9 +237,8 @@ class Subscription:
                     await self._try_rebuild()
                     continue
                 timeout = min(timeout, wait)
-            try:
-                frames = await asyncio.wait_for(sub.recv_multipart(), timeout)
-            except TimeoutError:
+            frames = await self._receive(sub, timeout)
+            if frames is None:
                 if self._probe_due(idle=True):
                     await self._replay(self.next_seq or 0)  # still there? and a lost tail repaired
                 continue
@@ -244,6 +253,20 @@ class Subscription:
                 await self._replay(self.next_seq or 0)
             self._budget = TURN_BUDGET
             await asyncio.sleep(0)  # a receive that had finished already does not yield (Python 3.12)
+
+    async def _receive(self, sub: zmq.asyncio.Socket, timeout: float) -> list[bytes] | None:
+        """The next message within `timeout` seconds; None when none came, or as soon as the socket (re)connects:
+        the index is rebuilt from the replay buffer then, whether or not the engine sends anything (a replica
+        started, or an engine restarted, in a quiet hour routes precisely from its first request)."""
+        woken = self._woken
+        if woken is None or woken.done():
+            woken = self._woken = asyncio.get_running_loop().create_future()
+        receiving = sub.recv_multipart()
+        await asyncio.wait((receiving, woken), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if receiving.done():
+            return receiving.result()
+        receiving.cancel()  # a message not taken yet stays in the socket for the next receive
+        return None
 
     def _probe_due(self, idle: bool) -> bool:
         if not self.connected or self._resync or not self.source.replay_endpoint:
@@ -357,6 +380,52 @@ class Subscription:
 
     # -- rebuild and replay ---------------------------------------------------------------------
 
+    def _open_dealer(self, endpoint: str) -> zmq.asyncio.Socket:
+        """The replay socket, and a monitor of its connection (how a refused answer is told from silence)."""
+        dealer = self._dealer = self._socket(zmq.DEALER)
+        self._dealer_monitor = dealer.get_monitor_socket(_MONITORED)
+        self._dropped_at = None
+        dealer.connect(endpoint)
+        return dealer
+
+    def _close_dealer(self) -> None:
+        if self._dealer is not None:
+            if self._dealer_monitor is not None:
+                self._dealer.disable_monitor()
+                self._dealer_monitor.close(0)
+            self._dealer.close(0)
+        self._dealer = self._dealer_monitor = None
+
+    async def _answer(self, dealer: zmq.asyncio.Socket) -> list[bytes]:
+        """The replay's next answer. TimeoutError after `replay_timeout` of silence; _Refused as soon as ZMQ has
+        dropped the connection for good instead (an answer over MAXMSGSIZE, refused before it is kept)."""
+        deadline = time.monotonic() + self.replay_timeout
+        while True:
+            try:
+                return await asyncio.wait_for(dealer.recv_multipart(),
+                                              max(0.0, min(REFUSAL_CHECK, deadline - time.monotonic())))
+            except TimeoutError:
+                if await self._refused():
+                    raise _Refused from None
+                if time.monotonic() >= deadline:
+                    raise
+
+    async def _refused(self) -> bool:
+        """Whether the replay socket's connection was dropped and not retried (ZMQ retries any other loss at once)."""
+        monitor = self._dealer_monitor
+        if monitor is None:
+            return False
+        while True:
+            try:
+                frames = await monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if parse_monitor_message(frames)["event"] != zmq.EVENT_DISCONNECTED:
+                self._dropped_at = None  # retried or connected again
+            elif self._dropped_at is None:
+                self._dropped_at = time.monotonic()
+        return self._dropped_at is not None and time.monotonic() - self._dropped_at >= REFUSAL_GRACE
+
     async def _try_rebuild(self) -> bool:
         """Rebuild the index from the replay buffer (or, without one, start from now) unless backing off;
         True when it is rebuilt and in sequence again."""
@@ -389,23 +458,30 @@ class Subscription:
         The engine's ROUTER socket drops answers while its queue to us is full (a long replay read more slowly
         than it is sent), the end marker included: a replay that breaks off after some progress (an answer
         missing in the middle, or silence) is resumed from the next sequence on a new socket, so nothing the
-        engine still holds is lost, and a long buffer comes in rounds."""
+        engine still holds is lost, and a long buffer comes in rounds.
+
+        An answer over the size bound is refused by ZMQ, which drops the connection: that batch is skipped
+        (counted in `oversized_messages` and `gaps_unrepaired`; the index misses its blocks, which costs a cache
+        hit, not a wrong answer) and the replay goes on after it, so one huge batch in the engine's buffer does
+        not keep the index from ever being rebuilt. Its sequence is the one after the last answer applied or
+        skipped, or the one asked for when it came first. Only at the start of a rebuild is that not known: the
+        engine's buffer begins at 0 until it has published 10,000 batches, later after; there up to
+        `MAX_BLIND_SKIPS` are skipped in a row, then the replay fails as a silent one does (retried with
+        back-off: the engine's next batch pushes its oldest out of the buffer)."""
         if not self.source.replay_endpoint:
             return False
         applied = answers = 0
         since = start
+        located, blind = start > 0, 0  # whether the engine holds `since` (it held the one before); skips not so
         while True:
             self.counts["replays"] += 1
             self.last_replay_at = time.monotonic()
-            dealer = self._dealer
-            if dealer is None:
-                dealer = self._dealer = self._socket(zmq.DEALER)
-                dealer.connect(self.source.replay_endpoint)
+            dealer = self._dealer if self._dealer is not None else self._open_dealer(self.source.replay_endpoint)
             in_round, previous = 0, since - 1
             try:
                 await asyncio.wait_for(dealer.send_multipart((b"", since.to_bytes(8, "big"))), self.replay_timeout)
                 while True:
-                    frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout)
+                    frames = await self._answer(dealer)
                     await self._spend(MESSAGE_UNITS)
                     answers += 1
                     if len(frames) != 3:
@@ -427,9 +503,24 @@ class Subscription:
                     await self._apply(seq, frames[2], live=False)
                     applied += 1
                     in_round += 1
+            except _Refused:
+                self._close_dealer()  # ZMQ will not use that connection again
+                skipped = self.next_seq if in_round and self.next_seq is not None else since
+                located = located or in_round > 0
+                blind = 0 if located else blind + 1
+                if blind > MAX_BLIND_SKIPS:
+                    self.counts["replay_failures"] += 1
+                    self.counts["replayed_batches"] += applied
+                    self.replay_answering = False
+                    return False
+                self.counts["oversized_messages"] += 1
+                self.counts["gaps_unrepaired"] += 1
+                log.warning("kv events: %s's batch %d is over %d bytes; skipped (its blocks are missing from the "
+                            "index), the replay goes on after it", self.source.address, skipped, self.max_message)
+                self.next_seq = since = skipped + 1
+                continue
             except (TimeoutError, _BrokenOff, DecodeError, zmq.ZMQError) as exc:
-                dealer.close(0)  # a late answer must not be read as the next replay's
-                self._dealer = None
+                self._close_dealer()  # a late answer must not be read as the next replay's
                 if in_round and self.next_seq is not None and not isinstance(exc, (DecodeError, zmq.ZMQError)):
                     log.debug("kv events: replay from %s broke off (%s); resuming", self.source.address, exc)
                     since = self.next_seq
@@ -452,6 +543,10 @@ class Subscription:
 
 class _BrokenOff(Exception):
     """A replay whose answers stopped following each other: the engine dropped some on the way."""
+
+
+class _Refused(Exception):
+    """ZMQ refused a replay answer over the size bound and dropped the connection for good."""
 
 
 class KVEvents:
