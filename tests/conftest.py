@@ -19,6 +19,13 @@ def pytest_configure(config):
 
 
 OWN_PROCS = pytest.StashKey[list]()
+# session fixtures whose Go-built tools .ci/run builds last, beside the suite: their tests run at the end
+LATE_TOOLS = ("kube_apiserver",)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Tests needing the last tools built run last, so the suite does not wait for those builds to start."""
+    items.sort(key=lambda item: any(name in getattr(item, "fixturenames", ()) for name in LATE_TOOLS))
 
 
 @pytest.fixture(scope="session", autouse=True)
