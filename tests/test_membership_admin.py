@@ -147,3 +147,24 @@ def test_without_a_key_only_loopback_callers_are_served():
             proxy.stop()
     finally:
         d.stop()
+
+
+def test_with_several_workers_a_change_reaches_every_one(cluster):
+    proxy, url = start_proxy("--decode", cluster["d1"], "--health-check-interval", "0.5", "--workers", "2",
+                             "--admin-api-key", KEY)
+    try:
+        r = httpx.post(url + "/workers", json={"url": cluster["d2"], "worker_type": "decode"}, headers=AUTH)
+        assert r.status_code == 200, r.text
+        seen = []
+        for _ in range(12):  # a new connection each time: the kernel spreads them over the workers
+            with httpx.Client() as fresh:
+                status = fresh.get(url + "/status").json()
+            seen.append(status["instances"]["decode"][-1]["url"] if len(status["instances"]["decode"]) == 2 else None)
+        assert seen == [cluster["d2"]] * 12
+        assert httpx.delete(url + "/workers/" + cluster["d2"], headers=AUTH).status_code == 200
+        for _ in range(8):
+            with httpx.Client() as fresh:
+                assert [i["url"] for i in fresh.get(url + "/status").json()["instances"]["decode"]
+                        if i["state"] != "draining"] == [cluster["d1"]]
+    finally:
+        proxy.stop()
