@@ -74,7 +74,8 @@ class KubeCluster:
             str(self.apiserver_bin), f"--etcd-servers=http://{HOST}:{self.etcd_port}",
             f"--bind-address={HOST}", f"--advertise-address={HOST}", f"--secure-port={self.port}",
             f"--cert-dir={d / 'certs'}",  # a self-signed serving certificate for 127.0.0.1, and its CA, made once
-            "--authorization-mode=AlwaysAllow", f"--token-auth-file={d / 'tokens.csv'}",
+            # RBAC, as a cluster has: the tests' admin is in system:masters; deploy/k8s's Role is checked for real
+            "--authorization-mode=RBAC", f"--token-auth-file={d / 'tokens.csv'}",
             "--disable-admission-plugins=ServiceAccount",  # no controller-manager makes the default account
             "--service-account-issuer=https://kubernetes.default.svc", f"--service-account-key-file={d / 'sa.pub'}",
             f"--service-account-signing-key-file={d / 'sa.key'}", "--service-cluster-ip-range=10.96.0.0/16",
@@ -137,10 +138,27 @@ class KubeCluster:
     def get(self, path: str, raw: bool = False) -> Any:
         return self.call("GET", path, raw=raw)
 
-    def namespace(self) -> str:
-        name = f"t{next(_names)}-{int(time.time() * 1000) % 100000}"
-        self.call("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
+    def namespace(self, name: str | None = None) -> str:
+        """A namespace of the test's own (or `name`, made unless it exists)."""
+        name = name or f"t{next(_names)}-{int(time.time() * 1000) % 100000}"
+        try:
+            self.call("POST", "/api/v1/namespaces", {"metadata": {"name": name}})
+        except urllib.error.HTTPError as exc:
+            if exc.code != 409:
+                raise
         return name
+
+    def create(self, obj: dict) -> dict:
+        """Any namespaced object of the core or RBAC API (a manifest's ServiceAccount, Role, RoleBinding)."""
+        group = obj["apiVersion"]
+        prefix = "/api/v1" if group == "v1" else f"/apis/{group}"
+        plural = {"ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings"}[obj["kind"]]
+        return self.call("POST", f"{prefix}/namespaces/{obj['metadata']['namespace']}/{plural}", obj)
+
+    def token(self, ns: str, account: str) -> str:
+        """A service account's token, as the kubelet mounts one (TokenRequest)."""
+        return self.call("POST", f"/api/v1/namespaces/{ns}/serviceaccounts/{account}/token",
+                         {"spec": {"expirationSeconds": 3600}})["status"]["token"]
 
     def create_pod(self, ns: str, name: str, labels: dict[str, str], annotations: dict[str, str] | None = None,
                    ports: dict[str, int] | None = None, hold: bool = False) -> dict:

@@ -245,14 +245,19 @@ def operator_overlay() -> list[dict]:
     return kustomize(K8S / "overlays" / "prometheus-operator")
 
 
+@pytest.fixture(scope="module")
+def discovery_overlay() -> list[dict]:
+    return kustomize(K8S / "overlays" / "discovery")
+
+
 def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
     return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
 
 
-def test_manifests_validate_against_kubernetes_schemas(base, operator_overlay):
+def test_manifests_validate_against_kubernetes_schemas(base, operator_overlay, discovery_overlay):
     kv = pytest.importorskip("kubernetes_validate")
     checked = 0
-    for doc in base + operator_overlay:
+    for doc in base + operator_overlay + discovery_overlay:
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
             continue  # CRDs: test_servicemonitors_match_the_crd_fields, test_alerts.py for the PrometheusRule
         kv.validate(doc, kv.latest_version(), strict=True)
@@ -399,6 +404,33 @@ def test_pdproxy_in_kubernetes(base):
     assert key["valueFrom"]["secretKeyRef"]["optional"] is True
     annotations = proxy["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(settings.port) and annotations["prometheus.io/path"] == "/metrics"
+
+
+def test_discovery_overlay(discovery_overlay):
+    """pdproxy finds its instances from pods: its own ServiceAccount, bound to a Role that grants get, list and watch
+    on pods in the namespace its arguments watch, and nothing else; the arguments are pdproxy's own (the applied
+    RBAC is exercised against a real API server in tests/test_membership_kubernetes.py)."""
+    proxy = by_kind(discovery_overlay, "Deployment")["pdproxy"]
+    (container,) = _containers(proxy)
+    env = _env(container)
+    argv = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in container["args"]]
+    settings = serve_settings(argv)
+    assert settings.service_discovery and not settings.prefill_urls and not settings.decode_urls
+    assert settings.prefill_selector == {"app": "vllm", "role": "prefill"} and settings.decode_selector == {
+        "app": "vllm", "role": "decode"}
+    ns = settings.service_discovery_namespace
+    account = proxy["spec"]["template"]["spec"]["serviceAccountName"]
+    (sa,) = by_kind(discovery_overlay, "ServiceAccount").values()
+    assert (sa["metadata"]["name"], sa["metadata"]["namespace"]) == (account, proxy["metadata"]["namespace"])
+    (binding,) = by_kind(discovery_overlay, "RoleBinding").values()
+    (role,) = by_kind(discovery_overlay, "Role").values()
+    assert binding["metadata"]["namespace"] == role["metadata"]["namespace"] == ns
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": sa["metadata"]["namespace"]}]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert not by_kind(discovery_overlay, "ClusterRole") and not by_kind(discovery_overlay, "ClusterRoleBinding")
+    # everything else is the base's
+    assert proxy["spec"]["replicas"] >= 2 and container["ports"][0]["containerPort"] == settings.port
 
 
 # ---------------------------------------------------------------------------------------------

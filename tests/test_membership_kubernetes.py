@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fake_kube import FakeKube, Forwarder
 from procs import HOST, free_port
@@ -28,6 +31,7 @@ from pdproxy.membership.kubernetes import (BOOTSTRAP_ANNOTATION, KV_EVENTS_ANNOT
                                            from_kubeconfig, from_settings, pod_member)
 from pdproxy.membership.model import Member
 
+REPO = Path(__file__).resolve().parents[1]
 PREFILL = {"app": "vllm", "role": "prefill"}
 DECODE = {"app": "vllm", "role": "decode"}
 
@@ -271,7 +275,58 @@ def test_every_namespace_and_both_roles_one_pod(kube_apiserver):
         async with Running(source) as run:
             await run.published.until("in both pools", lambda s: set(s) == {
                 ("prefill", "http://127.0.0.9:8300"), ("decode", "http://127.0.0.9:8300")})
-            assert source.status()["namespace"] == "(all)"
+            assert source.status()["following"] == f"prefill pods app=both-{ns}, decode pods app=both-{ns} in every " \
+                "namespace"
+
+    asyncio.run(scenario())
+
+
+def test_the_discovery_overlay_runs_with_exactly_the_access_its_role_grants(kube_apiserver, tmp_path, monkeypatch):
+    """deploy/k8s/overlays/discovery applied to the real API server (RBAC on): pdproxy's ServiceAccount, with a
+    token mounted as a kubelet would, runs the source from the Deployment's own arguments and finds the vLLM
+    namespace's pods; the same account is refused (403, and told why) in a namespace its Role does not cover."""
+    kubectl = shutil.which("kubectl") or pytest.skip("kubectl (with its built-in kustomize) not installed")
+    built = subprocess.run([kubectl, "kustomize", str(REPO / "deploy/k8s/overlays/discovery")], capture_output=True,
+                           text=True, timeout=60)
+    assert built.returncode == 0, built.stderr
+    docs = [d for d in yaml.safe_load_all(built.stdout) if d]
+    kube = kube_apiserver
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "pdproxy"]
+    spec = deployment["spec"]["template"]["spec"]
+    rbac = [d for d in docs if d["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
+    for obj in rbac:
+        kube.namespace(obj["metadata"]["namespace"])
+        kube.create(obj)
+    account = next(d for d in rbac if d["kind"] == "ServiceAccount")["metadata"]
+    assert spec["serviceAccountName"] == account["name"]
+    # the account's token and the cluster's CA where a kubelet mounts them, and the in-cluster environment
+    mounted = tmp_path / "serviceaccount"
+    mounted.mkdir()
+    (mounted / "token").write_text(kube.token(account["namespace"], account["name"]))
+    (mounted / "ca.crt").write_bytes(kube.ca.read_bytes())
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", HOST)
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(kube.port))
+    monkeypatch.setattr("pdproxy.membership.kubernetes.SERVICE_ACCOUNT", mounted)
+    argv = [a.replace("$(PDPROXY_RUN_LABEL)", "production") for a in spec["containers"][0]["args"]]
+    source = from_settings(serve_settings(*argv[1:]))
+    assert source.cluster.origin.startswith("in-cluster") and source.namespace == "vllm"
+    source.resync, source.backoff = 30.0, (0.1, 0.5)
+    kube.create_pod("vllm", "vllm-decode-0", {"app": "vllm", "role": "decode"}, ports={"http": 8000})
+    kube.set_status("vllm", "vllm-decode-0", "127.0.0.10")
+    elsewhere = KubernetesSource({"decode": DECODE}, namespace=kube.namespace(), cluster=source.cluster,
+                                 backoff=(0.1, 0.5))
+
+    async def scenario() -> None:
+        async with Running(source) as run, Running(elsewhere) as refused:
+            await run.published.until("the vLLM namespace's decode pod",
+                                      lambda s: list(s) == [("decode", "http://127.0.0.10:8000")])
+            assert source.status()["state"] == "ok"
+            await until("refused elsewhere", lambda: elsewhere.status()["state"] == "degraded")
+            error = elsewhere.status()["last_error"]
+            assert error.startswith("403") and 'cannot list resource "pods"' in error and "needs get, list and " \
+                "watch on pods" in error, error
+            assert refused.published.sets == []
 
     asyncio.run(scenario())
 

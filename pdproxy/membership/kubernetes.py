@@ -111,10 +111,11 @@ class Cluster:
         return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def find_cluster(environ: dict[str, str] | None = None, service_account: Path = SERVICE_ACCOUNT) -> Cluster:
+def find_cluster(environ: dict[str, str] | None = None, service_account: Path | None = None) -> Cluster:
     """KUBECONFIG if set, else the pod's service account, else ~/.kube/config (client-go's order); KubeError
     saying what is missing otherwise."""
     env = os.environ if environ is None else environ
+    service_account = service_account or SERVICE_ACCOUNT
     if env.get("KUBECONFIG"):
         return from_kubeconfig([Path(p) for p in env["KUBECONFIG"].split(os.pathsep) if p])
     host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
@@ -342,9 +343,7 @@ class KubernetesSource:
                 log.error("kubernetes: %s; discovery is off, the static instances serve", exc)
                 await asyncio.Event().wait()  # nothing to retry: the configuration must change
         assert self.cluster is not None
-        where = f"namespace {self.namespace}" if self.namespace else "every namespace"
-        log.info("kubernetes: watching pods in %s on %s (%s): %s", where, self.cluster.server, self.cluster.origin,
-                 "; ".join(f"{r.role} {r.selector}" for r in self.roles.values()))
+        log.debug("kubernetes: %s on %s (%s)", self.following(), self.cluster.server, self.cluster.origin)
         connector = aiohttp.TCPConnector(ssl=self.cluster.ssl, limit=0)
         timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, raise_for_status=False) as session:
@@ -353,6 +352,7 @@ class KubernetesSource:
                     group.create_task(self._follow(session, r), name=f"kubernetes-{r.role}")
 
     def status(self) -> dict[str, Any]:
+        # (start-up logs the fields that are set as the source's one line: what it follows first)
         roles = {}
         for r in self.roles.values():
             members = [v.member for v in r.pods.values() if v.member is not None]
@@ -367,13 +367,16 @@ class KubernetesSource:
             }
         failing = [r for r in self.roles.values() if r.failures or (r.last_error and not r.listed)]
         state = "degraded" if failing else "ok" if all(r.listed for r in self.roles.values()) else "starting"
-        last_error = next((r.last_error for r in failing), None)
-        return {"state": state, "last_error": last_error,
+        return {"state": state, "following": self.following(),
                 "server": self.cluster.server if self.cluster else None,
-                "namespace": self.namespace or "(all)", "resync_seconds": self.resync,
+                "last_error": next((r.last_error for r in failing), None),
                 "last_heard": self.last_heard,
-                "last_heard_seconds_ago": None if self.last_heard is None else round(time.time() - self.last_heard, 3),
-                "publishes": self.publishes, "roles": roles}
+                "instances": len(self._published or ()),
+                "resync": self.resync, "roles": roles}
+
+    def following(self) -> str:
+        where = f"namespace {self.namespace}" if self.namespace else "every namespace"
+        return f"{', '.join(f'{r.role} pods {r.selector}' for r in self.roles.values())} in {where}"
 
     # -- one role: list, watch, again
 
