@@ -250,7 +250,7 @@ def test_a_selector_matching_nothing_warns(kube_apiserver, caplog):
         await asyncio.to_thread(kube.set_status, ns, "decode-0", "127.0.0.8")
         typo = {"app": "vlm", "role": "decode"}
         async with Running(kube_source(kube, ns, {"decode": typo}, resync=0.5)) as run:
-            await until("two lists", lambda: run.source.status()["roles"]["decode"]["lists"] >= 2)
+            await until("two lists", lambda: run.source.roles["decode"].lists >= 2)
             status = run.source.status()
             assert status["state"] == "ok" and status["roles"]["decode"]["members"] == 0
             assert run.published.sets in ([], [{}])
@@ -352,7 +352,7 @@ def test_410_gone_relists(how):
             fake.watch_mode = how  # every watch: 410
             async with Running(fake_source(fake)) as run:
                 await run.published.until("a and b", lambda s: len(s) == 2)
-                await until("410 seen", lambda: run.source.status()["roles"]["decode"]["gone"] >= 1)
+                await until("410 seen", lambda: run.source.roles["decode"].gone >= 1)
                 fake.remove("b", notify=False)  # no watch can tell: only a list shows it
                 await run.published.until("b dropped", lambda s: list(s) == [("decode", "http://127.0.0.11:80")])
                 kinds = [kind for kind, _ in fake.requests]

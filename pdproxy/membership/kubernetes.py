@@ -372,7 +372,7 @@ class KubernetesSource:
                 "last_error": next((r.last_error for r in failing), None),
                 "last_heard": self.last_heard,
                 "instances": len(self._published or ()),
-                "resync": self.resync, "roles": roles}
+                "resync": self.resync, "roles": roles if self.started else {}}
 
     def following(self) -> str:
         where = f"namespace {self.namespace}" if self.namespace else "every namespace"
