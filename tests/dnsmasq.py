@@ -39,8 +39,8 @@ ROOT_ANCHOR = ".,20326,8,2,E06D44B80B8F1D39A95C0B0D7C65D08458E880409BBC683457104
 
 def dnsmasq_binary() -> str:
     """dnsmasq's path; skipped on a developer's machine without it, a failure in CI (CI=true)."""
-    found = shutil.which("dnsmasq") or next((p for p in ("/usr/sbin/dnsmasq", "/sbin/dnsmasq") if os.access(p, os.X_OK)),
-                                           None)
+    sbin = [p for p in ("/usr/sbin/dnsmasq", "/sbin/dnsmasq") if os.access(p, os.X_OK)]  # off a user's PATH
+    found = shutil.which("dnsmasq") or next(iter(sbin), None)
     if found:
         return found
     if os.environ.get("CI"):

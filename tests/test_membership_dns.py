@@ -115,7 +115,8 @@ def test_an_empty_answer_empties_a_name_only_when_repeated_over_two_intervals(ca
     asyncio.run(main())
     server.stop()
     said = caplog.text
-    assert "A decode.test answered NXDOMAIN (1 in a row); keeping its 1 instance(s) until the answer is confirmed" in said
+    assert ("A decode.test answered NXDOMAIN (1 in a row); keeping its 1 instance(s) until the answer is confirmed"
+            in said)
     assert "AAAA decode.test answered NXDOMAIN" in said and "times in a row: its 1 instance(s) are gone" in said
 
 
@@ -204,12 +205,14 @@ def test_down_at_start_serves_the_static_set_then_follows_dns(caplog) -> None:
 
 
 def test_srv_records_give_the_ports_and_the_kv_event_endpoints() -> None:
-    """A headless Service with two named ports: _http._tcp for the HTTP port, _kv-events._tcp for the events."""
+    """A headless Service with two named ports: _http._tcp for the HTTP port, _kv-events._tcp for the events, matched
+    by SRV target (the pod), so two instances on one address (p0, p3) each get their own."""
     hosts = {"p0.prefill.test": ["127.0.0.2"], "p1.prefill.test": ["127.0.0.3", "fd00::3"],
-             "d0.decode.test": ["127.0.0.4"], "p2.prefill.test": ["127.0.0.6"]}
+             "d0.decode.test": ["127.0.0.4"], "p2.prefill.test": ["127.0.0.6"], "p3.prefill.test": ["127.0.0.2"]}
     srv = ["_http._tcp.prefill.test,p0.prefill.test,8100", "_http._tcp.prefill.test,p1.prefill.test,8101",
            "_kv-events._tcp.prefill.test,p0.prefill.test,5557", "_kv-events._tcp.prefill.test,p1.prefill.test,5558",
-           "_http._tcp.decode.test,d0.decode.test,8200"]
+           "_http._tcp.decode.test,d0.decode.test,8200", "_http._tcp.prefill.test,p3.prefill.test,8103",
+           "_kv-events._tcp.prefill.test,p3.prefill.test,5559"]
     server = Dnsmasq(hosts, srv=srv)
     source = source_for(server, dns_prefill=["prefill.test"], dns_decode=["_http._tcp.decode.test"],
                         dns_kv_events_port="kv-events")
@@ -218,6 +221,7 @@ def test_srv_records_give_the_ports_and_the_kv_event_endpoints() -> None:
         published = Published()
         await source.resolve(published)
         assert published.last == {"prefill http://127.0.0.2:8100 kv tcp://127.0.0.2:5557",
+                                  "prefill http://127.0.0.2:8103 kv tcp://127.0.0.2:5559",
                                   "prefill http://127.0.0.3:8101 kv tcp://127.0.0.3:5558",
                                   "prefill http://[fd00::3]:8101 kv tcp://[fd00::3]:5558",
                                   "decode http://127.0.0.4:8200"}
@@ -229,6 +233,7 @@ def test_srv_records_give_the_ports_and_the_kv_event_endpoints() -> None:
         await asyncio.to_thread(server.set_srv, [s.replace("p1.", "p2.") for s in srv if "5558" not in s])
         await source.resolve(published)
         assert published.last == {"prefill http://127.0.0.2:8100 kv tcp://127.0.0.2:5557",
+                                  "prefill http://127.0.0.2:8103 kv tcp://127.0.0.2:5559",
                                   "prefill http://127.0.0.6:8101", "decode http://127.0.0.4:8200"}
 
     asyncio.run(main())

@@ -6,7 +6,8 @@ a name per role (`--dns-prefill`, `--dns-decode`) is the whole membership of tha
 the same holds for any DNS that lists instances (Consul, a zone file, dnsmasq).
 
 What an answer means here (docs/membership.md, "DNS"):
-- records: the role's instances from that name are exactly those, now.
+- records: the role's instances from that name are exactly those, now. An answer that drops some instances
+  but not all is applied at once: each goes through the reconciler's drain, which fails no request.
 - a failure (timeout, SERVFAIL, REFUSED, the server down or unreachable): nothing is learnt; the last known
   set stays. A DNS outage never empties a pool, and a proxy started during one serves its static set.
 - NXDOMAIN or no records: a real state (no pod ready: scaled to zero, every pod restarting), but also what a
@@ -14,17 +15,18 @@ What an answer means here (docs/membership.md, "DNS"):
   is complete, a stale negative answer cached on the way). So an empty answer empties a name's set only when
   it is given EMPTY_CONFIRMATIONS (3) times in a row spanning at least two intervals from first to last: one
   odd answer never drops every instance, and a real scale-to-zero is followed within two intervals (10 s by
-  default), far shorter than a pod's start. An answer that drops some instances but not all is applied at once: each goes through the
-  reconciler's drain, which fails no request.
+  default), far shorter than a pod's start. An empty A answer while the name's AAAA records list instances
+  (or the reverse) is applied at once: the name is there, so it is no resolver's odd moment.
 Each record type is judged on its own (A, AAAA, SRV, the KV-event SRV): a server that fails AAAA queries
 (some middleboxes do) does not freeze the A records.
 
 The client is dnspython (`dns.asyncresolver`), not aiodns: it is pure Python (nothing to build beside the
-compiled wheel), tells NXDOMAIN, an empty answer, SERVFAIL/REFUSED and a timeout apart as distinct outcomes
-(the rule above rests on that; c-ares folds some together), gives the records' TTLs and an answer's
-additional section (the SRV targets' addresses), takes a port per nameserver (a test's server on a high port),
-reads /etc/resolv.conf's nameservers, search list and ndots as a pod's libc does, and keeps no cache of its
-own unless asked (every question reaches the server).
+compiled wheel; aiodns stands on pycares, a C extension), keeps no cache unless asked (recent c-ares keeps one of
+its own by default, c-ares PR 786: an answer could come from it, not from the server), returns the whole
+response (the SRV targets' addresses in its additional section, the records' TTLs), tells NXDOMAIN, an empty
+answer, SERVFAIL/REFUSED and a timeout apart (the rule above rests on that), takes a port per nameserver
+(a test's server on a high port), and reads /etc/resolv.conf's nameservers, search list and ndots as a
+pod's libc does.
 """
 
 from __future__ import annotations
@@ -59,14 +61,14 @@ class _Failed(Exception):
 
 @dataclass
 class _Query:
-    """One question asked every cycle, with what it last said. `values` are (address, port) pairs: for an
-    instance query its HTTP address, for a KV-event query the address's event port."""
+    """One question asked every cycle, with what it last said. `values` are (address, port, SRV target or None):
+    for an instance query its HTTP address, for a KV-event query the instance's event port."""
 
     role: str
     rdtype: str  # "A", "AAAA", "SRV" (instances) or "KV" (SRV of the KV-event port)
     qname: str
     port: int | None
-    values: frozenset[tuple[str, int]] = frozenset()
+    values: frozenset[tuple[str, int, str | None]] = frozenset()
     answered: bool = False  # has given an answer (records or empty) at least once
     empties: int = 0  # empty answers in a row while `values` still holds instances
     empty_since: float = 0.0  # monotonic time of the first of them
@@ -208,11 +210,20 @@ class DnsSource:
     def _desired(self) -> frozenset[Member]:
         out: set[Member] = set()
         for name in self.names:
-            kv_ports = {address: port for address, port in sorted(name.kv.values)} if name.kv else {}
+            # an instance's KV-event port: the one its SRV target (its pod) has, else the one its address has;
+            # none when that is ambiguous (two instances on one address), and the reconciler's template applies
+            by_target: dict[str, set[int]] = {}
+            by_address: dict[str, set[int]] = {}
+            for address, port, target in name.kv.values if name.kv else ():
+                by_address.setdefault(address, set()).add(port)
+                if target is not None:
+                    by_target.setdefault(target, set()).add(port)
             for query in name.queries:
-                for address, port in query.values:
+                for address, port, target in query.values:
                     host = f"[{address}]" if ":" in address else address
-                    kv_port = kv_ports.get(address)
+                    ports = (by_target[target] if target is not None and target in by_target
+                             else by_address.get(address, set()))
+                    kv_port = next(iter(ports)) if len(ports) == 1 else None
                     try:
                         out.add(member(query.role, f"http://{host}:{port}",
                                        kv_events_endpoint=f"tcp://{host}:{kv_port}" if kv_port else None))
@@ -223,14 +234,14 @@ class DnsSource:
     # --- asking ------------------------------------------------------------------------------------------------
 
     async def _ask(self, resolver: dns.asyncresolver.Resolver, query: _Query
-                   ) -> tuple[frozenset[tuple[str, int]], float | None, str]:
+                   ) -> tuple[frozenset[tuple[str, int, str | None]], float | None, str]:
         """(values, ttl, why-empty) or raises _Failed."""
         if query.rdtype in ("A", "AAAA"):
             answer = await self._resolve(resolver, query.qname, query.rdtype, search=True)
             if answer is None or answer.rrset is None:
                 return frozenset(), None, "NXDOMAIN" if answer is None else "no records"
             assert query.port is not None
-            return frozenset((rr.address, query.port) for rr in answer.rrset), float(answer.rrset.ttl), ""
+            return frozenset((rr.address, query.port, None) for rr in answer.rrset), float(answer.rrset.ttl), ""
         answer = await self._resolve(resolver, query.qname, "SRV", search=True)
         if answer is None or answer.rrset is None:
             return frozenset(), None, "NXDOMAIN" if answer is None else "no records"
@@ -244,7 +255,7 @@ class DnsSource:
         missing = sorted({target for target, _ in records if target not in glue})
         found = await asyncio.gather(*(self._addresses(resolver, target) for target in missing))
         glue.update(zip(missing, found))
-        values = frozenset((address, port) for target, port in records for address in glue[target])
+        values = frozenset((address, port, str(target)) for target, port in records for address in glue[target])
         return values, ttl, "no addresses for its targets"
 
     async def _addresses(self, resolver: dns.asyncresolver.Resolver, target: dns.name.Name) -> set[str]:
