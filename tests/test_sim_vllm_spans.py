@@ -34,6 +34,7 @@ classes:
 
 
 def sim(role: str, service: str, *extra: str, env: dict | None = None):
+    """A sim; `service` "" starts it without OTEL_SERVICE_NAME (it names itself vllm-<role>-<port>)."""
     port = free_port()
     proc = pdproxy("sim", "--role", role, "--host", HOST, "--port", str(port), "--model", "sim-model",
                    "--time-scale", "0.5", *extra, env={"OTEL_SERVICE_NAME": service, **(env or {})}, name=f"sim-{role}")
@@ -69,7 +70,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     grpc_rx, tap = GrpcReceiver(), TapReceiver()
     procs = []
     try:
-        pre, pre_url = sim("prefill", "vllm-prefill", "--otlp-traces-file", str(d / "vllm-prefill.jsonl"))
+        # the prefill as docs/sim.md starts it: no OTEL_SERVICE_NAME
+        pre, pre_url = sim("prefill", "", "--otlp-traces-file", str(d / "vllm-prefill.jsonl"))
         dec, dec_url = sim("decode", "vllm-decode", "--otlp-traces-endpoint", grpc_rx.endpoint)
         one, one_url = sim("single", "vllm-single", "--otlp-traces-endpoint", tap.endpoint + "/v1/traces",
                            env={"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"})
@@ -94,7 +96,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     grpc_rx.stop()
     tap_spans = tap.spans()
     tap.stop()
-    return {"dir": d, "records": records, "tap": tap_spans}
+    return {"dir": d, "records": records, "tap": tap_spans, "prefill_port": pre_url.rsplit(":", 1)[1]}
 
 
 def _parents(files: list[Path]) -> dict[str, str]:
@@ -149,6 +151,14 @@ def test_spans_have_the_recorded_vllm_shape(run):
                for a in sp["attributes"] if a["key"] == "pdproxy.sim.preset"}
     assert presets == {"h200-llama8b"}
     assert tap and all(parents.get(sp.get("parentSpanId")) == "single pd.prefill" for sp in tap)
+
+
+def test_spans_are_named_by_role_and_port_without_otel_service_name(run):
+    d = run["dir"]
+    services = {res["service.name"]["stringValue"] for f in ("vllm-prefill.jsonl", "vllm-decode.jsonl")
+                for res, _, sp in otlp_spans(d / f) if sp["name"] == "llm_request"}
+    # OTEL_SERVICE_NAME wins where it is set (the decode); without it, never unknown_service:python
+    assert services == {f"vllm-prefill-{run['prefill_port']}", "vllm-decode"}
 
 
 def test_request_ids_and_queue_meanings(run):

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -218,6 +219,41 @@ def settings_from_args(args: argparse.Namespace) -> SimSettings:
     )
 
 
+BEHIND_CHECK_S = 5.0  # how often the sim looks at its engine's late steps
+BEHIND_SHARE = 0.05  # simulated time lost per wall second above which it warns
+BEHIND_EVERY_S = 60.0  # at most one warning per minute, each saying what was lost since the last
+
+
+async def warn_when_behind(engine: Any, time_scale: float) -> None:
+    """Say when the host does not keep up with the simulated timeline (a busy machine, too many sims per
+    core at --time-scale 1): the engine restarts its timeline after a step starts late, and the time lost
+    stretches every figure the sim produces. Warns once a check period loses more than BEHIND_SHARE of it,
+    then at most once a minute, with what was lost since the last line."""
+    log = logging.getLogger("pdproxy.sim")
+    loop = asyncio.get_running_loop()
+    seen_steps, seen_seconds = 0, 0.0
+    said_at: float | None = None
+    since, unsaid_steps, unsaid_seconds = loop.time(), 0, 0.0
+    while True:
+        await asyncio.sleep(BEHIND_CHECK_S)
+        steps, seconds = engine.late_steps - seen_steps, engine.late_seconds - seen_seconds
+        seen_steps, seen_seconds = engine.late_steps, engine.late_seconds
+        unsaid_steps += steps
+        unsaid_seconds += seconds
+        now = loop.time()
+        if seconds > BEHIND_SHARE * BEHIND_CHECK_S and (said_at is None or now - said_at >= BEHIND_EVERY_S):
+            log.warning("falling behind: %d engine step(s) started late in the last %.0f s, %.2f s of simulated "
+                        "time lost; this host does not keep up with this load at --time-scale %g, so latencies "
+                        "come out longer than the preset's: give a larger --time-scale, run fewer sims per core or "
+                        "send less load", unsaid_steps, now - since, unsaid_seconds, time_scale)
+            said_at = since = now
+            unsaid_steps, unsaid_seconds = 0, 0.0
+
+
+class CannotListen(Exception):
+    """The port is taken (or the address is not this machine's): one line and exit status 2, as `serve` says it."""
+
+
 async def serve(settings: SimSettings) -> None:
     from pdproxy.sim.server import SimServer
 
@@ -225,11 +261,17 @@ async def serve(settings: SimSettings) -> None:
     runner = web.AppRunner(server.build_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, shutdown_timeout=1.0, reuse_address=True)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)  # asyncio's strerror repeats the address
+        raise CannotListen(f"cannot listen on {settings.host}:{settings.port}: {reason}") from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    behind = asyncio.create_task(warn_when_behind(server.engine, settings.time_scale), name="sim-behind")
     p = settings.preset
     print(f"pdproxy sim: role={settings.role} model={settings.model} preset={p.name} engine_id={settings.engine_id} "
           f"listening on http://{settings.host}:{settings.port}", flush=True)
@@ -243,6 +285,7 @@ async def serve(settings: SimSettings) -> None:
     try:
         await stop.wait()
     finally:
+        behind.cancel()
         await runner.cleanup()
     print("pdproxy sim: stopped", flush=True)
 
@@ -267,5 +310,9 @@ def run(args: argparse.Namespace) -> int:
 
         loop_factory = uvloop.new_event_loop
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve(settings))
+        try:
+            runner.run(serve(settings))
+        except CannotListen as exc:
+            print(f"pdproxy sim: error: {exc}", file=sys.stderr)
+            return 2
     return 0

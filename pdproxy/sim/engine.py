@@ -178,6 +178,10 @@ class Engine:
         self.preemptions = 0
         self.requests_total = 0
         self.busy_seconds = 0.0
+        # steps that started more than LAG_RESET_S after the timeline's ideal end, and the time so lost: the host
+        # did not keep up (pdproxy/sim/cli.py warns)
+        self.late_steps = 0
+        self.late_seconds = 0.0
         # called with (sequence, time) for every token sampled, before the sequence's own bookkeeping; the
         # virtual-time model (pdproxy/whatif) reads each request's token times through it
         self.on_token: Callable[[Sequence, float], None] | None = None
@@ -277,6 +281,9 @@ class Engine:
                 continue
             duration = self.cost.step_seconds(len(batch), prefill_tokens)
             start = now if ideal_end is None or now - ideal_end > LAG_RESET_S else ideal_end
+            if ideal_end is not None and start == now and now > ideal_end:  # the lag is lost: said by `pdproxy sim`
+                self.late_steps += 1
+                self.late_seconds += now - ideal_end
             if self.gpu is not None:
                 duration = self.gpu.stretch(self.gpu_slot, start, duration)
             ideal_end = start + duration
@@ -591,6 +598,8 @@ class Engine:
             "kv_pulls_active": self.puller.active if self.puller else 0,
             "steps": self.steps,
             "busy_seconds": round(self.busy_seconds, 6),
+            "late_steps": self.late_steps,
+            "late_seconds": round(self.late_seconds, 6),
             "preemptions": self.preemptions,
             "prefix_cache_blocks": len(self.prefix_cache),
             "requests_total": self.requests_total,

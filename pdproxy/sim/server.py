@@ -98,7 +98,8 @@ class SimServer:
         if s.otlp_traces_endpoint or s.otlp_traces_file:
             from pdproxy.sim.tracing import RequestTracer
 
-            self.tracer = RequestTracer(s.otlp_traces_endpoint, s.otlp_traces_file, s.preset.name)
+            self.tracer = RequestTracer(s.otlp_traces_endpoint, s.otlp_traces_file, s.preset.name,
+                                        default_service=f"vllm-{s.role}-{s.port}")
 
     # ---- application -----------------------------------------------------------------------------
     def build_app(self) -> web.Application:

@@ -12,7 +12,9 @@ attributes keep vLLM's meanings:
   e2e = finish − arrival.
 
 Like vLLM, the OpenTelemetry SDK builds the span and the resource (`vllm.instrumenting_module_name`,
-`vllm.process_id`, the SDK's own keys, `service.name` from OTEL_SERVICE_NAME), a batch processor
+`vllm.process_id`, the SDK's own keys, `service.name` from OTEL_SERVICE_NAME: unlike vLLM, whose
+spans are then `unknown_service:python`, the simulator names itself `vllm-<role>-<port>` without it,
+so its spans say which instance made them and the collector finds decodes by "decode"), a batch processor
 exports it; the OTLP bytes are encoded by the OpenTelemetry exporter's common encoder and sent over
 OTLP/gRPC (vLLM's default) or OTLP/HTTP (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf), or
 appended to an OTLP-JSON lines file (a sim-only option, for runs without a collector).
@@ -51,6 +53,12 @@ class _Exporter(SpanExporter):
         self.sink.close()
 
 
+def service_name_set() -> bool:
+    """Whether the environment names the service (OTEL_SERVICE_NAME, or service.name in OTEL_RESOURCE_ATTRIBUTES)."""
+    return bool(os.environ.get("OTEL_SERVICE_NAME", "").strip()) or any(
+        item.split("=", 1)[0].strip() == "service.name" for item in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","))
+
+
 def check_protocol() -> None:
     """Refuse an OTLP protocol the exporter does not speak before the server starts (as vLLM does)."""
     protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "grpc")
@@ -72,9 +80,12 @@ def _sink(endpoint: str | None, trace_file: str | None) -> Any:
 class RequestTracer:
     """Emits one `llm_request` span per finished request."""
 
-    def __init__(self, endpoint: str | None, trace_file: str | None = None, preset: str | None = None) -> None:
-        resource = Resource.create({"vllm.instrumenting_module_name": MODULE_NAME,
-                                    "vllm.process_id": str(os.getpid())})
+    def __init__(self, endpoint: str | None, trace_file: str | None = None, preset: str | None = None,
+                 default_service: str | None = None) -> None:
+        attrs = {"vllm.instrumenting_module_name": MODULE_NAME, "vllm.process_id": str(os.getpid())}
+        if default_service and not service_name_set():
+            attrs["service.name"] = default_service
+        resource = Resource.create(attrs)
         self.provider = TracerProvider(resource=resource)
         sink = _sink(endpoint, trace_file)
         if sink is None:
