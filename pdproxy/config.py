@@ -114,6 +114,7 @@ class Settings:
     run_label: str = ""
     served_model_name: list[str] = field(default_factory=list)
     resource_attrs: dict[str, str] = field(default_factory=dict)
+    gpu_count: int = 0  # GPUs of the set-up (resource attribute gpu.count, as bench's --gpu-count); 0: not said
     capture_content: bool = False
     shadow_url: str | None = None
     shadow_prefill_urls: list[str] = field(default_factory=list)
@@ -308,6 +309,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "/v1/models); any other requested name is labelled 'other' (bounds the series a client "
                           "can create)")
     tel.add_argument("--run-label", help="label of this run: resource attribute pd.run and metric label run")
+    tel.add_argument("--gpu-count", type=int, metavar="N",
+                     help="GPUs this set-up runs on, all its instances together: resource attribute gpu.count on every "
+                          "span, as bench's --gpu-count records it (the report compares set-ups of equal GPU totals)")
     tel.add_argument("--resource-attr", dest="resource_attrs", action="append", metavar="KEY=VALUE",
                      help="fixed condition recorded on every span, e.g. vllm.version=0.23.0 gpu.kind=H200 (repeatable)")
     tel.add_argument("--capture-content", action="store_true", help="record prompt and completion text in spans (off: never recorded)")
@@ -644,6 +648,8 @@ def _validate(s: Settings) -> None:
             raise ConfigError(f"{name.replace('_', '-')} must be >= 0")
     if not 0 <= s.max_ejection_percent <= 100:
         raise ConfigError("max-ejection-percent must be between 0 and 100")
+    if s.gpu_count < 0:
+        raise ConfigError("gpu-count must be >= 0")
     if s.span_queue_size < 1:
         raise ConfigError("span-queue-size must be >= 1")
     if s.trace_file_max_bytes != 0 and s.trace_file_max_bytes < 1024 * 1024:

@@ -70,7 +70,7 @@ SAMPLES = {
     "api_key": "k", "upstream_api_key": "u", "debug_endpoints": "1", "no_tracing": "1",
     "otlp_endpoint": "http://collector:4317", "otlp_protocol": "http/protobuf", "trace_file": "/tmp/t.jsonl",
     "trace_file_max_bytes": "2097152", "trace_file_backups": "1", "trace_rejected_rate": "2.5",
-    "span_queue_size": "16", "stall_threshold": "0.2", "no_stall_attribution": "1", "run_label": "r",
+    "span_queue_size": "16", "stall_threshold": "0.2", "no_stall_attribution": "1", "run_label": "r", "gpu_count": "2",
     "resource_attr": "gpu.kind=H200",
     "served_model_name": "a,b", "capture_content": "1", "log_level": "debug", "shadow_url": "http://10.0.0.5:8000",
     "shadow_prefill": "http://10.0.0.6:8100", "shadow_sample_rate": "0.5", "shadow_max_inflight": "4",

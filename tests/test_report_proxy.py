@@ -49,7 +49,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]
                 procs.append(proc)
                 urls[role] = url
             trace = d / f"traces-{name}.jsonl"
-            args = ["--trace-file", str(trace), "--run-label", name, "--resource-attr", f"gpu.count={setup['gpus']}",
+            args = ["--trace-file", str(trace), "--run-label", name, "--gpu-count", str(setup["gpus"]),
                     "--prefill-retries", "0", "--eject-after-failures", "1000"]
             if "prefill" in urls:
                 args += ["--prefill", urls["prefill"], "--decode", urls["decode"]]

@@ -126,5 +126,7 @@ def resource_attributes(settings: Settings) -> dict:
         attrs["pd.run"] = settings.run_label
     if settings.model:
         attrs["vllm.model"] = settings.model
+    if settings.gpu_count:
+        attrs["gpu.count"] = settings.gpu_count
     attrs.update(settings.resource_attrs)
     return attrs
