@@ -356,6 +356,13 @@ ROOT_FILTER = 'span.pd.run =~ "$run" && span.gen_ai.request.model =~ "$model" &&
 FAILED = 'failed_stage!="none"'
 
 
+def share(part: str, whole: str) -> str:
+    """`part / whole` that reads 0 while nothing of `part` happened: a counter of failures is only born
+    at the first failure, so a healthy proxy has no such series ("No data"), and a whole of 0 (no
+    traffic) would make 0/0 = NaN. Still "No data" when `whole` itself has no series (nothing scraped)."""
+    return f"(({part} or 0 * {whole}) / ({whole} > 0)) or 0 * {whole}"
+
+
 def quantiles(scope: Scope, histogram: str, label: str, *extra: str, qs=(0.5, 0.9, 0.99), exemplar_on=0.99) -> list[dict]:
     return [prom(scope.quantile(q, histogram, *extra), f"{label} p{round(q * 100)}", exemplar=q == exemplar_on) for q in qs]
 
@@ -367,7 +374,7 @@ def overview() -> dict:
     L.add(stat("Requests/s", "Requests that ended (ok or failed), all routes.",
                prom(REQ.rate("pdproxy_requests_total")), "reqps", decimals=2), w=4, h=4)
     L.add(stat("Failed requests", "Share of requests that failed in any stage (failed_stage != none). Never success-only.",
-               prom(f"{REQ.rate('pdproxy_requests_total', FAILED)} / {REQ.rate('pdproxy_requests_total')}"),
+               prom(share(REQ.rate('pdproxy_requests_total', FAILED), REQ.rate('pdproxy_requests_total'))),
                "percentunit"), w=4, h=4)
     L.add(stat("TTFT p99", "Received → first token-bearing chunk, as the proxy sees it.",
                prom(REQ.quantile(0.99, "pdproxy_ttft_seconds")), "s"), w=4, h=4)
@@ -594,8 +601,8 @@ def overview() -> dict:
                       prom(BOTH.quantile(0.5, "pdproxy_tpot_seconds", by="deployment"), "{{deployment}} TPOT p50")]), w=8)
     L.add(timeseries("Error ratio by deployment",
                      "Failed requests / all requests, per deployment.",
-                     [prom(f"{BOTH.rate('pdproxy_requests_total', FAILED, by='deployment')} "
-                           f"/ {BOTH.rate('pdproxy_requests_total', by='deployment')}", "{{deployment}}")],
+                     [prom(share(BOTH.rate('pdproxy_requests_total', FAILED, by='deployment'),
+                                 BOTH.rate('pdproxy_requests_total', by='deployment')), "{{deployment}}")],
                      "percentunit"), w=8)
     L.add(timeseries("Requests/s by deployment", "Requests that ended, per deployment.",
                      [prom(BOTH.rate("pdproxy_requests_total", by="deployment"), "{{deployment}}")], "reqps"), w=8)

@@ -461,3 +461,40 @@ def test_dashboard_provider_matches_the_compose_mounts():
     assert mounts["../grafana/provisioning"] == "/etc/grafana/provisioning"
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home.startswith(provider["options"]["path"] + "/") and (DASHBOARD_DIR / Path(home).name).exists()
+
+
+def _requests(run: str, deployment: str, failed_stage: str, values: str) -> dict:
+    labels = (f'job="pdproxy", route="completions", model="m", mode="pd", run="{run}", deployment="{deployment}", '
+              f'code="{200 if failed_stage == "none" else 502}", failed_stage="{failed_stage}"')
+    return {"series": f"pdproxy_requests_total{{{labels}}}", "values": values}
+
+
+@pytest.mark.parametrize("series, overall, by_deployment", [
+    # a healthy proxy has no failed-stage series at all: 0, not "No data"
+    ([("primary", "none", "0+60x20"), ("shadow", "none", "0+30x20")], 0, {"primary": 0, "shadow": 0}),
+    # no traffic in the window: 0, not 0/0 = NaN
+    ([("primary", "none", "100+0x20"), ("primary", "prefill", "3+0x20")], 0, {"primary": 0}),
+    # failures: their share, of all deployments in the stat, per deployment in the time series
+    ([("primary", "none", "0+54x20"), ("primary", "decode", "0+6x20"), ("shadow", "none", "0+30x20")], 0.0667,
+     {"primary": 0.1, "shadow": 0}),
+], ids=["healthy", "idle", "failing"])
+def test_failed_request_panels_read_0_without_failures(tmp_path, series, overall, by_deployment):
+    promtool = shutil.which("promtool")
+    if not promtool:
+        pytest.skip("promtool not installed (Debian package prometheus; .ci/run installs it)")
+    d = load_dashboards()["pdproxy-overview.json"]
+    values = variable_values(d)
+
+    def expr(title: str) -> str:
+        (p,) = [p for p in panels(d) if p["title"] == title]
+        return f'round({substitute(p["targets"][0]["expr"], values, "5m")}, 0.0001)'
+
+    tests = [{"interval": "1m", "input_series": [_requests("r", *s) for s in series], "promql_expr_test": [
+        {"expr": expr("Failed requests"), "eval_time": "15m", "exp_samples": [{"labels": "{}", "value": overall}]},
+        {"expr": expr("Error ratio by deployment"), "eval_time": "15m",
+         "exp_samples": [{"labels": f'{{deployment="{dep}"}}', "value": v} for dep, v in by_deployment.items()]},
+    ]}]
+    path = tmp_path / "panels.test.yml"
+    path.write_text(yaml.safe_dump({"rule_files": [], "evaluation_interval": "1m", "tests": tests}))
+    r = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
