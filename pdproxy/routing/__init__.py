@@ -32,9 +32,9 @@ def build(settings: Any, session: Any, prefill: Any, decode: Any, events: Any, m
     disaggregation when --pd-min-prefill-tokens is set, token ids when a rule routes by them (`events`: the
     KV-event subscriptions, None when off; `metrics`: telemetry.Metrics, which counts /tokenize failures). Says
     at start what routes each pool and warns about what cannot work as configured."""
-    pools = [p for p in (prefill, decode) if p is not None and len(p)]
+    pools = [p for p in (prefill, decode) if p is not None]  # (empty at start when found at run time)
     selective = None
-    if settings.pd_min_prefill_tokens > 0 and prefill is not None and len(prefill):
+    if settings.pd_min_prefill_tokens > 0 and prefill is not None:
         from pdproxy.routing.selective import SelectiveDisaggregation
 
         selective = SelectiveDisaggregation(settings.pd_min_prefill_tokens, events)

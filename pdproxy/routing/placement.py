@@ -31,7 +31,8 @@ class Placement:
 
 class Router:
     def __init__(self, prefill: Pool | None, decode: Pool, tokens: Any = None, selective: Any = None) -> None:
-        self.prefill = prefill if prefill is not None and len(prefill) else None
+        # the prefill pool, even empty: its instances may be found at run time (membership); none there: 503
+        self.prefill = prefill
         self.decode = decode
         self.tokens = tokens  # tokens.LocalTokenizer / RemoteTokenizer: when a rule routes by token ids
         self.selective = selective  # selective.SelectiveDisaggregation, with a prefill pool only
