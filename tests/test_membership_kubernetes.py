@@ -546,3 +546,100 @@ def test_vllm_router_flags(tmp_path: Path, monkeypatch, caplog):
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="--service-discovery: cannot read kubeconfig"):
         from_settings(s)
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: pdproxy serve following the pods while requests flow
+
+
+def test_serve_follows_the_pods_while_requests_flow(kube_apiserver, started):
+    """`pdproxy serve --service-discovery ...` (vllm-router's launch line) on the real API server, its pods
+    pointing at simulated vLLM instances: requests reach a decode pod once it is Ready, stop reaching one that is
+    being deleted (drained through its grace period, then gone), and not one request fails."""
+    import httpx
+
+    from ledgers import counter
+    from procs import pdproxy, start_sim
+    from waits import Load, wait_until
+
+    kube = kube_apiserver
+    ns = kube.namespace()
+    sims = {}
+    for role, name in (("prefill", "prefill-0"), ("decode", "decode-0"), ("decode", "decode-1")):
+        proc, url = start_sim(role)
+        started.append(proc)
+        sims[name] = url
+        kube.create_pod(ns, name, PREFILL if role == "prefill" else DECODE, hold=True,
+                        annotations={PORT_ANNOTATION: url.rsplit(":", 1)[1]})
+    address = {name: url.removeprefix("http://") for name, url in sims.items()}
+    kube.set_status(ns, "prefill-0", HOST)
+    kube.set_status(ns, "decode-0", HOST)
+    kube.set_status(ns, "decode-1", HOST, ready=False)  # running, its readiness probe not passed yet
+    port = free_port()
+    proxy = pdproxy("serve", "--host", HOST, "--port", str(port), "--service-discovery",
+                    "--service-discovery-namespace", ns, "--prefill-selector", "app=vllm", "role=prefill",
+                    "--decode-selector", "app=vllm", "role=decode", "--health-check-interval", "0.5",
+                    "--drain-timeout", "20", env={"KUBECONFIG": str(kube.kubeconfig())})
+    started.append(proxy)
+    url = f"http://{HOST}:{port}"
+    proxy.wait_http(url + "/healthcheck")
+
+    def states() -> dict[str, str]:
+        body = httpx.get(url + "/status", timeout=5).json()
+        return {i["url"]: i["state"] for role in ("prefill", "decode") for i in body["instances"][role]}
+
+    def attempts(name: str) -> float:
+        return counter(httpx.get(url + "/metrics", timeout=5).text, "pdproxy_instance_attempts_total",
+                       role="decode", server_address=address[name])
+
+    expected = {sims["prefill-0"]: "active", sims["decode-0"]: "active", sims["decode-1"]: "not_ready"}
+    wait_until(lambda: states() == expected, "the Ready pods in rotation", timeout=20)
+    source = httpx.get(url + "/status", timeout=5).json()["membership"]["sources"]["kubernetes"]
+    assert source["state"] == "ok" and source["instances"] == 3, source
+
+    def send(phase: str) -> int:
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": "sim-model", "prompt": "hello there", "max_tokens": 24, "min_tokens": 24, "ignore_eos": True,
+            "stream": True})
+        return r.status_code if r.text.rstrip().endswith("data: [DONE]") else -r.status_code
+
+    phases = ["one decode", "both decodes", "decode-0 leaving", "decode-0 gone"]
+    with Load(send, phases) as a, Load(send, phases) as b:
+        a.run_phase("one decode", 1.0, 5), b.end_phase("one decode", 5)
+        assert attempts("decode-1") == 0, "not Ready: no request"
+        for load in (a, b):
+            load.enter("both decodes")
+        began = time.monotonic()
+        kube.set_status(ns, "decode-1", HOST, ready=True)
+        wait_until(lambda: attempts("decode-1") > 0, "a request on decode-1 once Ready")
+        to_first_request = time.monotonic() - began
+        a.end_phase("both decodes", 5), b.end_phase("both decodes", 5)
+
+        for load in (a, b):
+            load.enter("decode-0 leaving")
+        began = time.monotonic()
+        kube.delete_pod(ns, "decode-0", 30)  # terminating: the finalizer holds it, as a grace period would
+        wait_until(lambda: states().get(sims["decode-0"]) in ("draining", None), "decode-0 draining")
+        to_drain = time.monotonic() - began
+        wait_until(lambda: sims["decode-0"] not in states(), "decode-0 drained and removed", timeout=25)
+        after_drain = attempts("decode-0")
+        a.end_phase("decode-0 leaving", 3), b.end_phase("decode-0 leaving", 3)
+        kube.release(ns, "decode-0")  # the pod goes
+
+        for load in (a, b):
+            load.enter("decode-0 gone")
+        a.run_phase("decode-0 gone", 1.0, 5), b.end_phase("decode-0 gone", 5)
+        assert attempts("decode-0") == after_drain, "no request after its drain"
+    results = {p: a.results[p] + b.results[p] for p in phases}
+    assert {p: [r for r in rs if r != 200] for p, rs in results.items()} == {p: [] for p in phases}, \
+        "every request whole, none failed"
+    metrics = httpx.get(url + "/metrics", timeout=5).text
+    assert counter(metrics, "pdproxy_requests_total") == counter(metrics, "pdproxy_requests_total", code="200") \
+        == sum(map(len, results.values()))
+    assert counter(metrics, "pdproxy_instance_attempts_total", role="prefill", server_address=address["prefill-0"]) \
+        >= sum(map(len, results.values())), "every request prefilled on the discovered prefill pod"
+    assert counter(metrics, "pdproxy_membership_changes_total", source="kubernetes", kind="added") == 3
+    assert counter(metrics, "pdproxy_membership_changes_total", source="kubernetes", kind="removed") == 1
+    print(f"requests per phase: { {p: len(rs) for p, rs in results.items()} }; Ready to first request "
+          f"{to_first_request:.2f} s, deletion to draining {to_drain:.2f} s")
+    proxy.stop()
