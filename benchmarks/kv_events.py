@@ -213,7 +213,7 @@ async def measure_remote_tokenize(n: int, text_words: int = 620) -> tuple[float,
         rng = random.Random(5)
         text = " ".join(f"word{rng.randrange(50000)}" for _ in range(text_words))
         async with aiohttp.ClientSession() as session:
-            tokenizer = RemoteTokenizer(session, [(url, url.removeprefix("http://"))], {}, timeout=5.0)
+            tokenizer = RemoteTokenizer(session, lambda: [(url, url.removeprefix("http://"))], {}, timeout=5.0)
             times, count = [], 0
             for _ in range(n):
                 view = RequestView({"model": "sim-model", "prompt": text})

@@ -6,7 +6,9 @@ Run: python tests/tokenize_backend.py --port N --upstream http://127.0.0.1:M
 `POST /_tokenize` sets how /tokenize answers from then on: {"mode": "forward"} (the upstream's answer; with
 `tools` in the body, one more id per 4 characters of their JSON, as vLLM's chat template renders them into the
 prompt: the simulator's template has no tools), {"mode": "hang"} (never answers), {"mode": "ids", "count": n}
-(n ids, whatever the prompt), {"mode": "status", "status": 500}. `GET /_tokenize` answers {"calls": [bodies]}.
+(n ids, whatever the prompt), {"mode": "status", "status": 500}, {"mode": "slow", "seconds_per_kib": s} (forwards
+after s seconds per KiB of the ask: a tokenizer's time grows with its input). `GET /_tokenize` answers
+{"calls": [bodies]}.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ def main() -> None:
     state: dict = {"mode": {"mode": "forward"}, "calls": []}
 
     async def tokenize(request: web.Request) -> web.Response:
-        body = await request.json()
+        raw = await request.read()
+        body = json.loads(raw)
         state["calls"].append(body)
         mode = state["mode"]
+        if mode["mode"] == "slow":
+            await asyncio.sleep(len(raw) / 1024 * mode["seconds_per_kib"])
         if mode["mode"] == "hang":
             await asyncio.sleep(3600)
         if mode["mode"] == "status":

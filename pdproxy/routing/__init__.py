@@ -47,7 +47,7 @@ def build(settings: Any, session: Any, prefill: Any, decode: Any, events: Any, m
         if settings.tokenizer_file:
             tokens, source = t.LocalTokenizer(settings.tokenizer_file), f"text through {settings.tokenizer_file}"
         else:  # text and chat through the served model's own tokenizer and chat template
-            tokens = t.RemoteTokenizer(session, [(i.url, i.address) for i in decode.instances], headers,
+            tokens = t.RemoteTokenizer(session, lambda: [(i.url, i.address) for i in decode.instances], headers,
                                        metrics.tokenize_failure)
             source = "text and chat through the decode instances' /tokenize"
     log.info("routing: %s; selective disaggregation %s; token ids: %s",
