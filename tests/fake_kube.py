@@ -51,7 +51,8 @@ class FakeKube:
     # -- what the test changes
 
     def put(self, name: str, ip: str | None = "127.0.0.1", ready: bool = True, labels: dict | None = None,
-            annotations: dict | None = None, uid: str | None = None, notify: bool = True) -> dict:
+            annotations: dict | None = None, uid: str | None = None, notify: bool = True,
+            deleting: bool = False) -> dict:
         """Add or replace a pod (a MODIFIED/ADDED event to live watches unless notify is False)."""
         self.rv += 1
         kind = "MODIFIED" if name in self.pods else "ADDED"
@@ -63,6 +64,8 @@ class FakeKube:
                             "resourceVersion": str(self.rv), "labels": labels or {"role": "decode"},
                             "annotations": annotations or {}},
                "spec": {"containers": [{"name": "vllm"}]}, "status": status}
+        if deleting:
+            pod["metadata"]["deletionTimestamp"] = "2026-12-07T00:00:00Z"
         self.pods[name] = pod
         if notify:
             self._send({"type": kind, "object": pod})

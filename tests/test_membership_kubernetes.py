@@ -391,6 +391,29 @@ def test_a_silent_watch_is_restarted():
     asyncio.run(scenario())
 
 
+def test_an_address_taken_over_by_a_new_pod_while_the_old_one_terminates():
+    """A StatefulSet pod recreated, or an IP reused: two pods at one URL, the old one terminating. The instance is
+    the new pod (its UID, not draining), and stays when the old one goes."""
+
+    async def scenario() -> None:
+        async with FakeKube() as fake:
+            fake.put("old", "127.0.0.11", uid="uid-old")
+            async with Running(fake_source(fake)) as run:
+                key = ("decode", "http://127.0.0.11:80")
+                await run.published.until("the old pod", lambda s: s.get(key) and s[key].identity == "uid-old")
+                fake.put("old", "127.0.0.11", uid="uid-old", deleting=True)
+                await run.published.until("the old pod terminating", lambda s: s[key].terminating)
+                fake.put("new", "127.0.0.11", uid="uid-new", ready=False)
+                await run.published.until("the new pod, not yet ready", lambda s: s[key].identity == "uid-new")
+                assert not run.published.last[key].terminating
+                fake.put("new", "127.0.0.11", uid="uid-new")
+                fake.remove("old")
+                await run.published.until("the new pod, Ready", lambda s: s[key].ready)
+                assert list(run.published.last) == [key] and run.published.last[key].identity == "uid-new"
+
+    asyncio.run(scenario())
+
+
 def test_forbidden_says_what_the_role_needs(caplog):
     caplog.set_level(logging.WARNING, logger="pdproxy.membership.kubernetes")
 
