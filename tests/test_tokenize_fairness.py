@@ -52,15 +52,15 @@ def test_a_clients_huge_chats_leave_everyones_token_ids_alone():
         attacker.start()
         normal = 0
         try:
-            deadline = time.monotonic() + 3
-            while time.monotonic() < deadline:
+            deadline = time.monotonic() + scaled(20)  # a bound: a loaded 2-core machine takes ~4 s
+            while normal < 10 and time.monotonic() < deadline:
                 assert chat(url, [{"role": "user", "content": f"hello number {normal}"}]) == 200
                 normal += 1
                 time.sleep(0.1)
         finally:
             stop.set()
             attacker.join()
-        assert normal >= 6  # (the machine's two cores also run the simulated instances' work on the huge chats)
+        assert normal == 10
         time.sleep(0.5)
         assert len(sent_huge) >= 2  # the huge chats were served (or refused) meanwhile
         asked = [len(body.get("messages", [])) for front in fronts for body in call(front + "/_tokenize")["calls"]]
