@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdproxy.config import DISCOVERY_SETTINGS
 from pdproxy.membership.admin import AdminAPI, admin_routes
 from pdproxy.membership.cluster import Cluster
 from pdproxy.membership.metrics import Collector
@@ -31,13 +32,15 @@ def start(settings: Any, pools: list[Any], events: Any, metrics: Any, checker: A
     """The process's membership over `pools` (pdproxy.pool.Pool), following KV events through `events`
     (kvevents.Following), counting in `metrics` (telemetry.Metrics), first-checking joiners with `checker`
     (pool.HealthChecker, None: checks off). Events are made at once when configured, so the policies that
-    route by them have them from the first request; else when the first instance naming an endpoint joins."""
+    route by them have them from the first request (with events configured, or discovery, whose instances may
+name their endpoints); else when the first instance naming an endpoint joins (the admin API)."""
     cluster = Cluster({p.role: p for p in pools}, metrics=metrics, checker=checker, events=events,
                       endpoints=template(settings), topic=settings.kv_events_topic or "",
                       retention=settings.instance_series_retention)
     members = Membership(settings, cluster)
-    if settings.kv_events_endpoint or settings.kv_events_ports or settings.kv_events_instances:
-        events()
+    configured = settings.kv_events_endpoint or settings.kv_events_ports or settings.kv_events_instances
+    if configured or any(getattr(settings, name, None) for name in DISCOVERY_SETTINGS):
+        events()  # discovered instances may name their endpoints (annotations, SRV records, file entries)
     return members
 
 
