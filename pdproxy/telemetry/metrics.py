@@ -572,9 +572,10 @@ class InstanceAttempts:
     def forget(self, address: str) -> None:
         """Every series of `address` (both roles) goes; its attempts count as `other` from now on."""
         self.known = {k for k in self.known if k[1] != address}
-        for counts in (self.sent, self.failed, self.moved, self.abandoned):
-            for key in [k for k in counts if k[1] == address]:
-                del counts[key]
+        self.sent = {k: v for k, v in self.sent.items() if k[1] != address}
+        self.abandoned = {k: v for k, v in self.abandoned.items() if k[1] != address}
+        self.failed = {k: v for k, v in self.failed.items() if k[1] != address}
+        self.moved = {k: v for k, v in self.moved.items() if k[1] != address}
 
     def _key(self, role: str, address: str) -> tuple[str, str]:
         return (role, address) if (role, address) in self.known else (role, self.OTHER)
