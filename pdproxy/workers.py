@@ -92,7 +92,8 @@ def run_workers(count: int, first: socket.socket, host: str, run: callable) -> i
 
 async def serve_private(info: WorkerInfo, exposition: callable, admin_apply: callable | None) -> web.AppRunner:
     """This worker's own OpenMetrics exposition on its Unix socket, for the worker that gets a scrape; and
-    the admin API's changes another worker got (`admin_apply(action, fields)`), so every worker has them."""
+    the admin API's changes another worker got (`await admin_apply(action, fields)`), so every worker has them
+before the caller gets its answer."""
 
     async def own(request: web.Request) -> web.Response:
         body, content_type = exposition("application/openmetrics-text")
@@ -101,7 +102,7 @@ async def serve_private(info: WorkerInfo, exposition: callable, admin_apply: cal
     async def membership(request: web.Request) -> web.Response:
         change = await request.json()
         try:
-            admin_apply(change["action"], change["fields"])
+            await admin_apply(change["action"], change["fields"])
         except Exception as exc:  # the worker that got the request checked it: this is not expected
             log.warning("worker %d: forwarded admin change failed: %s", info.index, exc)
             return web.Response(status=500, text=str(exc))

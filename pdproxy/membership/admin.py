@@ -150,8 +150,8 @@ class AdminAPI:
             raise AdminError(502, f"applied here, but not in worker(s) {', '.join(failed)}; retry the request",
                              "forward_failed")
 
-    def apply(self, action: str, fields: dict[str, Any]) -> None:
-        """An admin change forwarded from another worker."""
+    async def apply(self, action: str, fields: dict[str, Any]) -> None:
+        """An admin change forwarded from another worker, applied before its answer."""
         if action == "put":
             self.membership.admin.put(self.member_of(fields))
         else:
@@ -159,6 +159,7 @@ class AdminAPI:
             for role in ROLES:
                 self.membership.admin.withdraw((role, url))
                 self.membership.flags.withdraw((role, url))
+        await self.membership.reconciler.settled()
 
     # -- reading -----------------------------------------------------------------------------------
 
