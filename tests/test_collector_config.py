@@ -158,15 +158,32 @@ def test_pipeline_wiring(name):
         assert any(c in p["receivers"] for p in service["pipelines"].values())
 
 
+def default(value: str) -> str:
+    """A setting as the collector reads it with nothing in the environment: `${env:VAR:-default}` is its default."""
+    m = re.fullmatch(r"\$\{env:[A-Z_][A-Z0-9_]*:-(.*)\}", str(value))
+    return m.group(1) if m else value
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_listeners_bind_all_interfaces_in_containers(name):
     # Since v0.104 the default host is localhost, unreachable from other containers or pods.
     cfg = load(name)
-    assert cfg["extensions"]["health_check"]["endpoint"] == "0.0.0.0:13133"
+    assert default(cfg["extensions"]["health_check"]["endpoint"]) == "0.0.0.0:13133"
     for proto, body in cfg["receivers"]["otlp"]["protocols"].items():
-        assert body["endpoint"] == {"grpc": "0.0.0.0:4317", "http": "0.0.0.0:4318"}[proto]
+        assert default(body["endpoint"]) == {"grpc": "0.0.0.0:4317", "http": "0.0.0.0:4318"}[proto]
     if "prometheus" in (cfg.get("exporters") or {}):
-        assert cfg["exporters"]["prometheus"]["endpoint"] == "0.0.0.0:8889"
+        assert default(cfg["exporters"]["prometheus"]["endpoint"]) == "0.0.0.0:8889"
+
+
+def test_the_single_collectors_listeners_come_from_the_environment():
+    """Moved without editing the file (two collectors, or a collector and Jaeger, on one host)."""
+    cfg = load("otelcol.yaml")
+    settings = [cfg["extensions"]["health_check"]["endpoint"], cfg["exporters"]["prometheus"]["endpoint"],
+                *(body["endpoint"] for body in cfg["receivers"]["otlp"]["protocols"].values()),
+                *cfg["service"]["telemetry"]["metrics"]["readers"][0]["pull"]["exporter"]["prometheus"].values(),
+                cfg["exporters"]["otlp_grpc/tempo"]["endpoint"], cfg["processors"]["tail_sampling"]["decision_wait"]]
+    for value in settings:
+        assert default(value) != value, f"{value} is not an ${{env:...}} reference with a default"
 
 
 def test_single_instance_topology():
@@ -219,7 +236,7 @@ def test_tail_sampling_policies():
     assert stalls["key"] == "pd.stalls" and stalls["min_value"] == 1  # integer attribute: numeric policy fits
     assert 0 < by_type["probabilistic"][0]["probabilistic"]["sampling_percentage"] <= 20  # baseline share
     # the root span (TTFT, stalls) is exported last: the decision must wait for it
-    assert int(re.fullmatch(r"(\d+)s", ts["decision_wait"]).group(1)) >= 30
+    assert int(re.fullmatch(r"(\d+)s", default(ts["decision_wait"])).group(1)) >= 30
 
 
 def _ottl_strings(cfg: dict) -> list[str]:

@@ -171,7 +171,7 @@ def test_compose_telemetry_wiring():
     services = compose()["services"]
     env = services["pdproxy"]["environment"]
     otelcol = yaml.safe_load((REPO / "collector" / "otelcol.yaml").read_text())
-    grpc_port = otelcol["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].rsplit(":", 1)[1]
+    grpc_port = otelcol["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"].rstrip("}").rsplit(":", 1)[1]
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == f"http://otelcol:{grpc_port}"
     assert env["OTEL_EXPORTER_OTLP_PROTOCOL"] == "grpc"
     assert env["OTEL_TRACES_SAMPLER"] == "always_on"  # a client's sampled=00 must not remove spans
@@ -194,7 +194,7 @@ def test_compose_telemetry_wiring():
     assert "--enable-feature=exemplar-storage" in prom["command"]
     scrape = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     targets = {t for job in scrape["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
-    exporter_port = otelcol["exporters"]["prometheus"]["endpoint"].rsplit(":", 1)[1]
+    exporter_port = otelcol["exporters"]["prometheus"]["endpoint"].rstrip("}").rsplit(":", 1)[1]  # ${env:..:-0.0.0.0:N}
     assert targets == {"pdproxy:8000", f"otelcol:{exporter_port}"}
 
 
