@@ -106,7 +106,7 @@ def target(settings: Settings) -> dict[str, Any]:
 
 def describe(settings: Settings) -> str:
     """Start-up's line (with --shadow-url): where the copies go and within which bounds."""
-    where = redact_url(settings.shadow_url)
+    where = redact_url(settings.shadow_url or "")
     if settings.shadow_prefill_urls:
         where = (f"a P/D pool (decode {where}, prefill {', '.join(redact_url(u) for u in settings.shadow_prefill_urls)})")
     else:

@@ -41,7 +41,8 @@ class LoopSink(Protocol):
     """Takes one encoded `ExportTraceServiceRequest`; True when it was stored (or sent and accepted),
     else False with `error` saying why."""
 
-    error: str | None
+    @property
+    def error(self) -> str | None: ...
 
     async def send(self, payload: bytes) -> bool: ...
     async def close(self) -> None: ...
