@@ -91,8 +91,8 @@ class Proxy:
             self.intake.check_head(headers, client.content_length)
             body, raw = await self.intake.read_body(client, route)
             trace.set_request(body)
-            if self.served is not None:
-                self.served.check(body, route.chat)  # vLLM's refusal, before any prefill is spent on it
+            if self.served is not None and (asking := self.served.check(body, route.chat)) is not None:
+                await asking  # vLLM's refusal before any prefill is spent; a name nobody lists: the instances asked
             leg_headers = self.intake.leg_headers(headers, trace)
             if self.shadow is not None:
                 self.shadow.mirror(body, route, trace, leg_headers)

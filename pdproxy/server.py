@@ -119,7 +119,7 @@ async def _lifecycle(app: web.Application, settings: Settings):
     # what the instances serve: checked before a prefill, and the model names that may label telemetry
     proxy.served = ServedModels(recorder.models, [*settings.served_model_name, *filter(None, [settings.model])])
     learning = asyncio.create_task(proxy.served.watch(
-        session, [i.url for p in pools for i in p.instances], auth, settings.health_check_interval,
+        session, lambda: [i.url for p in pools for i in p.instances], auth, settings.health_check_interval,
         settings.health_check_timeout), name="served-models")
     yield
     learning.cancel()

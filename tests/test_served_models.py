@@ -35,7 +35,7 @@ def prefill_attempts(url: str) -> float:
 
 def test_status_lists_the_served_models_and_their_context(cluster):
     url, _ = cluster
-    assert httpx.get(url + "/status").json()["served_models"] == {"checked": True,
+    assert httpx.get(url + "/status").json()["served_models"] == {"checked": True, "served_when_asked": [],
                                                                   "max_model_len": {"sim-model": MAX_MODEL_LEN}}
 
 
@@ -90,3 +90,21 @@ def test_a_decode_refusing_the_request_is_not_the_clusters_failure(cluster):
         counter(before, "pdproxy_request_errors_total", error_type="upstream_4xx") + 1
     status = httpx.get(url + "/status").json()["instances"]["decode"][0]
     assert status["healthy"] and not status["ejected"]
+
+
+def test_an_empty_model_name_is_served_with_the_instances_model(cluster):
+    """vLLM serves `"model": ""` with its own model (`_is_model_supported`), and so does the simulator; the proxy
+    checks it, as a request without a model, against that model's context (issue 54 items 2 and 4)."""
+    url, decode = cluster
+    body = {"model": "", "prompt": list(range(100, 140)), "max_tokens": 4}
+    direct = httpx.post(decode + "/v1/completions", json=body, timeout=10)
+    assert direct.status_code == 200 and direct.json()["model"] == "sim-model"
+    assert httpx.post(url + "/v1/completions", json=body, timeout=10).status_code == 200
+    for model in ("", None):
+        too_long = {"prompt": list(range(100, 140)), "max_tokens": MAX_MODEL_LEN,
+                    **({"model": model} if model is not None else {})}
+        direct = httpx.post(decode + "/v1/completions", json=too_long, timeout=10)
+        before = prefill_attempts(url)
+        r = httpx.post(url + "/v1/completions", json=too_long, timeout=10)
+        assert (r.status_code, r.json()) == (400, direct.json())
+        assert prefill_attempts(url) == before  # no prefill spent on it

@@ -247,8 +247,9 @@ def parse_detokenize(body: Any, served_model: str, vocab_size: int) -> list[int]
 
 
 def _check_model(body: dict[str, Any], served_model: str) -> str:
+    """vLLM's `_check_model`: no model, or an empty name, is served by the served model."""
     model = body.get("model")
-    if model is None:
+    if model is None or model == "":
         return served_model
     if not isinstance(model, str):
         raise APIError(400, "model: Input should be a valid string", "model")

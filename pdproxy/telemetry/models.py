@@ -8,8 +8,8 @@ cannot write:
 
 * given by the operator (`--served-model-name`, and `--model`);
 * listed by an instance's `GET /v1/models` (read by pdproxy/served.py: at start, then with the health
-  checks, at most every `MIN_REFRESH_SECONDS`; with health checks off, until every instance has
-  answered once).
+  checks but at most every `MIN_REFRESH_SECONDS`, and every `MIN_REFRESH_SECONDS` with health checks
+  off; also, at most once a second, for a request naming a model no instance lists).
 
 The `model` field of an answer never adds a name: some OpenAI-compatible servers echo whatever
 model was requested, so an answer is the client's own text coming back. It can still pick among
