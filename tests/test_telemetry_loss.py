@@ -152,3 +152,51 @@ def test_loss_is_said_once_then_summarised_then_its_end(caplog):
     loss.recovered(1095.0)  # nothing to say twice
     loss.lost(1, "x", 2000.0)  # a new outage starts with its own first line
     assert len(caplog.records) == 4 and "failed: x; 1 span(s) dropped" in caplog.records[-1].getMessage()
+
+
+def test_a_full_span_queue_is_said_once_and_when_it_has_room_again(caplog, monkeypatch):
+    """The queue in front of a destination that does not answer fills; what does not fit is said, not
+    only counted, and so is the moment it has room again. In /status: the queue's own drops."""
+    import asyncio
+
+    from test_otlp_export import emit_requests
+
+    from pdproxy.telemetry.tracing import Tracing
+
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")
+    caplog.set_level(logging.WARNING, "pdproxy.export")
+
+    class Stuck:
+        """A destination that takes a batch only when let go."""
+        error = None
+
+        def __init__(self) -> None:
+            self.go = asyncio.Event()
+
+        async def send(self, payload: bytes) -> bool:
+            await self.go.wait()
+            return True
+
+        async def close(self) -> None:
+            pass
+
+    async def run() -> None:
+        sink = Stuck()
+        drops: list[tuple[str, int]] = []
+        tracing = Tracing({}, [sink], 20, on_drop=lambda reason, count: drops.append((reason, count)))
+        emit_requests(tracing, 1)  # 5 spans: sent, and stuck
+        await asyncio.sleep(0.1)
+        emit_requests(tracing, 8)  # 4 fit the queue of 20, 4 do not
+        queue = [r.getMessage() for r in caplog.records if "span queue" in r.getMessage()]
+        assert queue == ["span queue (20 spans, --span-queue-size) is full: spans come faster than the destinations "
+                         "take them; 5 span(s) dropped (counted in pdproxy_spans_dropped_total{reason=\"queue_full\"}); "
+                         "while this goes on, a summary follows at most every 60 s"]
+        assert drops == [("queue_full", 5)] * 4
+        assert tracing.status()["queue"] == {"spans": 20, "capacity": 20, "spans_dropped_full": 20}
+        sink.go.set()
+        await tracing.shutdown(timeout=5)
+        back = [r.getMessage() for r in caplog.records if "has room again" in r.getMessage()]
+        assert len(back) == 1 and "20 span(s) were dropped meanwhile" in back[0]
+        assert tracing.status()["exporters"][0]["spans_sent"] == 25
+
+    asyncio.run(run())
