@@ -83,6 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the workload's random draws (prompt and output lengths): the same seed sends the same "
                         "requests (0)")
+    p.add_argument("--all", action="store_true", dest="all_rows",
+                   help="every row of the results table (default: the rows that decide; report.html has them all)")
     p.add_argument("--output-dir", "--out-dir", dest="out_dir", metavar="DIR",
                    help="where results go (default: a new ./pdproxy-demo-YYYYmmdd-HHMMSS)")
     add_slo_arguments(p.add_argument_group("verdict SLOs (as in pdproxy report)"))
@@ -380,13 +382,15 @@ def run(args: argparse.Namespace) -> int:
         (out / "report.json").write_text(json.dumps(rep, indent=1))
         (out / "report.html").write_text(html.render(rep))
         out_console.print(time_scale_note(args))
-        table.render(rep, out_console, drilldown=True, drilldown_rows=2)
+        table.render(rep, out_console, drilldown=True, drilldown_rows=2, all_rows=args.all_rows,
+                     more="add --all to the report command below, or open report.html")
         slowest = _waterfall(rep, runs, idx, out_console)
         wall = time.monotonic() - t0
-        out_console.print(f"\nRun directory: {out}")
+        # paths and commands whole on their lines, to be copied (never wrapped at the width)
+        out_console.print(f"\nRun directory: {out}", soft_wrap=True)
         for r, tf in zip(runs, trace_files):
             out_console.print(f"  {r.label:8s} records {Path(r.source).name}, traces {tf.name}"
-                              + ("" if tf.exists() else " (missing: the proxy wrote no trace file)"))
+                              + ("" if tf.exists() else " (missing: the proxy wrote no trace file)"), soft_wrap=True)
         all_traces = " ".join(f"--traces {t.name}" for t in trace_files + instance_files if t.exists())
         out_console.print(f"  instances' llm_request spans: {', '.join(t.name for t in instance_files)}\n"
                           f"  report   report.html (plots), report.json; process logs in logs/\n"
@@ -394,7 +398,7 @@ def run(args: argparse.Namespace) -> int:
                           f"{all_traces} --html report.html  (in {out})"
                           + (f"\nOne request's waterfall: pdproxy trace {slowest} {all_traces} --records "
                              f"{' --records '.join(Path(r.source).name for r in runs)}" if slowest else "")
-                          + f"\nWall time: {wall:.1f}s")
+                          + f"\nWall time: {wall:.1f}s", soft_wrap=True)
         return 0
     except DemoError as e:
         err.print(f"[red]pdproxy demo: {e}[/]")

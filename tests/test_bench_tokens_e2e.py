@@ -149,5 +149,5 @@ def test_report_of_a_2p2d_run_has_a_row_per_instance_and_the_killed_decode_stand
     assert all(i["failed"] == 0 for k, i in rows.items() if i is not killed), rows
     assert sum(i["failed"] for i in rows.values()) == run["stats"]["requests"]["failed"]
     assert all(i["ttft"]["count"] and i["kv_wait"]["count"] and i["max_itl"]["count"] for i in rows.values()), rows
-    assert "Per instance, pd" in p.stdout and victim_url.removeprefix("http://") in p.stdout
-    assert page.read_text().count("<table class=instances") == 1
+    assert "Per decode instance, pd" in p.stdout and victim_url.removeprefix("http://") in p.stdout
+    assert page.read_text().count("<table class=instances") == 2  # a prefill's and a decode's, each its own columns

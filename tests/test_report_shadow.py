@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
+from pdproxy.bench import table
 from procs import start_proxy, start_sim
 from waits import scaled
 
@@ -120,7 +121,7 @@ def test_pairing_counts(served: dict) -> None:
     assert rep["pairing"]["primary_only"] == len(primary - shadow) == served["shadow_counts"]["sampled_out"]
     assert rep["pairing"]["shadow_only"] == len(shadow - primary) == 0
     assert 0 < rep["pairing"]["primary_only"] < REQUESTS
-    assert f"unpaired, left out: {len(primary - shadow)} primary only, 0 shadow only" in out
+    assert f"unpaired, left out: {len(primary - shadow)} primary only, 0 shadow only" in " ".join(out.split())
     assert [e["label"] for e in rep["runs"]] == ["primary", "shadow"]
     for e in rep["runs"]:
         assert e["traces"]["joined"] == e["traces"]["records"] == len(primary & shadow)
@@ -128,7 +129,7 @@ def test_pairing_counts(served: dict) -> None:
 
 
 def test_numbers_match_an_independent_recomputation(served: dict) -> None:
-    rep, out = report(served)
+    rep, out = report(served, "--all")
     roots, stages = roots_and_stages(served["trace"])
     paired = set(roots["primary"]) & set(roots["shadow"])
     by = {e["label"]: e for e in rep["runs"]}
@@ -222,3 +223,47 @@ def test_by_deployment_needs_traces_only(served: dict) -> None:
         p = subprocess.run([sys.executable, "-m", "pdproxy", "report", *args], capture_output=True, text=True,
                            timeout=60)
         assert p.returncode == 2 and msg in " ".join(p.stderr.split()), (args, p.stderr)  # rich wraps lines
+
+
+def test_each_deployments_throughput_is_over_its_own_requests(served: dict) -> None:
+    """The primary served every request and the shadow the sampled ones: each one's throughput is over its own
+    (not only the paired ones), with how many it served and how many were paired."""
+    rep, out = report(served)
+    roots, _ = roots_and_stages(served["trace"])
+    paired = len(set(roots["primary"]) & set(roots["shadow"]))
+    cells = dict(zip([e["label"] for e in rep["runs"]], dict(table.metric_rows(rep))["throughput, output tokens/s"]))
+    for e in rep["runs"]:
+        mine = list(roots[e["deployment"]].values())
+        ok = [s for s in mine if "error.type" not in s["a"]]
+        tokens = sum(int(s["a"]["gen_ai.usage.output_tokens"]) for s in ok)
+        window = max(s["start"] + s["dur"] for s in mine) - min(s["start"] for s in mine)
+        own = e["own_throughput"]
+        assert own["requests"] == len(mine) and own["ok"] == len(ok), e["label"]
+        assert own["output_tokens_per_s"] == pytest.approx(tokens / window, rel=1e-6), e["label"]
+        assert f"{own['output_tokens_per_s']:.1f} ({len(mine)} req)" in cells[e["label"]]
+    assert rep["runs"][0]["own_throughput"]["requests"] == REQUESTS > paired  # primary: every request
+    assert rep["runs"][1]["own_throughput"]["requests"] == paired  # the shadow's failures served too
+    text = " ".join(out.split())
+    assert f"Paired by request id: {paired} requests traced by both deployments" in text
+    assert "throughput, output tokens/s" in text
+
+
+
+def test_live_traffic_report_of_both_deployments_with_their_errors(served: dict) -> None:
+    """Without --by-deployment: each deployment over all its own requests, unpaired, with its errors listed."""
+    out = served["dir"] / "traffic.json"
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "report", "--traces", str(served["trace"]), "--json",
+                        str(out)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(out.read_text())
+    roots, _ = roots_and_stages(served["trace"])
+    by = {e["deployment"]: e for e in rep["runs"]}
+    assert [e["label"] for e in rep["runs"]] == ["primary", "shadow"] and rep["verdict"] is None
+    for dep in ("primary", "shadow"):
+        assert by[dep]["stats"]["requests"]["measured"] == len(roots[dep])
+    shadow = by["shadow"]
+    assert shadow["stats"]["requests"]["errors"] == {"upstream_5xx": SHADOW_FAULTS}
+    assert len(shadow["failed"]) == SHADOW_FAULTS and all(f["trace_id"] for f in shadow["failed"])
+    text = " ".join(p.stdout.split())
+    assert "upstream_5xx: 3" in text and "shadow · failed" in text and "injected fault" in text
+    assert "Paired by request id" not in text

@@ -72,7 +72,7 @@ def test_run_b_the_hand_off_is_the_proxys_and_the_failed_attempts_are_apart(run_
 def test_run_a_table_and_json_name_the_decode_side(tmp_path):
     out = tmp_path / "r.json"
     p = subprocess.run([sys.executable, "-m", "pdproxy", "report", f"pd={XPYD / 'run-a-bench.jsonl.gz'}",
-                        "--traces", str(XPYD / "run-a.otlp.jsonl.gz"), "--json", str(out), "--definitions"],
+                        "--traces", str(XPYD / "run-a.otlp.jsonl.gz"), "--json", str(out), "--definitions", "--all"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "vLLM split: kv_transfer.decode_intake" in p.stdout
@@ -105,7 +105,11 @@ def test_run_b_table_and_page_show_the_killed_decode(tmp_path):
     text = " ".join(p.stdout.split())
     assert f"FLAG: pd: decode {DEAD}: 10 of 14 attempts failed" in text
     html = page.read_text()
-    assert html.count("<table class=instances") == 1 and "127.0.0.1:8201" in html
+    assert html.count("<table class=instances") == 2 and "127.0.0.1:8201" in html  # one per role
+    prefill = html.split("data-role='prefill'>", 1)[1].split("</table>", 1)[0]
+    decode = html.split("data-role='decode'>", 1)[1].split("</table>", 1)[0]
+    assert "127.0.0.1:8201" in decode and "KV wait" in decode and "stalls" in decode
+    assert "127.0.0.1:8100" in prefill and "KV wait" not in prefill and "stalls" not in prefill  # decode-side
     assert f"decode {DEAD}: 10 of 14 attempts failed" in html
 
 

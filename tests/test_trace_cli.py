@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import os
 import re
 import subprocess
 import sys
@@ -26,9 +27,11 @@ REQUEST = "bench-0210e3e3-stream-42"  # a P/D stream of the 2-GPU recording
 CALIBRATION = "b1c08acd-0c94-40c3-942f-8717efff7ae2"  # 1 GPU, 64 prompt tokens
 
 
-def trace_cmd(*args: str) -> subprocess.CompletedProcess:
+def trace_cmd(*args: str, columns: int | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": str(columns)} if columns else {k: v for k, v in os.environ.items()
+                                                                   if k != "COLUMNS"}
     return subprocess.run([sys.executable, "-m", "pdproxy", "trace", *args], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,7 @@ def one_trace(real):
 
 
 def test_waterfall_from_a_file(real):
-    p = trace_cmd(CALIBRATION, "--traces", str(real / "vllm023-pd-1gpu.otlp.jsonl.gz"))
+    p = trace_cmd(CALIBRATION, "--traces", str(real / "vllm023-pd-1gpu.otlp.jsonl.gz"), columns=80)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert all(len(line) <= 80 for line in lines)
@@ -60,10 +63,25 @@ def test_waterfall_from_a_file(real):
     assert ("kv_transfer 591.6 = handoff 0.1 + decode intake 33.2 + kv wait 544.5\n"
             "    + first step 10.7 + http 3.1\n") in text
     assert "largest: kv_transfer: decode's wait for the KV 544.5 ms (83% of E2E)" in text
-    # a prefix that only this request has will do; one that several have will not
-    assert trace_cmd(CALIBRATION[:8], "--traces", str(real / "vllm023-pd-1gpu.otlp.jsonl.gz")).stdout == p.stdout
-    several = trace_cmd("bench-", "--traces", str(real / "vllm023-pd-1gpu.otlp.jsonl.gz"))
-    assert several.returncode == 1 and "no request trace" in several.stderr
+    # a prefix that only this request has will do; one that several have lists them, whole ids to copy
+    assert trace_cmd(CALIBRATION[:8], "--traces", str(real / "vllm023-pd-1gpu.otlp.jsonl.gz"),
+                     columns=80).stdout == p.stdout
+    several = trace_cmd("bench-623c9df3-long-", "--traces", str(real / "vllm023-pd-1gpu.otlp.jsonl.gz"))
+    assert several.returncode == 1 and not several.stdout
+    listed = several.stderr.splitlines()
+    assert re.match(r"pdproxy trace: 'bench-623c9df3-long-' is a prefix of (\d+) requests", listed[0]), listed[0]
+    count = int(re.match(r".* of (\d+) requests", listed[0]).group(1))
+    rows = [re.fullmatch(r"  (bench-623c9df3-long-\d+)  ([0-9a-f]{32})  primary, TTFT [\d,.]+ ms", x) for x in listed[1:]]
+    assert count == len(rows) > 1 and all(rows), listed
+    for m in rows[:2]:  # each listed id picks its request
+        assert trace_cmd(m.group(1), "--traces", str(real / "vllm023-pd-1gpu.otlp.jsonl.gz")).returncode == 0
+    many = trace_cmd("bench-", "--traces", str(real / "vllm023-pd-1gpu.otlp.jsonl.gz"))
+    assert many.returncode == 1 and "is a prefix of 190 requests" in many.stderr and "... and 170 more" in many.stderr
+    # the same waterfall at the width of a file or a pipe (100 columns): the split fits on fewer lines
+    wide = trace_cmd(CALIBRATION, "--traces", str(real / "vllm023-pd-1gpu.otlp.jsonl.gz"))
+    assert max(map(len, wide.stdout.splitlines())) <= 100 < max(map(len, wide.stdout.splitlines())) + 10
+    assert "kv_transfer 591.6 = handoff 0.1 + decode intake 33.2 + kv wait 544.5 + first step 10.7 + http 3.1\n" \
+        in wide.stdout
 
 
 def test_by_trace_id_and_unknown_id(real, one_trace):
@@ -166,6 +184,10 @@ def store(one_trace, real):
                     instance = q["q"][0].split('"')[1]
                     found = on_instance(instance, int(q["start"][0]) * 10**9, int(q["end"][0]) * 10**9)
                     body = {"traces": [{"traceID": t} for t in found]}
+                elif q["q"] == ['{ resource.service.name = "pdproxy" }']:  # a window of traffic
+                    a, b = int(q["start"][0]) * 10**9, int(q["end"][0]) * 10**9
+                    found = sorted(t for t, r in roots.items() if r is not None and a <= int(r["startTimeUnixNano"]) <= b)
+                    body = {"traces": [{"traceID": _b64(t)} for t in found[:int(q["limit"][0])]]}
             data = json.dumps(body).encode() if body is not None else b'{"error": "not found"}'
             self.send_response(200 if body is not None else 404)
             self.send_header("Content-Type", "application/json")
@@ -255,3 +277,20 @@ def test_waterfall_and_report_name_where_each_leg_ran_and_why():
 def test_help_names_no_option_that_does_not_exist():
     p = trace_cmd("--help")
     assert p.returncode == 0 and "LOOKBACK" not in p.stdout and "10 s before" in p.stdout
+
+
+def test_report_of_a_window_in_tempo(store, real, tmp_path):
+    """Tempo's search (TraceQL on the proxy's service, seconds) then each trace: the window's requests, whole."""
+    base, asked = store
+    starts = sorted(int(sp["startTimeUnixNano"]) for _, _, sp in otlp_spans(real / "vllm023-pd-2gpu.otlp.jsonl.gz")
+                    if _attr(sp, "pd.request_id") and not sp["name"].startswith("pd."))
+    a, b = starts[0] // 10**9, starts[39] // 10**9  # whole seconds, as Tempo takes them
+    expected = sum(1 for t in starts if a * 10**9 <= t <= (b + 1) * 10**9)
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-m", "pdproxy", "report", "--tempo", base + "/tempo", "--start", str(a),
+                        "--end", str(b), "--json", str(out), "--no-table"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    rep = json.loads(out.read_text())
+    assert sum(e["stats"]["requests"]["measured"] for e in rep["runs"]) == expected >= 40
+    assert all(e["engine_split"] for e in rep["runs"])  # the instances' spans came with each trace
+    assert any("resource.service.name" in unquote(x) for x in asked)

@@ -48,9 +48,10 @@ DEFINITION = (
     "its pd.kv_transfer), another request's prefill (vLLM's "
     "scheduled→first token, else pd.prefill), a preemption the instance reported, the client side (a "
     "recorded gap the proxy did not see: longer than its pd.itl.max), or none; shares are of "
-    "stall time. Request level: P/D requests with a short prompt whose pd.decode window contains a KV "
-    "arrival of ≥ {tokens} prompt tokens (its first token at the proxy) on their decode instance vs the others, by "
-    "max gap (pd.itl.max). Split columns: ms, parts in the order of the definition above."
+    "stall time. Request level (row 'max gap p50, with / without a large KV arrival (n)'): P/D requests with a "
+    "short prompt whose pd.decode window contains a KV arrival of ≥ {tokens} prompt tokens (its first token at "
+    "the proxy) on their decode instance vs the others, by max gap (pd.itl.max), with how many requests each. "
+    "Drill-down split: ms, each part named."
 )
 
 

@@ -253,7 +253,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         runs = [Run(header=r.header, requests=r.records, summary=r.summary, source=str(r.path)) for r in results]
         rep = report_mod.build(runs, verdict=False)  # a sweep is a series, not a candidate and baselines
-        table.render(rep, console, drilldown=False)
+        table.render(rep, console, drilldown=False,
+                     more=f"pdproxy report {' '.join(str(r.path) for r in results)} --all")
     failed_all = all(r.summary["stats"]["requests"]["ok"] == 0 for r in results)
     if failed_all:
         err.print("[red]every request failed: check --url, --model and the server's log[/]")

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdproxy.bench import stats
 from pdproxy.bench.records import Run
 from pdproxy.bench.traces import TraceIndex, TraceInfo
 
@@ -40,22 +41,41 @@ DEFINITIONS = {
                "not used",
     "warmup": "the first --warmup-requests paired requests (by primary start) and those started in the first "
               "--warmup-seconds are excluded from both runs",
+    "throughput": "each deployment's over its own requests, paired or not (a shadow sampling part of the traffic "
+                  "serves fewer): output tokens of its successful requests / its first start to its last end, "
+                  "warm-up left out; the number of its requests is given beside it",
 }
+# A report of live traffic from traces alone (`pdproxy report --traces FILE`, no record files): no pairing.
+TRAFFIC_DEFINITIONS = {k: v for k, v in DEFINITIONS.items() if k not in ("pairing", "warmup", "throughput")}
+TRAFFIC_DEFINITIONS["warmup"] = ("the first --warmup-requests requests of each run and those started in its first "
+                                 "--warmup-seconds are left out")
+TRAFFIC_TOOL = "pdproxy serve (live traffic: trace roots, proxy-side)"
 
 
 @dataclass
 class Pairing:
-    """How the two deployments' requests matched up."""
+    """How the two deployments' requests matched up, and each one's throughput over its own requests."""
 
     paired: int
     primary_only: int
     shadow_only: int
     warmup: int
     examples: dict[str, list[str]]
+    own: dict[str, dict[str, Any]] | None = None  # deployment -> throughput over all its requests
 
     def as_dict(self) -> dict[str, Any]:
         return {"paired": self.paired, "primary_only": self.primary_only, "shadow_only": self.shadow_only,
-                "warmup": self.warmup, "unpaired_examples": self.examples}
+                "warmup": self.warmup, "unpaired_examples": self.examples, "own_throughput": self.own}
+
+
+def own_throughput(infos: list[TraceInfo], warmup_requests: int = 0, warmup_seconds: float = 0.0) -> dict[str, Any]:
+    """Throughput over every request of one deployment (stats.run_stats' window and counts), warm-up left out:
+    the first `warmup_requests` and those started in its first `warmup_seconds`."""
+    infos = sorted(infos, key=lambda i: (i.start, i.request_id))
+    t0 = infos[0].start if infos else 0.0
+    recs = [record(i, n, t0, n < warmup_requests or i.start - t0 < warmup_seconds) for n, i in enumerate(infos)]
+    st = stats.run_stats(recs, by_class=False)
+    return {**st["throughput"], "requests": st["requests"]["measured"], "ok": st["requests"]["ok"]}
 
 
 def _itl_summary(a: dict[str, Any]) -> dict[str, Any] | None:
@@ -122,8 +142,10 @@ def split(idx: TraceIndex, *, warmup_requests: int = 0, warmup_seconds: float = 
             if n < warmup_requests or idx.by_request[rid].start - t0 < warmup_seconds}
     primary_only = sorted(set(idx.by_request) - both)
     shadow_only = sorted(set(idx.shadow) - both)
+    own = {name: own_throughput(list(table.values()), warmup_requests, warmup_seconds)
+           for name, table in ((PRIMARY, idx.by_request), (SHADOW, idx.shadow))}
     pairing = Pairing(paired=len(both), primary_only=len(primary_only), shadow_only=len(shadow_only),
-                      warmup=len(warm), examples={PRIMARY: primary_only[:5], SHADOW: shadow_only[:5]})
+                      warmup=len(warm), examples={PRIMARY: primary_only[:5], SHADOW: shadow_only[:5]}, own=own)
     runs = []
     for name, table in ((PRIMARY, idx.by_request), (SHADOW, idx.shadow)):
         first = min(table[rid].start for rid in order)
@@ -138,3 +160,28 @@ def split(idx: TraceIndex, *, warmup_requests: int = 0, warmup_seconds: float = 
         }
         runs.append(Run(header=header, requests=reqs, source=", ".join(idx.sources), deployment=name))
     return runs, pairing
+
+
+def traffic(idx: TraceIndex, *, warmup_requests: int = 0, warmup_seconds: float = 0.0) -> list[Run]:
+    """Live traffic from traces alone: one run per proxy run (resource `pd.run`) and deployment, over every
+    request it traced (no pairing, no record files). Labelled by the run, else `primary` / `shadow`."""
+    groups: dict[tuple[str, str], list[TraceInfo]] = {}
+    for info in [*idx.by_request.values(), *idx.shadow.values()]:
+        groups.setdefault((str(info.resource.get("pd.run") or ""), info.deployment), []).append(info)
+    if not groups:
+        raise ValueError(f"no request traces (root spans with pd.request_id) in {', '.join(idx.sources) or 'the store'}")
+    runs = []
+    for (name, deployment), infos in sorted(groups.items(), key=lambda g: (g[0][0], g[0][1] != PRIMARY, g[0][1])):
+        infos.sort(key=lambda i: (i.start, i.request_id))
+        t0 = infos[0].start
+        reqs = [record(i, n, t0, n < warmup_requests or i.start - t0 < warmup_seconds) for n, i in enumerate(infos)]
+        label = name if name and deployment == PRIMARY else f"{name} {deployment}".strip()
+        targets = sorted({str(i.attrs[k]) for i in infos for k in ("pd.prefill.instance", "pd.decode.instance")
+                          if i.attrs.get(k)})
+        header = {
+            "type": "run", "run_id": label, "label": label, "tool": TRAFFIC_TOOL, "measured_at": "proxy",
+            "target": ", ".join(targets[:4]) + (f" (+{len(targets) - 4})" if len(targets) > 4 else "") or None,
+            "conditions": {}, "conditions_source": "traces", "workload": None,
+        }
+        runs.append(Run(header=header, requests=reqs, source=", ".join(idx.sources), deployment=deployment))
+    return runs

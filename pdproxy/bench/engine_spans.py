@@ -46,7 +46,12 @@ PARTS: tuple[tuple[str, str], ...] = (
     ("kv_transfer", "failed_attempts"), ("kv_transfer", "handoff"), ("kv_transfer", "decode_intake"),
     ("kv_transfer", "kv_wait"), ("kv_transfer", "first_step"), ("kv_transfer", "http"),
     ("decode", "compute"), ("decode", "relay"),
+    ("prefill", "overlap"), ("kv_transfer", "overlap"), ("decode", "overlap"),
 )
+# The parts that are a remainder (the stage less vLLM's intervals). Such a remainder below zero is not
+# time: vLLM's interval and the proxy's span start or end at different events, so they overlap. It is
+# given as the stage's `overlap` part (subtracted), never as a negative component.
+REMAINDERS = ("prefill.overhead", "kv_transfer.decode_intake", "kv_transfer.http", "decode.relay")
 PART_LABELS = {
     "prefill.overhead": "proxy→instance overhead", "prefill.queue": "prefill queue",
     "prefill.compute": "prefill compute", "kv_transfer.handoff": "proxy hand-off (measured)",
@@ -55,7 +60,18 @@ PART_LABELS = {
     "kv_transfer.kv_wait": "decode's wait for the KV", "kv_transfer.first_step": "first decode step",
     "kv_transfer.http": "HTTP proxy↔decode (the rest)",
     "decode.compute": "decode compute", "decode.relay": "proxy relay",
+    "prefill.overlap": "overlap (subtracted)", "kv_transfer.overlap": "overlap (subtracted)",
+    "decode.overlap": "overlap (subtracted): vLLM decoding before pd.decode began",
 }
+OVERLAP_DEFINITION = (
+    "(subtracted) a stage's parts are the proxy's span and vLLM's intervals, measured between different "
+    "events, so a remainder (overhead, intake, HTTP, relay) can come out below zero; that much of vLLM's interval "
+    "lies outside the proxy's span, and it is given as the stage's overlap, subtracted, never as a negative part. "
+    "The usual one is the decode's: vLLM's time_in_model_decode runs from its first token to its last, pd.decode "
+    "from when the proxy received the first token to the end of the stream, so when the first token took longer "
+    "to reach the proxy than the last (it is counted in kv_transfer's HTTP, or single mode's prefill), vLLM's "
+    "decode began that much before pd.decode did (recorded vLLM 0.23 runs: up to 10 ms)"
+)
 SPLIT_DEFINITION = (
     "rows 'vLLM split: stage.part'; from vLLM's llm_request spans (children of pd.prefill / pd.decode; single mode: one span under "
     "pd.prefill) and their gen_ai.latency.* attributes: prefill = proxy→instance overhead (the rest: HTTP, "
@@ -67,8 +83,8 @@ SPLIT_DEFINITION = (
     "time_in_model_prefill, i.e. API server arrival → engine-core QUEUED, plus the first token's way back to "
     "its API server) + decode's wait for the KV (its time_in_queue, the NIXL pull included) + first decode "
     "step (its time_in_model_prefill) + HTTP proxy↔decode (the rest); "
-    "decode = decode compute (time_in_model_decode) + proxy relay (the rest). Requests without vLLM spans "
-    "have only the proxy's stages."
+    "decode = decode compute (time_in_model_decode) + proxy relay (the rest); a rest below zero is an overlap "
+    "(below). Requests without vLLM spans have only the proxy's stages."
 )
 
 
@@ -150,13 +166,26 @@ def split(info: Any) -> dict[str, float]:
         out["prefill.overhead"] = stages["prefill"] - first.queue - first.prefill
     last = first if single else engine.get("decode")
     if last is None:
-        return out
+        return _overlaps(out)
     if not single and "kv_transfer" in stages and last.queue is not None and last.prefill is not None:
         out.update(_kv_split(stages["kv_transfer"], handoff(info), last))
     if "decode" in stages and last.decode is not None:
         out["decode.compute"] = last.decode
         out["decode.relay"] = stages["decode"] - last.decode
-    return out
+    return _overlaps(out)
+
+
+def _overlaps(parts: dict[str, float]) -> dict[str, float]:
+    """Each remainder below zero moved to its stage's `overlap` (REMAINDERS); every stage with vLLM's parts
+    has one, zero when nothing overlaps, so its percentiles are over the same requests as the others'."""
+    for stage in {k.split(".")[0] for k in parts if k in REMAINDERS}:
+        parts.setdefault(f"{stage}.overlap", 0.0)
+    for key in REMAINDERS:
+        if parts.get(key, 0.0) < 0:
+            stage = key.split(".")[0]
+            parts[f"{stage}.overlap"] += -parts[key]
+            parts[key] = 0.0
+    return parts
 
 
 def handoff(info: Any) -> tuple[float | None, float | None]:

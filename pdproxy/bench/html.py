@@ -14,8 +14,8 @@ import html
 import json
 from typing import Any
 
-from pdproxy.bench.table import (INSTANCE_COLUMNS, INSTANCE_NOTE, condition_rows, instance_rows, metric_rows, ms,
-                                 pairing_text, results_title, split_text, stalls_text)
+from pdproxy.bench.table import (INSTANCE_NOTE, condition_rows, instance_groups, metric_rows, ms, pairing_text,
+                                 results_title, split_text, stalls_text)
 
 CSS = """
 body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1a1a1a;max-width:1400px}
@@ -173,15 +173,17 @@ def _one_verdict(v: dict[str, Any], suffix: str) -> str:
 
 
 def _instances(report: dict[str, Any]) -> str:
-    """One table per run that spread over more than one instance (bench/instances.py)."""
+    """Per run that spread over more than one instance, one table per role with that role's own columns
+    (bench/instances.py, bench/table.py)."""
     out = []
     for e in report["runs"]:
-        rows = instance_rows(e)
-        if len(rows) > 1:
-            out.append(f"<h2>Per instance, {_e(e['label'])} (from the traces; ms)</h2>"
-                       + _table(list(INSTANCE_COLUMNS), rows, num_from=2).replace("<table>", f"<table class=instances "
-                                                                                  f"data-run='{_e(e['label'])}'>", 1)
-                       + f"<div class=dim>{_e(INSTANCE_NOTE)}</div>")
+        if len(e.get("instances") or []) < 2:
+            continue
+        out.append(f"<h2>Per instance, {_e(e['label'])} (from the traces; ms)</h2>")
+        for role, columns, rows in instance_groups(e):
+            out.append(_table(columns, rows, num_from=1).replace(
+                "<table>", f"<table class=instances data-run='{_e(e['label'])}' data-role='{_e(role)}'>", 1))
+        out.append(f"<div class=dim>{_e(INSTANCE_NOTE)}</div>")
     return "".join(out)
 
 

@@ -31,11 +31,18 @@ from pdproxy.bench.traces import TraceInfo
 from pdproxy.telemetry import names as n
 
 ROLES = ("prefill", "decode")
+SINGLE = "single"  # an instance of a single-mode run: it computes prompts and tokens alike
+
+
+def _role(info: TraceInfo, role: str) -> str:
+    """The row's role: a single-mode request's one instance is `single`, not its decode."""
+    return SINGLE if str(info.attrs.get("pd.mode")) == SINGLE else role
 
 
 def breakdown(requests: list[dict[str, Any]], joined: dict[str, TraceInfo], *, unit: str,
               stall_threshold: float) -> list[dict[str, Any]]:
-    """Rows sorted by role then address; empty when no measured request has a trace naming an instance."""
+    """Rows sorted by role (prefill, decode, single) then address; empty when no measured request has a trace
+    naming an instance."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
 
     def row(role: str, address: str) -> dict[str, Any]:
@@ -49,9 +56,9 @@ def breakdown(requests: list[dict[str, Any]], joined: dict[str, TraceInfo], *, u
         if info is None:
             continue
         for role, address in attempts(info):  # warm-up included: an instance's failures are not the warm-up's
-            row(role, address)["attempts"] += 1
+            row(_role(info, role), address)["attempts"] += 1
         for role, address, reason, moved, abandoned in failed_attempts(info):
-            x = row(role, address)
+            x = row(_role(info, role), address)
             x["attempt_failures"][reason] += 1
             x["moved_away"] += moved
             x["abandoned_handoffs"] += abandoned
@@ -62,7 +69,7 @@ def breakdown(requests: list[dict[str, Any]], joined: dict[str, TraceInfo], *, u
             address = info.attrs.get(f"pd.{role}.instance")
             if not address:
                 continue
-            x = row(role, str(address))
+            x = row(_role(info, role), str(address))
             x["requests"] += 1
             if not r.get("ok"):
                 if _failed_on(role, failed_stage, info):
@@ -74,7 +81,8 @@ def breakdown(requests: list[dict[str, Any]], joined: dict[str, TraceInfo], *, u
             if tail:
                 x["_max"].append(tail[1])
     out = []
-    for key in sorted(rows):
+    order = (*ROLES, SINGLE)
+    for key in sorted(rows, key=lambda k: (order.index(k[0]) if k[0] in order else len(order), k)):
         x = rows[key]
         ttft, kv, maxes = x.pop("_ttft"), x.pop("_kv"), x.pop("_max")
         out.append({**x, "failures": dict(x["failures"].most_common()), "failed": sum(x["failures"].values()),

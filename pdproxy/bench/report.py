@@ -311,6 +311,27 @@ def pick_candidate(entries: list[dict[str, Any]], wanted: str | None) -> dict[st
     return pd[0] if pd else entries[-1]
 
 
+def definitions_of(stall_threshold: float = stats.DEFAULT_STALL_THRESHOLD, itl_unit: str = "token or chunk",
+                   unit_note: str | None = None) -> dict[str, Any]:
+    """How each figure of a report is defined (the report's `definitions`; `pdproxy report --definitions`)."""
+    return {
+        "percentiles": f"numpy.percentile, method={stats.PERCENTILE_METHOD}",
+        "itl_unit": itl_unit,
+        "itl_unit_note": unit_note,
+        "ttft": "client start -> first token-bearing SSE message (client clock)",
+        "tail_itl": "per request: p99 and max of its own gaps; then p50/p90/p99 across requests",
+        "bands": BAND_DEFINITION,
+        "stall_threshold_s": stall_threshold,
+        "kv_transfer": KV_DEFINITION,
+        "engine_split": engine_spans.SPLIT_DEFINITION,
+        "overlap": engine_spans.OVERLAP_DEFINITION,
+        "stall_attribution": attribution.DEFINITION.format(tokens=attribution.LARGE_KV_TOKENS),
+        "failures": "non-200, exception, error inside the stream, or no token-bearing message; counted in "
+                    "error rate, excluded from latency distributions",
+        "warmup": "warm-up requests are recorded but excluded from every statistic",
+    }
+
+
 def build(runs: list[Run], idx: traces.TraceIndex | None = None, *, unit: str = "auto",
           stall_threshold: float = stats.DEFAULT_STALL_THRESHOLD, slowest: int = 5, slo: Slo | None = None,
           candidate: str | None = None, baselines: list[str] | None = None, verdict: bool = True,
@@ -340,21 +361,7 @@ def build(runs: list[Run], idx: traces.TraceIndex | None = None, *, unit: str = 
             unit_note = ("ITL units differ between runs (" + ", ".join(f"{e['label']}: {e['stats']['itl']['unit']}"
                                                                     for e in entries)
                          + "); per-request summaries from traces cannot be re-split")
-    defs: dict[str, Any] = {
-        "percentiles": f"numpy.percentile, method={stats.PERCENTILE_METHOD}",
-        "itl_unit": "/".join(sorted(units)),
-        "itl_unit_note": unit_note,
-        "ttft": "client start -> first token-bearing SSE message (client clock)",
-        "tail_itl": "per request: p99 and max of its own gaps; then p50/p90/p99 across requests",
-        "bands": BAND_DEFINITION,
-        "stall_threshold_s": stall_threshold,
-        "kv_transfer": KV_DEFINITION,
-        "engine_split": engine_spans.SPLIT_DEFINITION,
-        "stall_attribution": attribution.DEFINITION.format(tokens=attribution.LARGE_KV_TOKENS),
-        "failures": "non-200, exception, error inside the stream, or no token-bearing message; counted in "
-                    "error rate, excluded from latency distributions",
-        "warmup": "warm-up requests are recorded but excluded from every statistic",
-    }
+    defs = definitions_of(stall_threshold, "/".join(sorted(units)), unit_note)
     defs.update(definitions or {})
     report: dict[str, Any] = {
         "generated_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

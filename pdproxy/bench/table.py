@@ -7,6 +7,8 @@ trace and request ids are always whole (they are what you look up in the trace b
 
 from __future__ import annotations
 
+import os
+import textwrap
 from typing import Any, Callable
 
 from rich.console import Console, Group
@@ -18,10 +20,14 @@ from pdproxy.bench.engine_spans import PARTS
 from pdproxy.bench.report import CONDITION_LABELS
 
 
+PIPE_WIDTH = 100  # columns when the output is a file or a pipe: what a terminal shows it in
+
+
 def make_console(stderr: bool = False) -> Console:
-    """A console that is wide enough for side-by-side columns even when output is piped."""
+    """The terminal's width; 100 columns when the output is a file or a pipe. COLUMNS, when exported, wins."""
     probe = Console(stderr=stderr)
-    return Console(stderr=stderr, width=None if probe.is_terminal else 150)
+    columns = os.environ.get("COLUMNS", "")
+    return Console(stderr=stderr, width=None if probe.is_terminal or columns.isdigit() else PIPE_WIDTH)
 
 
 def ms(x: float | None, digits: int = 1) -> str:
@@ -103,74 +109,102 @@ def _workload_brief(w: dict[str, Any] | None) -> str:
     return "; ".join(parts) + f"; {stop}, seed {w.get('seed')}, warm-up {' + '.join(warm) or 'none'}"
 
 
-def metric_rows(report: dict[str, Any]) -> list[tuple[str, list[str]]]:
-    """The comparison table as data: (metric, one cell per run). Shared by the terminal and HTML."""
+def metric_rows(report: dict[str, Any], all_rows: bool = True) -> list[tuple[str, list[str]]]:
+    """The comparison table as data: (metric, one cell per run). Shared by the terminal and HTML.
+
+    Without `all_rows`, only the rows that decide: what the verdict weighs (TTFT, per-request max ITL, KV
+    transfer, errors) and what says whether to trust it (counts, bands, stalls, stages, throughput); the
+    others (per class, pooled ITL, TPOT, E2E, vLLM's split, ...) come with `all_rows` (`--all`, the HTML)."""
+    return [(name, cells) for name, cells, key in _rows(report) if all_rows or key]
+
+
+def hidden_rows(report: dict[str, Any]) -> int:
+    """How many rows `metric_rows(report, all_rows=False)` leaves out."""
+    return sum(1 for _, _, key in _rows(report) if not key)
+
+
+def _rows(report: dict[str, Any]) -> list[tuple[str, list[str], bool]]:
     runs = report["runs"]
     d = report["definitions"]
-    rows: list[tuple[str, list[str]]] = []
+    rows: list[tuple[str, list[str], bool]] = []
 
-    def row(name: str, fn: Callable[[dict[str, Any]], str]) -> None:
-        rows.append((name, [fn(e) for e in runs]))
+    def row(name: str, fn: Callable[[dict[str, Any]], str], key: bool = False) -> None:
+        rows.append((name, [fn(e) for e in runs], key))
 
-    row("requests measured (ok / failed)", lambda e: "{measured} ({ok} / {failed})".format(**e["stats"]["requests"]))
+    row("requests measured (ok / failed)", lambda e: "{measured} ({ok} / {failed})".format(**e["stats"]["requests"]),
+        True)
     length_classes = sorted({c for e in runs for c in (e["stats"].get("lengths") or {})})
     for what in ("prompt", "output"):
         for c in length_classes:
-            row(f"{what} tokens asked → actual (p50), class {c}", lambda e, c=c, what=what: _asked(e, c, what))
-    row("TTFT", lambda e: trio(e["stats"]["ttft"]))
-    row("  TTFT p50 / p99: 95 % band", lambda e: band_pair((e["stats"].get("bands") or {}).get("ttft")))
+            off = any((((e["stats"].get("lengths") or {}).get(c) or {}).get(what) or {}).get("flagged") for e in runs)
+            row(f"{what} tokens asked → actual (p50), class {c}", lambda e, c=c, what=what: _asked(e, c, what), off)
+    row("TTFT", lambda e: trio(e["stats"]["ttft"]), True)
+    row("  TTFT p50 / p99: 95 % band", lambda e: band_pair((e["stats"].get("bands") or {}).get("ttft")), True)
     classes = sorted({c for e in runs for c in (e["stats"].get("classes") or {})})
     for c in classes:
         row(f"  TTFT, class {c}", lambda e, c=c: trio(((e["stats"].get("classes") or {}).get(c) or {}).get("ttft")))
     row(f"ITL pooled (per {d['itl_unit']})", _pooled_itl)
     row("tail ITL: per-request p99", lambda e: trio(e["stats"]["tail_itl"]["per_request_p99"]))
-    row("tail ITL: per-request max", lambda e: trio(e["stats"]["tail_itl"]["per_request_max"]))
+    row("tail ITL: per-request max", lambda e: trio(e["stats"]["tail_itl"]["per_request_max"]), True)
     row("  per-request max p50 / p99: 95 % band",
-        lambda e: band_pair((e["stats"].get("bands") or {}).get("tail_itl")))
+        lambda e: band_pair((e["stats"].get("bands") or {}).get("tail_itl")), True)
     for c in classes:
         row(f"  per-request max, class {c}", lambda e, c=c: trio(
             (((e["stats"].get("classes") or {}).get(c) or {}).get("tail_itl") or {}).get("per_request_max")))
     row(f"requests with a gap > {d['stall_threshold_s'] * 1e3:g} ms",
-        lambda e: _num(e["stats"]["stalls"]["share"], "{:.1%}"))
+        lambda e: _num(e["stats"]["stalls"]["share"], "{:.1%}"), True)
     row("TPOT", lambda e: trio(e["stats"]["tpot"]))
     row("E2E", lambda e: trio(e["stats"]["e2e"]))
+    pd_runs = any(e.get("kv_transfer") for e in runs)
     row("KV transfer, upper bound", lambda e: trio((e.get("kv_transfer") or {}).get("upper_bound")) if e.get(
-        "kv_transfer") else ("n/a (no P/D)" if e.get("stages") else "n/a (no traces)"))
+        "kv_transfer") else ("n/a (no P/D)" if e.get("stages") else "n/a (no traces)"), pd_runs)
     row("KV transfer, estimated", lambda e: trio((e.get("kv_transfer") or {}).get("estimated")) if e.get(
         "kv_transfer") else "n/a")
     row("proxy hand-off gap", lambda e: trio((e.get("kv_transfer") or {}).get("handoff_gap")) if e.get(
         "kv_transfer") else "n/a")
     if any(e.get("disaggregation") for e in runs):
         row("decode only (selective disaggregation)", lambda e: "{share:.1%} ({decode_only} of {requests})".format(
-            **e["disaggregation"]) if e.get("disaggregation") else "n/a")
-    row("stages p50: queue/prefill/kv/decode", _stage_split)
+            **e["disaggregation"]) if e.get("disaggregation") else "n/a", True)
+    row("stages p50: queue, prefill, kv, decode", _stage_split, any(e.get("stages") for e in runs))
     if any(e.get("engine_split") for e in runs):
         for st, pt in PARTS:
             key = f"{st}.{pt}"
+            cells = [((e.get("engine_split") or {}).get("parts") or {}).get(key) for e in runs]
+            if not any(c and c.get("count") for c in cells):
+                continue  # a part no run has (no failed attempts, single runs only, ...)
+            if pt == "overlap" and not any(c and c.get("max") for c in cells):
+                continue  # nothing overlapped
             row(f"  vLLM split: {key}", lambda e, key=key: trio(
                 ((e.get("engine_split") or {}).get("parts") or {}).get(key)) if e.get("engine_split") else "n/a")
     if any(e.get("stall_attribution") for e in runs):
-        row("stall time by cause", _stall_shares)
-        row(f"max gap p50 of requests with / without a large KV (>= {LARGE_KV_TOKENS} tokens) "
-            "arriving on their decode meanwhile (requests)", _overlap)
+        row("stall time by cause", _stall_shares, True)
+        row("max gap p50, with / without a large KV arrival (n)", _overlap)
     if any(e.get("engine_counters") for e in runs):
         row("prefix-cache hit rate (instances' counters)", _prefix_hits)
         row("prompt tokens computed (instances' counters)", lambda e: _num(
             (e.get("engine_counters") or {}).get("computed"), "{:.0f}") if e.get("engine_counters") else "n/a")
     row("proxy TTFT (trace)", lambda e: trio(e.get("proxy_ttft")) if e.get("proxy_ttft") else "n/a")
-    row("throughput, output tokens/s", lambda e: _num(e["stats"]["throughput"]["output_tokens_per_s"]))
+    row("throughput, output tokens/s", _throughput, True)
     row("throughput, requests/s", lambda e: _num(e["stats"]["throughput"]["requests_per_s"], "{:.2f}"))
-    row("error rate", lambda e: _num(e["stats"]["requests"]["error_rate"], "{:.2%}"))
+    row("error rate", lambda e: _num(e["stats"]["requests"]["error_rate"], "{:.2%}"), True)
     row("errors by reason", lambda e: ", ".join(f"{k}: {v}" for k, v in e["stats"]["requests"]["errors"].items())
-        or "none")
+        or "none", True)
     pairing = report.get("pairing")
     if pairing:
         row("requests paired by id (+ only in this run)",
-            lambda e: f"{pairing['paired']} (+{pairing.get(e.get('deployment', '') + '_only', 0)})")
-    else:
+            lambda e: f"{pairing['paired']} (+{pairing.get(e.get('deployment', '') + '_only', 0)})", True)
+    elif any(e.get("traces") for e in runs) and not report.get("traffic"):  # traffic: its records are the traces
         row("records joined to traces",
-            lambda e: "{joined}/{records}".format(**e["traces"]) if e.get("traces") else "no traces")
+            lambda e: "{joined}/{records}".format(**e["traces"]) if e.get("traces") else "no traces", True)
     return rows
+
+
+def _throughput(e: dict[str, Any]) -> str:
+    """Output tokens/s; for a deployment of a shadow report, over its own requests (not only the paired)."""
+    own = e.get("own_throughput")
+    if own:
+        return f"{_num(own['output_tokens_per_s'])} ({own['requests']} req)"
+    return _num(e["stats"]["throughput"]["output_tokens_per_s"])
 
 
 def _prefix_hits(e: dict[str, Any]) -> str:
@@ -182,30 +216,49 @@ def _prefix_hits(e: dict[str, Any]) -> str:
     return text + (f", {len(unread)} unreadable" if unread else "")
 
 
-INSTANCE_COLUMNS = ("role", "address", "requests", "failed (by reason)", "attempts*", "attempts failed* (by reason)",
-                    "moved away*", "hand-offs abandoned*", "TTFT p50 / p99", "KV wait p50 / p99", "max ITL p50 / p99",
-                    "stalls")
-INSTANCE_NOTE = ("* attempts where they were sent, warm-up included; the other columns: measured requests where "
-                 "they ended")
+INSTANCE_NOTE = ("* attempts where they were sent, warm-up included (failed ones by reason, and KV hand-offs "
+                 "abandoned, in the FLAG lines); the other columns: measured requests where they ended")
+# Each role's own columns: a prefill has no KV wait, ITL or stalls (they happen on the decode), a decode's
+# TTFT is its requests' (the prefill's included), a single instance does it all.
+ROLE_COLUMNS: dict[str, tuple[str, ...]] = {
+    "prefill": ("requests (failed)", "attempts* (failed)", "moved away*", "TTFT p50 / p99"),
+    "decode": ("requests (failed)", "attempts* (failed)", "moved away*", "KV wait p50 / p99", "max ITL p50 / p99",
+               "stalls"),
+    "single": ("requests (failed)", "attempts* (failed)", "moved away*", "TTFT p50 / p99", "max ITL p50 / p99",
+               "stalls"),
+}
 
 
-def instance_rows(e: dict[str, Any]) -> list[list[str]]:
-    """A run's per-instance breakdown (bench/instances.py) as cells; shared by the terminal and HTML."""
-    rows = []
-    for i in e.get("instances") or []:
-        rows.append([i["role"], i["address"], str(i["requests"]), _by_reason(i["failed"], i["failures"]),
-                     str(i.get("attempts", "n/a")),
-                     _by_reason(i.get("attempts_failed", 0), i.get("attempt_failures") or {}),
-                     str(i.get("moved_away", 0)), str(i.get("abandoned_handoffs", 0)),
-                     trio(i["ttft"], ("p50", "p99")),
-                     trio(i["kv_wait"], ("p50", "p99")) if i["kv_wait"]["count"] else "n/a",
-                     trio(i["max_itl"], ("p50", "p99")), str(i["stalls"])])
-    return rows
+def _instance_cells(i: dict[str, Any]) -> dict[str, str]:
+    return {
+        "requests (failed)": f"{i['requests']} ({_by_reason(i['failed'], i['failures'])})",
+        "attempts* (failed)": f"{i.get('attempts', 'n/a')} ({i.get('attempts_failed', 0)})",  # reasons: the flags
+        "moved away*": str(i.get("moved_away", 0)),
+        "TTFT p50 / p99": trio(i["ttft"], ("p50", "p99")),
+        "KV wait p50 / p99": trio(i["kv_wait"], ("p50", "p99")) if i["kv_wait"]["count"] else "n/a",
+        "max ITL p50 / p99": trio(i["max_itl"], ("p50", "p99")),
+        "stalls": str(i["stalls"]),
+    }
+
+
+def instance_groups(e: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """A run's per-instance breakdown (bench/instances.py) as one table per role: (role, columns, rows), the
+    first column the instance's address. Shared by the terminal and HTML."""
+    out = []
+    rows = e.get("instances") or []
+    for role in [*ROLE_COLUMNS, *sorted({i["role"] for i in rows} - set(ROLE_COLUMNS))]:
+        mine = [i for i in rows if i["role"] == role]
+        if not mine:
+            continue
+        columns = ROLE_COLUMNS.get(role, ROLE_COLUMNS["single"])
+        out.append((role, [role, *columns], [[i["address"], *(_instance_cells(i)[c] for c in columns)]
+                                             for i in mine]))
+    return out
 
 
 def _by_reason(total: int, reasons: dict[str, int]) -> str:
     text = ", ".join(f"{k}: {v}" for k, v in reasons.items())
-    return f"{total}" + (f" ({text})" if text else "")
+    return f"{total}" + (f": {text}" if text else "")
 
 
 def shows_instances(report: dict[str, Any]) -> bool:
@@ -216,17 +269,16 @@ def shows_instances(report: dict[str, Any]) -> bool:
 def instances_tables(report: dict[str, Any]) -> list[Table]:
     out = []
     for e in report["runs"]:
-        rows = instance_rows(e)
-        if len(rows) < 2:
+        if len(e.get("instances") or []) < 2:
             continue
-        t = Table(title=f"Per instance, {e['label']} (from the traces; ms)", title_justify="left")
-        for c in INSTANCE_COLUMNS:  # an address is looked up as it is: never broken over lines
-            t.add_column(c, overflow="fold", justify="left" if c in ("role", "address") else "right",
-                         no_wrap=c in ("role", "address"))
-        for r in rows:
-            t.add_row(*map(Text, r))
-        t.caption, t.caption_justify = INSTANCE_NOTE, "left"
-        out.append(t)
+        for role, columns, rows in instance_groups(e):
+            t = Table(title=f"Per {role} instance, {e['label']} (from the traces; ms)", title_justify="left")
+            for c in columns:  # an address is looked up as it is: never broken over lines
+                t.add_column(c, overflow="fold", justify="left" if c == role else "right", no_wrap=c == role)
+            for r in rows:
+                t.add_row(*map(Text, r))
+            t.caption, t.caption_justify = INSTANCE_NOTE, "left"
+            out.append(t)
     return out
 
 
@@ -259,12 +311,29 @@ def results_title(report: dict[str, Any]) -> str:
     return f"Results{at} (ms unless stated; p50 / p90 / p99)"
 
 
-def metrics_table(report: dict[str, Any]) -> Table:
+MIN_LABEL = 20  # the metric column's narrowest before the figures are written tighter
+
+
+def metrics_table(report: dict[str, Any], all_rows: bool = True, width: int | None = None) -> Table:
+    """The results side by side. Where the runs' figures do not fit `width` on one line each, they are written
+    without spaces ("46.0/59.9/149.1") if that makes them fit beside a metric column of MIN_LABEL; else they
+    wrap between figures."""
+    rows = metric_rows(report, all_rows)
+    n = len(report["runs"])
+    if width and rows:
+        def need(cells_of: list[list[str]]) -> int:  # figures only: prose cells wrap as they must
+            return sum(max((len(r[i]) for r in cells_of if "/" in r[i]), default=0) for i in range(n)) \
+                + 3 * (n + 1) + 1
+
+        natural = need([c for _, c in rows]) + max(len(name) for name, _ in rows)
+        tight = [[c.replace(" / ", "/") for c in cells] for _, cells in rows]
+        if natural > width and width - need(tight) >= MIN_LABEL:
+            rows = [(name, cells) for (name, _), cells in zip(rows, tight)]
     t = Table(title=results_title(report), title_justify="left")
-    t.add_column("metric", style="bold", overflow="fold", ratio=3)
+    t.add_column("metric", style="bold", overflow="fold")
     for e in report["runs"]:
-        t.add_column(e["label"], justify="right", overflow="fold", ratio=2)
-    for name, cells in metric_rows(report):
+        t.add_column(e["label"], justify="right", overflow="fold")
+    for name, cells in rows:
         t.add_row(Text(name), *map(Text, cells))
     return t
 
@@ -295,13 +364,25 @@ def _overlap(e: dict[str, Any]) -> str:
     return f"{ms(w['p50'])} ({w['count']}) / {ms(x['p50'])} ({x['count']})"
 
 
+SHORT_PARTS = {"overhead": "overhead", "queue": "queue", "compute": "compute", "failed_attempts": "failed attempts",
+               "handoff": "hand-off", "decode_intake": "intake", "kv_wait": "KV wait", "first_step": "first step",
+               "http": "HTTP", "relay": "relay"}
+
+
 def split_text(split: dict[str, float]) -> str:
-    """A request's stages split by vLLM's spans (ms, parts in PARTS order): `prefill 15/0/17 | kv 57/7/4 | ...`."""
+    """A request's stages split by vLLM's spans (ms, named parts in PARTS order, those under 0.5 ms left out):
+    `prefill 15 overhead + 17 compute | kv 57 KV wait + 7 first step | decode 1,330 compute − 2 overlap`."""
     out = []
     for stage, short in (("prefill", "prefill"), ("kv_transfer", "kv"), ("decode", "decode")):
-        vals = [split[f"{st}.{pt}"] for st, pt in PARTS if st == stage and f"{st}.{pt}" in split]
-        if vals:
-            out.append(short + " " + "/".join(f"{v * 1e3:.0f}" for v in vals))
+        parts = [(pt, split[f"{st}.{pt}"]) for st, pt in PARTS if st == stage and f"{st}.{pt}" in split]
+        if not parts:
+            continue
+        text = " + ".join(f"{v * 1e3:,.0f} {SHORT_PARTS.get(pt, pt)}" for pt, v in parts
+                          if pt != "overlap" and v >= 5e-4)
+        over = split.get(f"{stage}.overlap", 0.0)
+        if over >= 5e-4:
+            text += f" − {over * 1e3:,.0f} overlap"
+        out.append(f"{short} {text or '0'}")
     return " | ".join(out)
 
 
@@ -344,12 +425,16 @@ def _one_verdict(v: dict[str, Any]) -> Group:
     return Group(*lines)
 
 
-def drilldown_blocks(report: dict[str, Any], per_run: int = 3) -> Group:
-    """The slowest and failed requests, one block each: ids on lines of their own, never shortened."""
-    lines: list[Any] = [Text("Slowest requests (drill-down: look the trace id up in your trace backend)",
+def drilldown_blocks(report: dict[str, Any], per_run: int = 3, width: int | None = None) -> Group:
+    """The slowest and failed requests, one block each: ids on lines of their own, never shortened; a long
+    value wraps under itself (at `width`)."""
+    lines: list[Any] = [Text("Slowest requests (drill-down: pdproxy trace ID, or your trace backend)",
                              style="bold")]
 
     def line(name: str, value: str) -> None:
+        if width and len(value) > width - 13:
+            value = "\n".join(textwrap.wrap(value, width - 13, subsequent_indent=" " * 13,
+                                             break_long_words=False, break_on_hyphens=False))
         lines.append(Text(f"  {name:<11}{value}", overflow="fold"))
 
     def block(run: str, by: str, r: dict[str, Any], facts: str) -> None:
@@ -389,12 +474,17 @@ def definitions_text(report: dict[str, Any]) -> str:
             + (f" ({d['itl_unit_note']})" if d.get("itl_unit_note") else "")
             + f". Tail ITL: {d['tail_itl']}. Bands: {d['bands']}. KV transfer: {d['kv_transfer']} Failures: "
               f"{d['failures']}."
-            + (f" Split by vLLM's spans: {d['engine_split']}" if any(e.get("engine_split") for e in report["runs"])
-               else "")
+            + (f" Split by vLLM's spans: {d['engine_split']} {d.get('overlap', '')}."
+               if any(e.get("engine_split") for e in report["runs"]) else "")
             + (f" Stall attribution: {d['stall_attribution']}"
                if any(e.get("stall_attribution") for e in report["runs"]) else "")
             + (f" Measured at {d['measured_at']}; TTFT: {d['ttft']}; E2E: {d['e2e']}. Pooled ITL: {d['itl_pooled']}."
                if d.get("measured_at") else ""))
+
+
+def all_definitions(defs: dict[str, Any]) -> list[tuple[str, str]]:
+    """Every definition a report can use, one (name, text) each: `pdproxy report --definitions` alone."""
+    return [(k, str(v)) for k, v in defs.items() if v is not None]
 
 
 def _definitions_pointer(report: dict[str, Any]) -> str:
@@ -402,13 +492,18 @@ def _definitions_pointer(report: dict[str, Any]) -> str:
     d = report["definitions"]
     note = f" ({d['itl_unit_note']})" if d.get("itl_unit_note") else ""
     return (f"ITL per {d['itl_unit']}{note}; stall: a gap over {d['stall_threshold_s'] * 1e3:g} ms. How each row "
-            "is defined: pdproxy report --definitions (docs/bench.md).")
+            "is defined: pdproxy report --definitions.")
+
+
+MORE_ROWS = "add --all, or see the HTML page (--html FILE)"
 
 
 def render(report: dict[str, Any], console: Console | None = None, drilldown: bool = True,
-           drilldown_rows: int = 3, definitions: bool = False) -> None:
+           drilldown_rows: int = 3, definitions: bool = False, all_rows: bool = False,
+           more: str = MORE_ROWS) -> None:
     """The report in the terminal; how each row is defined only with `definitions` (it is the same text
-    after every table: `pdproxy report --definitions`, and in the JSON)."""
+    after every table: `pdproxy report --definitions`, and in the JSON). The results table holds the rows
+    that decide, every row with `all_rows`; `more` says how to get the others, as the calling command takes it."""
     console = console or Console()
     console.print(conditions_table(report))
     for e in report["runs"]:
@@ -418,7 +513,11 @@ def render(report: dict[str, Any], console: Console | None = None, drilldown: bo
         if wrong:
             console.print(f"[yellow]note[/] {e['label']}: {wrong} vLLM span(s) under this run's requests carry another "
                           "request's gen_ai.request.id (expected cmpl-<X-Request-Id>-0): their split may be wrong")
-    console.print(metrics_table(report))
+    console.print(metrics_table(report, all_rows, console.width))
+    hidden = 0 if all_rows else hidden_rows(report)
+    if hidden:
+        console.print(Text(f"{hidden} more rows (per class, pooled ITL, TPOT, E2E, vLLM's split, ...): {more}",
+                           style="dim"))
     if shows_instances(report):
         for t in instances_tables(report):
             console.print(t)
@@ -427,9 +526,10 @@ def render(report: dict[str, Any], console: Console | None = None, drilldown: bo
     if pt:
         console.print(Text(pt, style="bold"))
     comp = report["comparison"]
-    if comp.get("resources"):
+    compared = bool(report.get("verdict")) or not report.get("traffic")  # live traffic's runs are not a comparison
+    if comp.get("resources") and compared:
         console.print(Text(f"Comparison: {comp['resources']}", style="bold"))
-    for f in comp.get("flags") or []:
+    for f in comp.get("flags") or [] if compared else []:
         console.print(Text(f"FLAG: {f}", style="bold yellow"))
     for e in report["runs"]:
         for f in e.get("instance_flags") or []:
@@ -443,4 +543,4 @@ def render(report: dict[str, Any], console: Console | None = None, drilldown: bo
     if vt is not None:
         console.print(vt)
     if drilldown:
-        console.print(drilldown_blocks(report, drilldown_rows))
+        console.print(drilldown_blocks(report, drilldown_rows, console.width))

@@ -9,12 +9,19 @@
   mapping); `/api/v2/traces/{id}` under `trace`. A request id is looked up with TraceQL
   `GET /api/search?q={ span.pd.request_id = "..." }`, the other requests on an instance with
   `{ span.pd.decode.instance = "..." }` and `start`/`end` (unix seconds), then fetched one by one.
+
+A window of traffic (`search`: `pdproxy report --jaeger URL --since 15m`) is every trace with a span
+of the proxy's service that started in it: Jaeger's `GET /api/v3/traces?query.service_name=...&
+query.start_time_min=...&query.start_time_max=...&query.num_traces=N` (OTLP JSON, as stored:
+`query.raw_traces`), else api/traces with `start`/`end`/`limit`; Tempo's TraceQL
+`{ resource.service.name = "..." }` with `start`/`end`/`limit`, each trace then fetched.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import datetime as dt
 import json
 import urllib.error
 import urllib.parse
@@ -144,14 +151,21 @@ class TraceStore:
         doc = _get(f"{self.url}/api/traces/{tid}")
         return [from_jaeger(t) for t in (doc or {}).get("data") or []]
 
-    def find_request(self, request_id: str) -> list[str]:
-        """Trace ids whose root names this request id (pd.request_id)."""
+    def find_request(self, request_id: str, start: float | None = None, end: float | None = None) -> list[str]:
+        """Trace ids whose root names this request id (pd.request_id), started in [start, end] (unix seconds;
+        without them, the store's default look-back: Jaeger's is an hour)."""
+        window = ""
         if self.kind == "tempo":
+            if start is not None and end is not None:
+                window = f"&start={int(start)}&end={int(end) + 1}"
             q = urllib.parse.quote(f'{{ span.pd.request_id = "{request_id}" }}')
-            doc = _get(f"{self.url}/api/search?q={q}&limit=5") or {}
+            doc = _get(f"{self.url}/api/search?q={q}&limit=5{window}") or {}
             return [hex_id(t.get("traceID"), 16) for t in doc.get("traces") or [] if t.get("traceID")]
+        if start is not None and end is not None:
+            window = f"&start={int(start * 1e6)}&end={int(end * 1e6)}"
         tags = urllib.parse.quote(json.dumps({"pd.request_id": request_id}))
-        doc = _get(f"{self.url}/api/traces?service={urllib.parse.quote(self.service)}&tags={tags}&limit=5") or {}
+        doc = _get(f"{self.url}/api/traces?service={urllib.parse.quote(self.service)}&tags={tags}&limit=5"
+                   f"{window}") or {}
         return [hex_id(t.get("traceID"), 16) for t in doc.get("data") or [] if t.get("traceID")]
 
     def around(self, instance: str, start: float, end: float, limit: int = 200) -> list[dict[str, Any]]:
@@ -168,3 +182,32 @@ class TraceStore:
         doc = _get(f"{self.url}/api/traces?service={urllib.parse.quote(self.service)}&tags={tags}"
                    f"&start={int(start * 1e6)}&end={int(end * 1e6)}&limit={limit}") or {}
         return [from_jaeger(t) for t in (doc.get("data") or [])[:limit]]
+
+    def search(self, start: float, end: float, limit: int) -> tuple[list[dict[str, Any]], int]:
+        """(OTLP-JSON documents, traces found) of up to `limit` traces with a span of the proxy's service
+        that started in [start, end] (unix seconds)."""
+        service = urllib.parse.quote(self.service)
+        if self.kind == "tempo":
+            q = urllib.parse.quote(f'{{ resource.service.name = "{self.service}" }}')
+            doc = _get(f"{self.url}/api/search?q={q}&start={int(start)}&end={int(end) + 1}&limit={limit}") or {}
+            ids = [hex_id(t["traceID"], 16) for t in (doc.get("traces") or [])[:limit] if t.get("traceID")]
+            return [d for tid in ids for d in self.trace(tid)], len(ids)
+        doc = _get(f"{self.url}/api/v3/traces?query.service_name={service}"
+                   f"&query.start_time_min={_rfc3339(start)}&query.start_time_max={_rfc3339(end)}"
+                   f"&query.num_traces={limit}&query.raw_traces=true")
+        if doc is not None and isinstance(doc.get("result"), dict):
+            out = _normalise(doc["result"])
+            return [out], len(_trace_ids(out))
+        doc = _get(f"{self.url}/api/traces?service={service}&start={int(start * 1e6)}&end={int(end * 1e6)}"
+                   f"&limit={limit}") or {}
+        data = (doc.get("data") or [])[:limit]
+        return [from_jaeger(t) for t in data], len(data)
+
+
+def _rfc3339(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _trace_ids(doc: dict[str, Any]) -> set[str]:
+    return {str(sp.get("traceId", "")).lower() for rs in doc.get("resourceSpans") or []
+            for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or [] for sp in ss.get("spans") or []}

@@ -56,6 +56,7 @@ class TraceInfo:
     stage_times: dict[str, tuple[float, float]] = field(default_factory=dict)  # stage → (start, end), unix s
     stage_events: dict[str, list[SpanEvent]] = field(default_factory=dict)
     engine: dict[str, EngineSpan] = field(default_factory=dict)  # stage → the instance's span under it
+    engine_all: dict[str, list[EngineSpan]] = field(default_factory=dict)  # stage → every one, by start (retries)
 
     @property
     def deployment(self) -> str:
@@ -63,12 +64,22 @@ class TraceInfo:
 
     def placement(self) -> dict[str, str]:
         """Where each leg ran and why: `{"prefill": "host:port (policy reason[, fallback])", ...}`, from
-        the root's pd.<leg>.instance and the leg span's pd.route.* (single mode: the one leg)."""
+        the root's pd.<leg>.instance and the leg span's pd.route.*. Single mode has one leg, `single`: its
+        instance computed both the prompt and the tokens (pd.prefill is its time to first token)."""
         out = {}
-        for leg in ("prefill", "decode"):
-            instance = self.attrs.get(f"pd.{leg}.instance")
-            route = self.stage_attrs.get(leg) or {}
+        if str(self.attrs.get("pd.mode")) == "single":
+            instance = self.attrs.get("pd.decode.instance") or self.attrs.get("pd.prefill.instance")
+            route = next((r for r in (self.stage_attrs.get(leg) or {} for leg in ("prefill", "decode"))
+                          if r.get("pd.route.policy")), {})
+            legs: tuple[tuple[str, Any, dict[str, Any]], ...] = (("single", instance, route),)
+        else:
+            legs = tuple((leg, self.attrs.get(f"pd.{leg}.instance"), self.stage_attrs.get(leg) or {})
+                         for leg in ("prefill", "decode"))
+        for leg, instance, route in legs:
             if instance is None and not route:
+                continue
+            if leg == "prefill" and instance is None and route.get("pd.prefill.on_decode"):
+                out[leg] = "none: the decode computed the prompt (selective disaggregation)"
                 continue
             why = " ".join(str(route[k]) for k in ("pd.route.policy", "pd.route.reason") if route.get(k))
             if route.get("pd.route.fallback_reason"):
@@ -239,10 +250,14 @@ def _assemble(tid: str, spans: list[tuple[dict[str, Any], dict[str, Any]]], idx:
                 info.stage_times[stage] = (int(ch.get("startTimeUnixNano") or 0) / 1e9,
                                            int(ch.get("endTimeUnixNano") or 0) / 1e9)
                 info.stage_events[stage] = span_events(ch)
-                for grand in children.get(str(ch.get("spanId")), []):
-                    if grand.get("name") == ENGINE_SPAN:
-                        info.engine[stage] = engine_span(grand, resources.get(str(grand.get("spanId"))) or {})
-                        joined_engine += 1
+                found = sorted((engine_span(grand, resources.get(str(grand.get("spanId"))) or {})
+                                for grand in children.get(str(ch.get("spanId")), [])
+                                if grand.get("name") == ENGINE_SPAN), key=lambda e: (e.start, e.end))
+                if found:  # several after a retry or a migration: the stage's own is the first prefill, the
+                    # last decode (a re-prefill and the decode that finished the stream come after the first)
+                    info.engine_all[stage] = found
+                    info.engine[stage] = found[0] if stage == "prefill" else max(found, key=lambda e: e.end)
+                    joined_engine += len(found)
         out.append(info)
     idx.engine_unjoined += sum(1 for sp, _ in spans if sp.get("name") == ENGINE_SPAN) - joined_engine
     return out

@@ -326,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = table.make_console(stderr=args.json == "-")
     if not args.no_table:
-        table.render(rep, out, drilldown=False)
+        table.render(rep, out, drilldown=False, more="every row in the page --html FILE writes")
     print_prediction(rep, out)
     write_outputs(rep, args.json, (args.html, html_page(rep)) if args.html else None, err)
     return 0
