@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from ledgers import counter
-from pdproxy.bench import instances, traces
+from pdproxy.bench import instances, traces, waterfall
 from test_reliability_migration import Rig, complete, stream
 from waits import wait_until
 
@@ -122,5 +122,13 @@ def test_a_dead_prefill_shows_in_the_counters_the_traces_and_the_report(tmp_path
         assert rows[("prefill", dead)]["attempt_failures"] == {"connect_error": failed}
         assert rows[("prefill", dead)]["requests"] == 0 and rows[("prefill", dead)]["moved_away"] == failed
         assert sum(i["attempts"] for (role, _), i in rows.items() if role == "prefill") == 8 + failed
+        # each moved request's waterfall draws its failed prefill attempt, and says where and why
+        moved = [i for i in joined.values() if any(e.name == "pd.prefill.attempt_failed"
+                                                   for e in i.stage_events.get("prefill") or [])]
+        assert len(moved) == failed
+        lines = waterfall.render(moved[0], width=100)
+        assert any(x.startswith("  ✗ prefill #1") and "✗" in x[22:] for x in lines), lines
+        assert any(x.startswith(f"attempt failed: prefill #1 on {dead} at +") and x.endswith("connect_error")
+                   for x in lines), lines
     finally:
         rig.stop()

@@ -118,6 +118,10 @@ def test_every_row_fits_100_columns_and_no_part_is_negative():
     assert every.returncode == decides.returncode == 0, every.stderr + decides.stderr
     for p in (every, decides):
         assert max(map(len, p.stdout.splitlines())) <= 100
+        for line in p.stdout.splitlines():  # a table wider than the console is cut, border and all: never
+            if line[:1] in "│┃┏┡└":
+                assert line.rstrip()[-1] in "│┃┓┩┘", line
+        assert "…" not in p.stdout
         assert not re.search(r"(?<![\w–])-\d", p.stdout), "a negative figure"
     rows = [x for x in every.stdout.splitlines() if x.startswith("│")]
     assert any("decode.overlap" in x for x in rows) and any("decode.relay" in x for x in rows)
