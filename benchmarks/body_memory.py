@@ -2,7 +2,7 @@
 
 A JSON body becomes Python objects: a long string costs about its own size, but `[{},{},...]`
 is one 64-byte dict and one 8-byte list slot for every 3 bytes of input. `--max-body-bytes`'s
-default is set from the worst shape measured here (docs/protocol.md, "Request bodies").
+default is set from the worst shape measured here (docs/reference/protocol.md, "Request bodies").
 
 Each (shape, size) gets a fresh `pdproxy serve` (single mode, a decode that reads the body and
 answers one token behind it: the simulator would refuse prompts this long), so

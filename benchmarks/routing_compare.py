@@ -15,7 +15,7 @@ differ only in the prefill pool's policy:
   concurrency 12, KV link 25 GB/s; round_robin against load_aware (engine /metrics read every 0.5 s). Reported: TTFT p50
   and p99 and the slow instance's share of the prompt tokens.
 
-The numbers are simulated GPU time plus this machine's real proxy and HTTP time; docs/bench.md quotes
+The numbers are simulated GPU time plus this machine's real proxy and HTTP time; docs/notes/routing.md quotes
 a run. tests/test_routing_compare.py runs this script small and checks the direction of each result.
 """
 

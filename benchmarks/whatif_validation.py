@@ -1,4 +1,4 @@
-"""The what-if model against real vLLM 0.23 runs: the error per figure, for docs/whatif.md.
+"""The what-if model against real vLLM 0.23 runs: the error per figure, for docs/explanation/whatif.md.
 
 Self-replay of every shared recording (its workload on its own set-up) and the cross pair of run A (the
 same workload recorded as 2P2D and as four single instances, each predicted from the other), compared
@@ -10,7 +10,7 @@ lands in it. Last, the worst error per figure: what the output states.
     PYTHONPATH=. python3 benchmarks/whatif_validation.py              # presets as shipped
     PYTHONPATH=. python3 benchmarks/whatif_validation.py --fit-run    # fitted to the source run as a whole
     PYTHONPATH=. python3 benchmarks/whatif_validation.py --calibrate  # fitted to the source run's spans
-    PYTHONPATH=. python3 benchmarks/whatif_validation.py --fit-run --prefixes-as-counted  # docs/whatif.md "Spread"
+    PYTHONPATH=. python3 benchmarks/whatif_validation.py --fit-run --prefixes-as-counted  # docs/explanation/whatif.md "Spread"
 """
 
 from __future__ import annotations

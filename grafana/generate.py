@@ -3,7 +3,7 @@
     python grafana/generate.py           # write grafana/dashboards/*.json
     python grafana/generate.py --check   # exit 1 when the committed JSON differs
 
-Metric and label names are the contract in docs/telemetry.md; span attributes in the TraceQL
+Metric and label names are the contract in docs/reference/telemetry.md; span attributes in the TraceQL
 panels come from the same document. Datasources are referenced by the fixed uids that
 grafana/provisioning/datasources/datasources.yaml provisions: `prometheus` and `tempo`.
 
@@ -94,13 +94,13 @@ class Scope:
         return f"sum by (le) (increase({histogram}_bucket{self.sel(*extra)}[$__rate_interval]))"
 
 
-# The proxy's request-scoped series carry model, deployment and run (docs/telemetry.md).
+# The proxy's request-scoped series carry model, deployment and run (docs/reference/telemetry.md).
 REQ = Scope(('model=~"$model"', 'deployment=~"$deployment"', 'run=~"$run"'))
 # Gauges (in flight, queue, instance health), the shadow and span-drop counters are per process
 # and carry only their own labels (pdproxy/telemetry/metrics.py): no request scope on those.
 # Primary vs shadow panels compare deployments, so they do not filter on it.
 BOTH = Scope(('model=~"$model"', 'run=~"$run"'))
-# Stall attribution counters carry mode, deployment, run and cause, no model (docs/telemetry.md).
+# Stall attribution counters carry mode, deployment, run and cause, no model (docs/reference/telemetry.md).
 STALLS = Scope(('deployment=~"$deployment"', 'run=~"$run"'))
 # Span-derived series from the collector: attribute names translated by its Prometheus exporter.
 TRACE = Scope(('gen_ai_request_model=~"$model"', 'pd_deployment=~"$deployment"', 'pd_run=~"$run"'))
@@ -206,7 +206,7 @@ FIRING_ALERTS = f'ALERTS{{alertstate="firing", alertname=~"{ALERT_PREFIX}.+"}}'
 
 
 def alert_list(title: str, description: str) -> dict:
-    """Firing and pending pdproxy alerts; runbooks in docs/runbooks.md (each alert's runbook_url)."""
+    """Firing and pending pdproxy alerts; runbooks in docs/reference/runbooks.md (each alert's runbook_url)."""
     return {
         "type": "alertlist",
         "title": title,
@@ -347,7 +347,7 @@ def link_to(uid: str, title: str) -> dict:
 OVERVIEW_UID = "pdproxy-overview"
 TRACES_UID = "pdproxy-traces"
 
-# Root-span attributes shown in the trace tables (docs/telemetry.md).
+# Root-span attributes shown in the trace tables (docs/reference/telemetry.md).
 TRACE_COLUMNS = ("span.gen_ai.response.time_to_first_chunk, span.pd.itl.max, span.pd.itl.p99, span.pd.e2e, "
                  "span.pd.stalls, span.pd.failed_stage, span.pd.prefill.instance, span.pd.decode.instance")
 ROOT_FILTER = 'span.pd.run =~ "$run" && span.gen_ai.request.model =~ "$model" && span.pd.deployment =~ "$deployment"'
@@ -387,7 +387,7 @@ def overview() -> dict:
                prom(REQ.rate("pdproxy_tokens_total", 'type="output"')), "short", decimals=1), w=4, h=4)
 
     L.add(alert_list("Firing alerts", "pdproxy alerts firing or pending in Prometheus (deploy/prometheus/rules/); "
-                                      "each alert's runbook_url points at its entry in docs/runbooks.md."), w=24, h=5)
+                                      "each alert's runbook_url points at its entry in docs/reference/runbooks.md."), w=24, h=5)
 
     L.row("Traffic and errors")
     L.add(timeseries("Requests/s by HTTP status",
@@ -455,7 +455,7 @@ def overview() -> dict:
     cause_note = ("Each gap above the proxy's --stall-threshold is put down, when its stream ends, to what "
                   "overlapped it on the same instance (±10 ms): another request's KV arrival (P/D decode), "
                   "another request's prefill (single instance), a migration splice, a preemption the "
-                  "instance reported, or none. The rule of `pdproxy report --traces` (docs/bench.md). ")
+                  "instance reported, or none. The rule of `pdproxy report --traces` (docs/reference/report.md). ")
     L.add(timeseries("Stall time by cause (live) [stall]",
                      ITL_DEFINITIONS["stall"] + " " + cause_note + "Seconds of stall per second, stacked; "
                      "exemplars open a stalled request's trace, whose pd.decode links to its culprits.",
@@ -576,7 +576,7 @@ def overview() -> dict:
     L.add(timeseries("Fallbacks/s by reason and instance",
                      "Why decisions fell back, counted per candidate instance whose state caused it (or the "
                      "chosen one when the request did): events_off, events_not_flowing, no_block_stored, "
-                     "no_token_ids, tokenize_failed, block_size_mismatch (docs/telemetry.md).",
+                     "no_token_ids, tokenize_failed, block_size_mismatch (docs/reference/telemetry.md).",
                      [prom("sum by (role, server_address, reason) (rate(pdproxy_route_fallbacks_total"
                            "[$__rate_interval]))", "{{role}} {{server_address}} {{reason}}")], "short", stack=True), w=8)
     L.add(timeseries("KV events flowing per instance",

@@ -79,7 +79,7 @@ class Settings:
     upstream_keep_alive: float = 4.0
     prefill_retries: int = 1
     decode_retries: int = 1
-    first_token_timeout: float = 300.0  # docs/protocol.md: far above a real long prefill, below --read-timeout
+    first_token_timeout: float = 300.0  # docs/reference/protocol.md: far above a real long prefill, below --read-timeout
     decode_deadline: float = 60.0
     migrate_mid_stream: bool = False
     retry_backoff: float = 0.05
@@ -149,7 +149,7 @@ class Settings:
     service_discovery_namespace: str | None = None  # None: every namespace (vllm-router's default)
     service_discovery_port: int | None = None  # None: the pod's container port named http, else 80
     service_discovery_resync: float = 60.0
-    # membership at run time (pdproxy/membership; docs/membership.md)
+    # membership at run time (pdproxy/membership; docs/reference/membership.md)
     bootstrap_ports: dict[str, int] = field(default_factory=dict)  # prefill URL -> its bootstrap port, as given
     ignored_flags: list[str] = field(default_factory=list)  # vllm-router's, accepted with no effect
     pd_disaggregation: bool = False  # P/D even with no prefill instance given (they are discovered or added)
@@ -229,13 +229,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     retry.add_argument("--first-token-timeout", type=float,
                        help="seconds a streamed decode may take to its first token before the request moves to another "
                             "decode instance, also when it keeps sending events without a token; 0 = no limit (default 300: "
-                            "far above the prefill of a long prompt, see docs/protocol.md)")
+                            "far above the prefill of a long prompt, see docs/reference/protocol.md)")
     retry.add_argument("--decode-deadline", type=float,
                        help="seconds after the first decode attempt within which another may start; 0 = no limit "
                             "(default 60)")
     retry.add_argument("--migrate-mid-stream", action="store_true",
                        help="continue a stream whose decode dies after tokens reached the client on another decode "
-                            "(greedy requests only: temperature 0, no logprobs, n=1, no stop strings; see docs/protocol.md)")
+                            "(greedy requests only: temperature 0, no logprobs, n=1, no stop strings; see docs/reference/protocol.md)")
     retry.add_argument("--retry-backoff", type=float, help="base of the jittered exponential backoff between attempts, seconds (default 0.05)")
     retry.add_argument("--max-retry-wait", type=float,
                        help="longest Retry-After (from a 429/503) the proxy waits out to retry; a longer one is relayed "
@@ -320,7 +320,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     _discovery_arguments(parser)
 
-    kv = parser.add_argument_group("KV-cache events (vLLM --kv-events-config; docs/kv-events.md)")
+    kv = parser.add_argument_group("KV-cache events (vLLM --kv-events-config; docs/explanation/kv-events.md)")
     kv.add_argument("--kv-events-endpoint", metavar="TEMPLATE",
                     help="each instance's KV-event PUB endpoint, {host} and {port} being the instance's and {index} "
                          "its place among all instances (prefills first, as given, from 0), e.g. tcp://{host}:5557 "
@@ -350,7 +350,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-events-max-blocks", type=int,
                     help="blocks kept in each instance's event index, oldest forgotten first; ~230 bytes each (default 262144)")
 
-    dns = parser.add_argument_group("instances from DNS (a headless Service's records; docs/membership.md)")
+    dns = parser.add_argument_group("instances from DNS (a headless Service's records; docs/reference/membership.md)")
     dns.add_argument("--dns-prefill", nargs="+", metavar="NAME[:PORT]",
                      help="DNS name whose A/AAAA (or SRV) records are the prefill instances, re-resolved while the "
                           "proxy runs, e.g. vllm-prefill.default.svc.cluster.local; a name starting with _ is an SRV "
@@ -368,7 +368,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="named Service port whose SRV records (_NAME._tcp.<dns name>) give each instance's KV-event "
                           "PUB port, e.g. kv-events (default: --kv-events-endpoint's template)")
 
-    mem = parser.add_argument_group("membership: instances found, drained and dropped at run time (docs/membership.md)")
+    mem = parser.add_argument_group("membership: instances found, drained and dropped at run time (docs/reference/membership.md)")
     mem.add_argument("--vllm-pd-disaggregation", "--pd-disaggregation", dest="pd_disaggregation", action="store_true",
                      help="prefill/decode mode even when no prefill instance is given (vllm-router's and SGLang's "
                           "flag): prefills come from discovery or the admin API; without any, requests get 503")
@@ -476,7 +476,7 @@ def _instances(pick, bootstrap: dict[str, int], discovered: bool) -> tuple[list[
         decode = _pair(toy["decoder_hosts"], toy["decoder_ports"], "decoder") + decode
     if not decode and not discovered:
         raise ConfigError("no decode instance: give --decode URL or --decoder-hosts/--decoder-ports, or a source "
-                          "that finds them (--instances-file, --service-discovery, DNS; docs/membership.md)")
+                          "that finds them (--instances-file, --service-discovery, DNS; docs/reference/membership.md)")
     return prefill, decode
 
 
@@ -868,7 +868,7 @@ _NAMESPACE = re.compile(r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?")
 
 def _discovery_arguments(parser: argparse.ArgumentParser) -> None:
     kube = parser.add_argument_group(
-        "Kubernetes service discovery (vllm-router's flags; docs/membership.md)",
+        "Kubernetes service discovery (vllm-router's flags; docs/reference/membership.md)",
         "Watch the pods a label selector matches and keep the pools in step: a pod joins when it has an IP, "
         "serves while Ready, drains when deleted. Combines with instances given as flags, which stay.")
     kube.add_argument("--service-discovery", action="store_true",

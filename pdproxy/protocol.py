@@ -1,6 +1,6 @@
 """vLLM's P/D wire protocol: what a client may send, and what each leg receives.
 
-See docs/protocol.md (which summarises the research notes on vLLM's proxies): the prefill leg is the
+See docs/reference/protocol.md (which summarises the research notes on vLLM's proxies): the prefill leg is the
 client's body made to stop after one token and to keep its KV for a decode instance; the decode
 leg is the client's original body plus the prefill's `kv_transfer_params`, verbatim.
 """
@@ -113,7 +113,7 @@ def validate(body: Any, route: Route, client_kv_params: str = "reject") -> dict[
         body = {k: v for k, v in body.items() if k != "kv_transfer_params"}  # "strip": never forwarded
     if _xargs_kv_params(body):
         # vLLM copies vllm_xargs into the request's extra_args, where its KV connector reads
-        # "kv_transfer_params" when the top-level field does not override it (docs/protocol.md)
+        # "kv_transfer_params" when the top-level field does not override it (docs/reference/protocol.md)
         if client_kv_params == "reject":
             raise bad_request("vllm_xargs.kv_transfer_params is set by the proxy, not by clients",
                               param="vllm_xargs")

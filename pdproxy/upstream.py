@@ -6,7 +6,7 @@ per request, and every request pays it twice (prefill and decode). Here a reques
 bytes buffer written to a pooled connection, and the answer is parsed by `httptools` (llhttp, what
 uvicorn uses) into a status, a lower-cased header dict and body bytes, de-chunked in C.
 
-Semantics the proxy relies on (README, "Failure behaviour"):
+Semantics the proxy relies on (docs/reference/failures.md):
 * `ConnectFailed` / `ConnectTimeout`: the request never reached the instance (refused, unreachable,
   TLS handshake failed, not accepted within the connect timeout); a retry may reuse its KV params.
 * `Disconnected`, `ReadTimeout`, `MalformedResponse`: it did reach it (or may have). One exception is

@@ -1,9 +1,9 @@
-"""Recording rules, alerts and their runbooks (deploy/prometheus/rules/, docs/runbooks.md).
+"""Recording rules, alerts and their runbooks (deploy/prometheus/rules/, docs/reference/runbooks.md).
 
 What runs: `promtool check rules` on the rule files, `promtool test rules` on the unit tests in
 tests/promtool/ (synthetic series, every alert firing in one case and quiet in another), checks that
 those series carry the real metric names, labels and bucket bounds (the proxy's contract in
-docs/telemetry.md, the collector's configuration), that every alert has its two cases and a
+docs/reference/telemetry.md, the collector's configuration), that every alert has its two cases and a
 runbook entry naming real dashboard panels, and that the Prometheus Operator's PrometheusRule and
 the compose stack load exactly these files. The same rules loaded into a live Prometheus under a
 real load: tests/test_prometheus_live.py.
@@ -27,7 +27,7 @@ from test_grafana_dashboards import collector_prometheus_names, contract_metrics
 REPO = Path(__file__).resolve().parents[1]
 RULES = REPO / "deploy" / "prometheus" / "rules"
 UNIT_TESTS = Path(__file__).resolve().parent / "promtool"
-RUNBOOKS = REPO / "docs" / "runbooks.md"
+RUNBOOKS = REPO / "docs" / "reference" / "runbooks.md"
 sys.path.insert(0, str(REPO))
 
 
@@ -157,7 +157,7 @@ def test_every_alert_has_a_runbook_entry():
     for name, rule in alerts.items():
         ann = rule["annotations"]
         assert ann["summary"] and ann["description"], name
-        assert ann["runbook_url"] == f"docs/runbooks.md#{name.lower()}", name  # GitHub's anchor of "### Name"
+        assert ann["runbook_url"] == f"docs/reference/runbooks.md#{name.lower()}", name  # GitHub's anchor of "### Name"
         assert rule["labels"]["severity"] in {"critical", "warning"}, name
         body = sections[name]
         for part in ("**Meaning.**", "**Dashboard.**", "**Drill-down.**", "**Usual causes.**"):
@@ -188,7 +188,7 @@ SCRAPE_LABELS = {"job", "instance"}  # added by Prometheus to every scraped seri
 
 
 def error_types() -> set[str]:
-    row = next(l for l in (REPO / "docs" / "telemetry.md").read_text().splitlines() if l.startswith("| `error.type`"))
+    row = next(l for l in (REPO / "docs" / "reference" / "telemetry.md").read_text().splitlines() if l.startswith("| `error.type`"))
     return set(re.findall(r"`([a-z0-9_]+)`", row.split("|")[3]))
 
 
@@ -235,7 +235,7 @@ def test_unit_test_series_are_real():
                 else:
                     seen_proxy += 1
                     metric = name if name in proxy else series_base(name)
-                    assert metric in proxy, f"{path.name}: {name} is not in docs/telemetry.md"
+                    assert metric in proxy, f"{path.name}: {name} is not in docs/reference/telemetry.md"
                     allowed = SCRAPE_LABELS | proxy[metric][1] | ({"le"} if name.endswith("_bucket") else set())
                     if metric in {"pdproxy_requests_total", "pdproxy_request_errors_total", "pdproxy_requests_with_stall_total"} \
                             or proxy[metric][0] == "histogram":
@@ -342,4 +342,4 @@ def test_the_paging_error_ratio_leaves_out_exactly_what_requests_cause():
     expr = rules("record")["run_model_deployment_stage:pdproxy_request_errors_upstream:ratio_rate5m"]["expr"]
     left_out = set(re.search(r'error_type!~"([^"]+)"', expr).group(1).split("|"))
     assert left_out == CLIENT_CAUSED | {"overloaded", "queue_timeout"}
-    assert CLIENT_CAUSED <= error_types()  # each one documented in docs/telemetry.md
+    assert CLIENT_CAUSED <= error_types()  # each one documented in docs/reference/telemetry.md

@@ -2,7 +2,7 @@
 
 Real processes: a simulated instance serving `sim-model` (404 for any other name) and the proxy.
 The benchmark warms both up, then sends one request per distinct made-up name; the numbers it
-prints for 10,000 names are in docs/telemetry.md. Before the bound, each name added ~128
+prints for 10,000 names are in docs/reference/telemetry.md. Before the bound, each name added ~128
 series and ~37 KiB of resident memory.
 """
 

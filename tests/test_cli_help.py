@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
+import shlex
 import subprocess
 import sys
 import tomllib
@@ -174,3 +176,111 @@ def test_demo_results_are_ignored_by_git() -> None:
     p = subprocess.run(["git", "check-ignore", "-q", "pdproxy-demo-20261201-101010/report.json"], cwd=ROOT,
                        timeout=30)
     assert p.returncode == 0, "the demo's default run directory is not in .gitignore"
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+
+
+def documented_commands() -> list[tuple[str, bool]]:
+    """("file:line: command", whole) for every pdproxy command in README.md and docs/: each line of a code
+    block that runs pdproxy (continuation lines joined, leading VAR=value assignments and a trailing comment or
+    `&` dropped) is a whole command; each `pdproxy ...` span in the prose is a fragment that names a command."""
+    out = []
+    for path in DOCS:
+        lines = path.read_text().splitlines()
+        fence = False
+        n = 0
+        while n < len(lines):
+            line, where = lines[n], f"{path.relative_to(ROOT)}:{n + 1}"
+            if line.strip().startswith("```"):
+                fence = not fence
+            elif fence:
+                while line.rstrip().endswith("\\") and n + 1 < len(lines):
+                    n += 1
+                    line = line.rstrip()[:-1] + " " + lines[n].strip()
+                for part in re.split(r"&&|;|\|", line.split(" #")[0]):
+                    words = part.split()
+                    while words and ENV_ASSIGNMENT.match(words[0]):
+                        words = words[1:]
+                    if words[:1] == ["pdproxy"]:
+                        out.append((f"{where}: {' '.join(words).rstrip(' &')}", True))
+            else:
+                out += [(f"{where}: {m.group(1)}", False) for m in re.finditer(r"`(pdproxy [^`]+)`", line)]
+            n += 1
+    return out
+
+
+def options(command: str) -> set[str]:
+    from pdproxy.cli import build_parser
+
+    parser = build_parser([command])
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    return {s for action in sub._actions for s in action.option_strings}
+
+
+def test_every_command_in_the_docs_parses() -> None:
+    """A command the README or docs/ shows must still be one: a whole command (a code block's line) parses
+    as `pdproxy` parses it, with no unknown argument; a command named in the prose (`pdproxy report
+    --traces`) is a command whose every flag exists. Not run: parsing is what --help describes."""
+    import contextlib
+    import io
+
+    from pdproxy.cli import build_parser
+
+    found = documented_commands()
+    assert len(found) >= 100 and sum(whole for _, whole in found) >= 30, len(found)
+    bad = []
+    for where, whole in found:
+        argv = shlex.split(where.split(": ", 1)[1])[1:]
+        if not argv or argv[0].isupper():  # `pdproxy COMMAND --help`: a placeholder for every command
+            continue
+        if argv[0] not in SUBCOMMANDS and not argv[0].startswith("-"):
+            bad.append(f"{where}: no command {argv[0]!r}")
+            continue
+        if not whole:
+            known = {"--help", "--version"} if argv[0].startswith("-") else options(argv[0]) | {"--help"}
+            unknown = {a.split("=")[0] for a in argv if a.startswith("--")} - known
+            if unknown:
+                bad.append(f"{where}: {sorted(unknown)} not among `pdproxy {argv[0]} --help`'s flags")
+            continue
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                _, unknown_args = build_parser(argv).parse_known_args(argv)
+        except SystemExit as e:
+            if e.code:
+                bad.append(f"{where}: {err.getvalue().strip().splitlines()[-1]}")
+            continue
+        if unknown_args:
+            bad.append(f"{where}: unrecognized arguments {unknown_args}")
+    assert not bad, "\n".join(bad)
+
+
+def test_every_link_in_the_docs_leads_somewhere() -> None:
+    """The docs were moved into how-to/, reference/, explanation/ and notes/: every relative link of README.md,
+    docs/ and the folders' READMEs names a file that exists, and a heading of it when it names one (GitHub's
+    anchors: lower case, punctuation dropped, spaces to hyphens)."""
+
+    def anchors(path: Path) -> set[str]:
+        heads, fence = set(), False
+        for line in path.read_text().splitlines():
+            fence ^= line.strip().startswith("```")
+            if not fence and line.startswith("#"):
+                heads.add(re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-"))
+        return heads
+
+    pages = [*DOCS, *(ROOT / d / "README.md" for d in ("collector", "deploy", "grafana"))]
+    bad, seen = [], 0
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            seen += 1
+            if not linked.exists():
+                bad.append(f"{page.relative_to(ROOT)}: {target}: no such file")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+                bad.append(f"{page.relative_to(ROOT)}: {target}: no such heading")
+    assert seen >= 100 and not bad, "\n".join(bad)

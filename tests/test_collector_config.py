@@ -5,7 +5,7 @@ collector/build.sh) runs `validate` on each file, which decodes every component'
 into its config struct (unknown keys, wrong types and bad durations fail), checks the pipelines and
 compiles the OTTL statements. Then what validate cannot know: the current component names (old ones
 still load, with a warning), the intended topology (no sampling before the derived metrics, the
-tier-1/tier-2 split), and the contract with the proxy (span attributes of docs/telemetry.md,
+tier-1/tier-2 split), and the contract with the proxy (span attributes of docs/reference/telemetry.md,
 buckets of pdproxy/telemetry/names.py).
 """
 
@@ -261,7 +261,7 @@ def test_ottl_expressions_name_contract_attributes():
         assert s.count('"') % 2 == 0 and s.count("[") == s.count("]") and s.count("(") == s.count(")"), s
         assert not re.search(r"\b(AND|OR|NOT)\b", s), f"OTTL operators are lower case: {s}"
         for attr in re.findall(r'attributes\["([^"]+)"\]', s):
-            assert attr in known, f"{attr} (in {s}) is not in docs/telemetry.md"
+            assert attr in known, f"{attr} (in {s}) is not in docs/reference/telemetry.md"
     for m in cfg["connectors"]["signal_to_metrics"]["spans"]:
         # without this list every resource attribute becomes part of the series identity
         assert m["include_resource_attributes"], m["name"]

@@ -223,7 +223,7 @@ def test_the_issues_command_is_refused_and_a_store_elsewhere_is_not():
 def test_readme_collector_lines_are_the_tested_ones():
     """Wherever the docs start the collector, the line is one this test runs (or `validate`)."""
     tested = set(documented_lines())
-    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), DOC]:
+    for path in [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md")), DOC]:
         for line in path.read_text().splitlines():
             line = line.strip()
             if re.search(r"collector/run\.sh\s*&?$|otelcol-pdproxy --config", line) and not line.startswith("#"):

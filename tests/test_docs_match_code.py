@@ -13,7 +13,7 @@ from pathlib import Path
 from test_grafana_dashboards import contract_metrics
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 MENTION = re.compile(r"`(pdproxy_[a-z0-9_]+)\{([^}`]*)\}")
 SUFFIXES = ("_total", "_bucket", "_sum", "_count", "_created")
 
@@ -31,7 +31,7 @@ def pdproxy_flags() -> set[str]:
 
 
 def test_metric_labels_named_in_the_docs_are_the_metrics_own():
-    base, metrics = contract_metrics()  # docs/telemetry.md's table, itself checked against the exposition
+    base, metrics = contract_metrics()  # docs/reference/telemetry.md's table, itself checked against the exposition
     seen = 0
     for doc in DOCS:
         for name, labels in MENTION.findall(doc.read_text()):
@@ -49,7 +49,7 @@ def test_metric_labels_named_in_the_docs_are_the_metrics_own():
 def test_flags_the_runbooks_name_are_pdproxys_or_said_to_be_vllms():
     """An operator paged at night reads a runbook's flag as pdproxy's unless it says whose it is."""
     flags = pdproxy_flags()
-    text = (REPO / "docs" / "runbooks.md").read_text()
+    text = (REPO / "docs" / "reference" / "runbooks.md").read_text()
     named = 0
     for match in re.finditer(r"`(--[a-z][a-z0-9-]*)(\*?)`", text):
         flag, wildcard = match.groups()
@@ -57,7 +57,7 @@ def test_flags_the_runbooks_name_are_pdproxys_or_said_to_be_vllms():
         if flag in flags or wildcard and any(f.startswith(flag) for f in flags):
             continue
         before = text[max(0, match.start() - 60):match.start()]
-        assert "vLLM" in before, f"docs/runbooks.md names {flag} as if pdproxy had it: ...{before}{match.group()}"
+        assert "vLLM" in before, f"docs/reference/runbooks.md names {flag} as if pdproxy had it: ...{before}{match.group()}"
     assert named >= 10
 
 

@@ -21,7 +21,7 @@ import procs
 REPO = Path(__file__).resolve().parents[1]
 GRAFANA = REPO / "grafana"
 DASHBOARD_DIR = GRAFANA / "dashboards"
-CONTRACT = REPO / "docs" / "telemetry.md"
+CONTRACT = REPO / "docs" / "reference" / "telemetry.md"
 COLLECTOR = REPO / "collector" / "otelcol.yaml"
 COMPOSE = REPO / "deploy" / "compose.yaml"
 
@@ -84,7 +84,7 @@ def series_base(name: str) -> str:
 
 
 def contract_metrics() -> tuple[tuple[str, ...], dict[str, tuple[str, set[str]]]]:
-    """docs/telemetry.md: the base labels and {metric: (type, extra labels)} of the metrics table."""
+    """docs/reference/telemetry.md: the base labels and {metric: (type, extra labels)} of the metrics table."""
     text = CONTRACT.read_text()
     line = next(l for l in text.splitlines() if l.startswith("Labels are low-cardinality only:"))
     para = text[text.index(line):text.index("Never request or trace ids")]
@@ -97,7 +97,7 @@ def contract_metrics() -> tuple[tuple[str, ...], dict[str, tuple[str, set[str]]]
 
 
 def contract_span_attributes() -> set[str]:
-    """Every attribute name in backticks in the span sections of docs/telemetry.md."""
+    """Every attribute name in backticks in the span sections of docs/reference/telemetry.md."""
     text = CONTRACT.read_text()
     spans = text[:text.index("## Prometheus metrics")]
     return {a for a in re.findall(r"`([a-z_]+(?:\.[a-z0-9_]+)+)`", spans)}
@@ -227,7 +227,7 @@ def test_overview_uses_only_contract_metrics_and_labels():
             if m not in metrics and m + "_bucket" in collector_series:  # derived by the collector from spans
                 allowed |= collector_labels
                 continue
-            assert m in metrics, f"{p['title']}: {m} is not in docs/telemetry.md nor produced by the collector"
+            assert m in metrics, f"{p['title']}: {m} is not in docs/reference/telemetry.md nor produced by the collector"
             allowed |= set(base) | metrics[m][1]
         labels = set(re.findall(r"([a-z_]+)\s*(?:=~|!~|!=|=)\s*\"", expr))
         for group in re.findall(r"\b(?:by|ignoring|on)\s*\(([^)]*)\)", expr):
@@ -327,7 +327,7 @@ def test_traceql_shape_and_attributes():
             assert depth >= 0, q
         assert depth == 0 and q.count('"') % 2 == 0, q
         for attr in re.findall(r"\bspan\.([a-z_][a-z0-9_.]*[a-z0-9_])", q):
-            assert attr in known, f"{title}: span.{attr} is not in docs/telemetry.md"
+            assert attr in known, f"{title}: span.{attr} is not in docs/reference/telemetry.md"
 
 
 def _lezer_traceql(tmp_cache: Path):

@@ -4,7 +4,7 @@ Real processes: the two-GPU preset's simulated prefill and decode (its decode ho
 in flight, so short streams stall while a long prompt's KV arrives), publishing KV events; pdproxy in front with
 1 worker and with 2 (events on), and with 2 without events (each worker sees only the arrivals it routed).
 The share of stall time put down to KV arrivals with 2 workers must be within 5 points of 1 worker's.
-Figures in docs/kv-events.md."""
+Figures in docs/explanation/kv-events.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Differential check against vllm-router (PyPI), vLLM's own Rust P/D router: the same requests
 through both proxies must reach the instances with the same protocol fields, and give the client
-the same stream. Deliberate differences are listed in docs/protocol.md and excluded here."""
+the same stream. Deliberate differences are listed in docs/reference/protocol.md and excluded here."""
 
 import json
 import shutil

@@ -3,7 +3,7 @@
 Real processes: 2 simulated prefills and 2 decodes publishing KV events; pdproxy replicas (separate processes)
 with requests alternating between them; 6 shared prefixes of 20 blocks, 10 requests each. Three phases over the
 same instances, each with its own prefixes: 2 replicas with cache_aware (today's approximate index), 2 replicas
-with precise_prefix, 4 replicas with precise_prefix, 1 replica with precise_prefix (the single-process reference). Figures in docs/kv-events.md."""
+with precise_prefix, 4 replicas with precise_prefix, 1 replica with precise_prefix (the single-process reference). Figures in docs/explanation/kv-events.md."""
 
 from __future__ import annotations
 

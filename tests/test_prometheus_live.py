@@ -4,7 +4,7 @@ Real processes on 127.0.0.1: simulated prefill/decode/single instances (`pdproxy
 (`pdproxy serve`, with a shadow baseline), and Prometheus from the Debian package scraping the
 proxy every second with exemplar storage on. A small aiohttp client of this file drives a bounded
 load and records its own timings: TTFT, every token gap (split per token from streamed usage, as
-docs/telemetry.md defines it), per-request tail ITL and TPOT. Then:
+docs/reference/telemetry.md defines it), per-request tail ITL and TPOT. Then:
 
 * every expression of every dashboard runs as a range query with the dashboards' default variable
   values and must return data (the collector-derived series of pdproxy-traces.json do not exist
@@ -88,7 +88,7 @@ class Record:
         return bool(self.chunk_tokens) and all(k > 0 for k in self.chunk_tokens)
 
     def gaps(self) -> list[float]:
-        """Token gaps as docs/telemetry.md defines them, computed independently of the proxy (chunk
+        """Token gaps as docs/reference/telemetry.md defines them, computed independently of the proxy (chunk
         gaps when the stream gave no per-chunk token counts)."""
         per_token = self.per_token
         out = []
@@ -449,7 +449,7 @@ def test_counts_and_shares_agree_with_the_client(run):
     upstream_failed = [r for r in client_failed if not r.aborted]
     aborted = [r for r in records if r.aborted]
     assert len(upstream_failed) >= 1 and len(aborted) >= 4
-    # clients that went away: docs/telemetry.md names their failed stage `client`; the proxy reports
+    # clients that went away: docs/reference/telemetry.md names their failed stage `client`; the proxy reports
     # the stage that was open (decode) with error_type client_disconnect, so count by error type.
     # A client can also leave after the proxy wrote the last byte: that request succeeded.
     gone = counter_delta(f'sum(pdproxy_request_errors_total{{{sel}, error_type="client_disconnect"}})')

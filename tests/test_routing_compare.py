@@ -1,9 +1,9 @@
-"""The documented routing comparison (docs/bench.md), run small: 2 prefill + 2 decode simulated instances
+"""The documented routing comparison (docs/notes/routing.md), run small: 2 prefill + 2 decode simulated instances
 behind a real pdproxy, driven by the real `pdproxy bench`, each pair of runs on fresh processes.
 
 The hit rates and the slow instance's share come from the instances' own counters (state); the TTFT
 figures are simulated GPU time plus the machine's, and the gaps the policies open are several times
-the noise of this machine (see the numbers in docs/bench.md)."""
+the noise of this machine (see the numbers in docs/notes/routing.md)."""
 
 import json
 import subprocess
@@ -23,7 +23,7 @@ def test_cache_aware_and_load_aware_beat_round_robin_where_they_should(tmp_path)
         assert all(r["ok"] == 80 and r["failed"] == 0 for r in runs), runs
 
     rr, cache = results["prefix_reuse"]
-    # +0.2 at 200 requests (docs/bench.md); 80 requests have seen +0.09 on a quiet machine
+    # +0.2 at 200 requests (docs/notes/routing.md); 80 requests have seen +0.09 on a quiet machine
     assert cache["hit_rate"] > rr["hit_rate"] + 0.05, (rr, cache)
     assert cache["computed_tokens"] < 0.9 * rr["computed_tokens"]
     assert cache["ttft_p50"] < rr["ttft_p50"], (rr, cache)

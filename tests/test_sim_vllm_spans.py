@@ -70,7 +70,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     grpc_rx, tap = GrpcReceiver(), TapReceiver()
     procs = []
     try:
-        # the prefill as docs/sim.md starts it: no OTEL_SERVICE_NAME
+        # the prefill as docs/reference/sim.md starts it: no OTEL_SERVICE_NAME
         pre, pre_url = sim("prefill", "", "--otlp-traces-file", str(d / "vllm-prefill.jsonl"))
         dec, dec_url = sim("decode", "vllm-decode", "--otlp-traces-endpoint", grpc_rx.endpoint)
         one, one_url = sim("single", "vllm-single", "--otlp-traces-endpoint", tap.endpoint + "/v1/traces",

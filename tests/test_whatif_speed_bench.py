@@ -1,5 +1,5 @@
 """Smoke run of benchmarks/whatif_speed.py's machinery (stretching a record, timing the command): one minute of
-traffic on two set-ups; the speed figures themselves are in docs/whatif.md."""
+traffic on two set-ups; the speed figures themselves are in docs/explanation/whatif.md."""
 
 import subprocess
 import sys

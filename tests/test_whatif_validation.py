@@ -3,7 +3,7 @@
 vllm023, two H200s (tests/fixtures/vllm023): the P/D run's workload is replayed on its own set-up with the
 model fitted to the run (`--fit-run`), and every figure of the prediction (TTFT, per-request max ITL, KV
 wait; p50 and p99; completed requests) must land within `EXPECTED_ERROR` of the recording. The same table for every recorded pair is in
-docs/whatif.md (benchmarks/whatif_validation.py); a model change that moves a figure past what the
+docs/explanation/whatif.md (benchmarks/whatif_validation.py); a model change that moves a figure past what the
 output claims fails here.
 """
 

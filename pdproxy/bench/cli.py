@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--workload", metavar="FILE.yaml", help="YAML with workload/classes, url, label, conditions, sweep")
     w.add_argument("--prompt-len", help="prompt tokens of the server's tokenizer (as usage.prompt_tokens counts "
                                         f"them): N, LOW-HIGH or {'/'.join(PROMPT_PRESETS)}; sized with its "
-                                        "/tokenize (docs/bench.md)")
+                                        "/tokenize (docs/reference/report.md)")
     w.add_argument("--output-len", help=f"output tokens (max_tokens = min_tokens): N, LOW-HIGH or "
                                         f"{'/'.join(OUTPUT_PRESETS)}")
     w.add_argument("--corpus", help="fixed prompts: JSONL with 'prompt' (+ 'max_tokens') or a text file, one per line")

@@ -2,7 +2,7 @@
 
 `pdproxy serve --shadow-url ...` in front of live traffic leaves no bench records, only traces:
 every request has a root span with `pd.deployment=primary` and, when it was mirrored, a second
-root with `pd.deployment=shadow` and the same `pd.request_id` (docs/telemetry.md). This module
+root with `pd.deployment=shadow` and the same `pd.request_id` (docs/reference/telemetry.md). This module
 turns those roots into bench-like request records so the report's statistics, verdict, table and
 HTML apply unchanged. Only requests present in both deployments count (identical traffic on both
 sides); the others are counted as unpaired and left out.

@@ -13,7 +13,7 @@ the `traceparent` the proxy sends on each leg, it is a child of `pd.prefill` or 
 * time_in_model_decode = last token − first token; time_in_model_inference = last token − scheduled.
 * time_to_first_token = first token − arrival; e2e = finish − arrival (arrival: the API server).
 
-Where those timestamps come from (vLLM 0.23, docs/telemetry.md has the details): arrival is the
+Where those timestamps come from (vLLM 0.23, docs/reference/telemetry.md has the details): arrival is the
 API server's wall clock when it starts rendering the prompt (vllm/renderers/base.py); queued is the
 engine core's QUEUED event, when its busy loop takes the request off its input queue and hands it
 to the scheduler (between two engine steps); scheduled is the first SCHEDULED event. A P/D decode

@@ -5,7 +5,7 @@ Input: the proxy's `--trace-file` or a Collector's file exporter output (gzipped
 list of them, is read too). Spans of one trace may be spread over several lines.
 
 A request's trace is found through its root span's `pd.request_id` attribute (the client's
-`X-Request-Id`, docs/telemetry.md); the stage spans are that root's children named
+`X-Request-Id`, docs/reference/telemetry.md); the stage spans are that root's children named
 `pd.queue`, `pd.prefill`, `pd.kv_transfer`, `pd.decode`. An instance's own span under a stage
 span (vLLM's `llm_request`, bench/engine_spans.py) is kept with that stage. Shadow copies
 (`pd.deployment=shadow`) are kept apart and never joined to the primary's records; a run built

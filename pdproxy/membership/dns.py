@@ -5,7 +5,7 @@ and, per named port, SRV records `_PORT._tcp.NAME` whose targets are the pods an
 a name per role (`--dns-prefill`, `--dns-decode`) is the whole membership of that role, without RBAC, and
 the same holds for any DNS that lists instances (Consul, a zone file, dnsmasq).
 
-What an answer means here (docs/membership.md, "DNS"):
+What an answer means here (docs/reference/membership.md, "DNS"):
 - records: the role's instances from that name are exactly those, now. An answer that drops some instances
   but not all is applied at once: each goes through the reconciler's drain, which fails no request.
 - a failure (timeout, SERVFAIL, REFUSED, the server down or unreachable): nothing is learnt; the last known

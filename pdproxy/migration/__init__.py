@@ -1,6 +1,6 @@
 """Request migration: a decode that fails is replaced by another, at no cost to the client.
 
-The rules (docs/protocol.md, "Retries and migration", says what a client may observe):
+The rules (docs/reference/protocol.md, "Retries and migration", says what a client may observe):
 
 * **Before the first token nothing is committed.** The client's status line goes out with the first
   token-bearing event of a stream (`read_head`), so a decode that fails before it — connect error,

@@ -21,7 +21,7 @@ from pdproxy.sim.settings import ROLES, SimSettings, preset_with
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = ("Presets: " + "; ".join(f"{p.name}: {p.description}" for p in PRESETS.values())
-                     + ". Token rule: 1-3 tokens per word, --tokens-per-word on average (see docs/sim.md).")
+                     + ". Token rule: 1-3 tokens per word, --tokens-per-word on average (see docs/reference/sim.md).")
     g = parser.add_argument_group("instance")
     g.add_argument("--role", choices=ROLES, default="single",
                    help="prefill, decode (both run a NIXL-like KV connector) or single (no connector: "

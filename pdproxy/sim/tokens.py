@@ -2,7 +2,7 @@
 
 Real models make ~2.3 tokens of a short made-up word (Llama-3's tokenizer on the bench's words,
 research/real-vllm-h200.md), so a simulator that counted one token per word hid every
-words-vs-tokens mistake. The rule (also in docs/sim.md):
+words-vs-tokens mistake. The rule (also in docs/reference/sim.md):
 
 * Text is cut into *words*: a run of non-whitespace with at most one leading space attached
   (`" ?\\S+"`); every other whitespace character is a token of its own.

@@ -1,6 +1,6 @@
 """From a request's timestamps to the numbers both outputs (spans and metrics) report.
 
-Definitions (the same as the bench's, see docs/telemetry.md):
+Definitions (the same as the bench's, see docs/reference/telemetry.md):
 * TTFT: request received → first token-bearing event from the decode (or single) instance.
 * gaps: time between consecutive token-bearing events; when every event reported its token count
   (streamed `usage`), a gap of k tokens counts as k gaps of gap/k (`unit=token`), else one gap

@@ -273,7 +273,7 @@ class Metrics:
         self.stalled = LoopCounter("pdproxy_requests_with_stall",
                                    "Requests with at least one gap above the stall threshold", BASE_LABELS, r)
         self.stall_seconds = Counter("pdproxy_stall_seconds", "Stall time (gaps above the stall threshold) by cause, "
-                                     "attributed live: see docs/telemetry.md", STALL_LABELS, registry=r)
+                                     "attributed live: see docs/reference/telemetry.md", STALL_LABELS, registry=r)
         self.stalls = Counter("pdproxy_stalls", "Stalls (gaps above the stall threshold) by cause, attributed live",
                               STALL_LABELS, registry=r)
         self.instance_stall_seconds = Counter("pdproxy_instance_stall_seconds",
@@ -287,11 +287,11 @@ class Metrics:
         self.spans_dropped = Counter("pdproxy_spans_dropped", "Spans lost before reaching the collector", ("reason",),
                                      registry=r)
         self.route_decisions = LoopCounter("pdproxy_route_decisions", "Routing decisions by leg, policy and reason "
-                                           "(reasons: docs/telemetry.md)", ("role", "policy", "reason"), r)
+                                           "(reasons: docs/reference/telemetry.md)", ("role", "policy", "reason"), r)
         self._route_series: dict[tuple[str, str, str], CounterSeries] = {}
         self.route_fallbacks = Counter("pdproxy_route_fallbacks", "Event-based routing decisions that fell back to the "
                                        "approximate index, by leg, the instance whose state caused it (or the one "
-                                       "chosen, when the request did) and why (docs/telemetry.md)",
+                                       "chosen, when the request did) and why (docs/reference/telemetry.md)",
                                        ("role", "server_address", "reason"), registry=r)
         self.tokenize_failures = Counter("pdproxy_tokenize_failures", "Calls to an instance's /tokenize for routing "
                                          "that gave no usable token ids, by instance and why (timeout, http_status, "

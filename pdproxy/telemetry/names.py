@@ -1,4 +1,4 @@
-"""Span, attribute and metric names: the contract documented in docs/telemetry.md.
+"""Span, attribute and metric names: the contract documented in docs/reference/telemetry.md.
 
 Final: the compiled modules (pdproxy/compiled.py) use their values as constants, not module lookups."""
 

@@ -1,6 +1,6 @@
 """Why a stream stalled: the attribution rule, and the live record of what each instance was doing.
 
-The rule (shared with the bench's offline attribution, pdproxy/bench/attribution.py, docs/bench.md):
+The rule (shared with the bench's offline attribution, pdproxy/bench/attribution.py, docs/reference/report.md):
 a stall — a gap between token-bearing events above the stall threshold — is put down to what
 happened on the same instance within the gap, ± TOLERANCE: another request's KV arriving (P/D
 decode), another request's prefill (single instance), a preemption the instance reported, or none.

@@ -10,7 +10,7 @@ The recorded workload (arrivals, prompt and output tokens, shared prefixes) is r
 candidate set-up at the same GPU total (every P:D ratio, all single, all chunked at --chunk sizes, and
 the set-up it was recorded on) by the simulator's engine in virtual time, and printed as `pdproxy
 report` prints a real comparison: the same rows, verdicts against the recorded set-up, and the real
-runs worth making next. Every figure is a prediction with the expected error stated (docs/whatif.md).
+runs worth making next. Every figure is a prediction with the expected error stated (docs/explanation/whatif.md).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pdproxy.whatif.workload import Workload, WorkloadError, from_index, load, o
 
 CALIBRATED_NOTE = ("calibrated on the given spans: the stated error is the shipped presets'; replaying a run's own "
                    "workload with the curves fitted to its spans, TTFT and KV wait landed within 21 % on vllm023 "
-                   "P/D, but across set-ups calibration helped some figures and hurt others (docs/whatif.md)")
+                   "P/D, but across set-ups calibration helped some figures and hurt others (docs/explanation/whatif.md)")
 PRESET_ATTR = "pdproxy.sim.preset"  # the simulator names its preset on its spans (and a bench may as a condition)
 
 
@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i.add_argument("--prefixes-as-counted", action="store_true",
                    help="replay a shared prefix at the size the server counted (what it counted beyond the tokens "
                         "a request asked for, where more than the re-drawn prefix); not the default: "
-                        "docs/whatif.md, \"Spread\"")
+                        "docs/explanation/whatif.md, \"Spread\"")
     s = p.add_argument_group("candidate set-ups")
     s.add_argument("--gpus", type=int, help="GPU total (default: the recording's gpu.count)")
     s.add_argument("--setup", action="append", default=[], metavar="SPEC",

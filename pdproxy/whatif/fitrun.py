@@ -240,7 +240,7 @@ def render(fit: RunFit, setup: str) -> str:
             f"decode intake {_intake(p.kv_intake_gbps)}, "
             f"front end {p.frontend_stream_ms:.2f} ms per stream served; "
             f"worst self-replay error on {', '.join(GOAL)} {r['worst_error']:.0%} (in-sample: fitted on this "
-            "recording; the cross-set-up validation in docs/whatif.md says how far it carries)")
+            "recording; the cross-set-up validation in docs/explanation/whatif.md says how far it carries)")
 
 
 def _intake(gbps: float) -> str:

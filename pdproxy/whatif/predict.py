@@ -4,7 +4,7 @@ The model's outcomes are written as `pdproxy bench` request records (start offse
 gaps, tokens) plus the trace stages the report reads (queue, prefill, KV transfer, decode), so
 `pdproxy.bench.report.build` computes the very rows a real run gets, and its table and HTML render
 them. On top: a verdict per set-up against the recorded one, the expected error of each figure
-(from the validation against real vLLM, docs/whatif.md), and which set-ups the prediction cannot
+(from the validation against real vLLM, docs/explanation/whatif.md), and which set-ups the prediction cannot
 tell apart within that error, which are the real runs worth making next.
 """
 
@@ -25,7 +25,7 @@ from pdproxy.whatif.workload import Workload
 PREDICTION = "a PREDICTION of the what-if model (pdproxy whatif), not a measurement"
 
 # Relative error of each figure: the largest |predicted - recorded| / recorded the validation shows with the
-# model fitted to the recorded run (benchmarks/whatif_validation.py --fit-run, docs/whatif.md "Validation"):
+# model fitted to the recorded run (benchmarks/whatif_validation.py --fit-run, docs/explanation/whatif.md "Validation"):
 # self-replay of run A pd and dp, run B, vllm023 1- and 2-GPU P/D and singles (warm from the P/D run before
 # them), and both of run A's cross predictions (2P2D -> four singles, four singles -> 2P2D), rounded up to 5 %.
 # Predictions overlapping within it cannot be told apart; a self-replay that
@@ -57,7 +57,7 @@ FIGURES: tuple[tuple[str, Callable[[dict[str, Any]], float | None]], ...] = (
 )
 # The model's own spread: the recorded set-up replayed SPREAD_SEEDS more times with up to SPREAD_JITTER_MS of jitter
 # in every API server's time per request (the spread of vLLM 0.23's own, tests/fixtures/vllm023), seed by seed.
-# Closed-loop clients in step settle into one grouping or another by such timing (docs/whatif.md "Clients in
+# Closed-loop clients in step settle into one grouping or another by such timing (docs/explanation/whatif.md "Clients in
 # step"): the figures it moves, the model cannot place closer than their spread, whatever the fit.
 SPREAD_SEEDS = 4
 SPREAD_JITTER_MS = 1.0
@@ -78,7 +78,7 @@ def overlap(a: float, b: float, err: float) -> bool:
 def error_text(errors: dict[str, float] = EXPECTED_ERROR) -> str:
     parts = ", ".join(f"{k} ±{v:.0%}" for k, v in errors.items())  # tail ITL = per-request max ITL
     return (f"This is {PREDICTION}. Expected error per figure (largest seen against recorded vLLM 0.23 runs with "
-            f"the model fitted to them, docs/whatif.md): {parts}.")
+            f"the model fitted to them, docs/explanation/whatif.md): {parts}.")
 
 
 @dataclass
