@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -49,9 +50,14 @@ def store():
         query = (f"{jaeger.url}/api/v3/traces?query.service_name=pdproxy&query.start_time_min=2026-12-01T00:00:00Z"
                  f"&query.start_time_max=2026-12-02T00:00:00Z&query.num_traces=1000")
         deadline = time.monotonic() + scaled(15)
-        while True:  # stored once its batch processor flushed
-            with urllib.request.urlopen(query, timeout=10) as r:
-                doc = json.loads(r.read())
+        while True:  # stored once its batch processor flushed (until then api/v3 says 404: no trace found)
+            try:
+                with urllib.request.urlopen(query, timeout=10) as r:
+                    doc = json.loads(r.read())
+            except urllib.error.HTTPError as e:
+                if e.code != 404:
+                    raise
+                doc = {}
             found = {sp["traceId"] for rs in doc.get("result", {}).get("resourceSpans", [])
                      for ss in rs["scopeSpans"] for sp in ss["spans"]}
             if len(found) >= TRACES or time.monotonic() > deadline:
