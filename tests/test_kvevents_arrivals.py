@@ -21,7 +21,7 @@ def test_the_rule_finds_the_recorded_arrivals_and_no_generation_store():
             index.apply(event)
             if not isinstance(event, BlockStored):
                 continue
-            keys = [index._engine[h] for h in event.block_hashes]
+            keys = [index.key_of(h) for h in event.block_hashes]
             if src == "p0":
                 prefill_keys.update(keys)
                 continue

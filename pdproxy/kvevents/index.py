@@ -14,25 +14,35 @@ prompt matches blocks of the same tokens whatever adapter stored them (an over-e
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Sequence
 
-from pdproxy.blocks import ROOT, chain_hashes
+from pdproxy.blocks import KEY_MASK, ROOT, chain_hashes
 from pdproxy.kvevents.decode import AllBlocksCleared, BlockRemoved, BlockStored, Event
 
-DEFAULT_MAX_BLOCKS = 1 << 18  # 4M tokens of 16: above a GPU's cache; ~230 bytes each (benchmarks/kv_events.py)
+DEFAULT_MAX_BLOCKS = 1 << 18  # 4M tokens of 16: above a GPU's cache; ~140 bytes each (benchmarks/membership_scale.py)
 
 
 class BlockIndex:
-    """One instance's cached blocks."""
+    """One instance's cached blocks.
 
-    __slots__ = ("max_blocks", "block_size", "_engine", "_keys", "orphans", "evicted", "stored", "removed")
+    Laid out for 100 engines' caches in one process (benchmarks/membership_scale.py): a plain dict from the
+    engine's hash to our key (in storing order), a set of our keys, and every hash held to 60 bits (an int
+    under 2**60 takes 32 bytes, a 64-bit one 48). Keys that several engine blocks name (LoRA adapters, cache
+    salts: rare) count their extra names in `_extra`. Past `max_blocks`, the oldest stored blocks go first,
+    from `_order`, kept only once the bound is reached (an engine's own removals normally keep the index
+    below it, where keeping an order would cost memory for nothing)."""
+
+    __slots__ = ("max_blocks", "block_size", "_engine", "_keys", "_extra", "_order", "orphans", "evicted", "stored",
+                 "removed")
 
     def __init__(self, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
         self.max_blocks = max_blocks
         self.block_size: int | None = None  # from the events (the engine's --block-size)
-        self._engine: OrderedDict[int, int] = OrderedDict()  # engine hash -> our key, oldest first
-        self._keys: dict[int, int] = {}  # our key -> engine blocks naming it (1 unless adapters/salts differ)
+        self._engine: dict[int, int] = {}  # engine hash (60 bits) -> our key, oldest first
+        self._keys: set[int] = set()  # our keys held
+        self._extra: dict[int, int] = {}  # our key -> engine blocks naming it beyond the first
+        self._order: deque[int] | None = None  # engine hashes, oldest first, once the bound was reached
         self.orphans = self.evicted = self.stored = self.removed = 0
 
     def __len__(self) -> int:
@@ -40,6 +50,10 @@ class BlockIndex:
 
     def __contains__(self, key: int) -> bool:
         return key in self._keys
+
+    def key_of(self, engine_hash: int) -> int | None:
+        """Our key for a block the engine names `engine_hash` (None: not held)."""
+        return self._engine.get(engine_hash & KEY_MASK)
 
     def apply(self, event: Event) -> None:
         if isinstance(event, BlockStored):
@@ -49,50 +63,97 @@ class BlockIndex:
         elif isinstance(event, AllBlocksCleared):
             self.clear()
 
+    def apply_all(self, events: list[Event]) -> int:
+        """Apply a batch's events in one call; the work done, in the subscriber's units (a token id, a hash, an
+        event)."""
+        units = 0
+        for event in events:
+            if isinstance(event, BlockStored):
+                self.store(event)
+                units += len(event.token_ids) + len(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                self.remove(event.block_hashes)
+                units += len(event.block_hashes) + 1
+            else:
+                self.clear()
+                units += 1
+        return units
+
     def store(self, event: BlockStored) -> None:
-        if self.block_size != event.block_size:
+        size = event.block_size
+        if self.block_size != size:
             if self.block_size is not None:
                 self.clear()  # another block size: the engine was restarted differently
-            self.block_size = event.block_size
-        if event.parent_block_hash is None:
-            parent = ROOT
-        else:
-            parent = self._engine.get(event.parent_block_hash)
-            if parent is None:
-                self.orphans += len(event.block_hashes)
+            self.block_size = size
+        hashes = event.block_hashes
+        engine = self._engine
+        parent = ROOT
+        parent_hash = event.parent_block_hash
+        if parent_hash is not None:
+            found = engine.get(parent_hash & KEY_MASK)
+            if found is None:
+                self.orphans += len(hashes)
                 return
-        engine, keys = self._engine, self._keys
-        for engine_hash, key in zip(event.block_hashes, chain_hashes(event.token_ids, event.block_size, parent)):
-            old = engine.get(engine_hash)
-            if old is not None:
-                engine.move_to_end(engine_hash)
-                continue
+            parent = found
+        tokens = event.token_ids
+        if len(hashes) == 1 and len(tokens) == size:  # the common event: one block (chain_hashes' first key)
+            self._put(hashes[0] & KEY_MASK, hash((parent, tuple(tokens))) & KEY_MASK)
+        else:
+            for engine_hash, key in zip(hashes, chain_hashes(tokens, size, parent)):
+                self._put(engine_hash & KEY_MASK, key)
+        if len(engine) > self.max_blocks:
+            self._evict()
+
+    def _put(self, engine_hash: int, key: int) -> None:
+        engine = self._engine
+        if engine_hash in engine:  # stored again: now the newest
+            engine[engine_hash] = engine.pop(engine_hash)
+        else:
             engine[engine_hash] = key
-            keys[key] = keys.get(key, 0) + 1
+            if key in self._keys:
+                self._extra[key] = self._extra.get(key, 0) + 1
+            else:
+                self._keys.add(key)
             self.stored += 1
-        while len(engine) > self.max_blocks:
-            _, key = engine.popitem(last=False)
-            self._forget(key)
-            self.evicted += 1
+        if self._order is not None:
+            self._order.append(engine_hash)
+
+    def _evict(self) -> None:
+        engine = self._engine
+        order = self._order
+        if order is None:
+            order = self._order = deque(engine)
+        while len(engine) > self.max_blocks and order:
+            engine_hash = order.popleft()
+            key = engine.pop(engine_hash, None)  # (one removed since, or stored again later, is passed over)
+            if key is not None:
+                self._forget(key)
+                self.evicted += 1
+        if len(order) > 2 * len(engine) + 1024:
+            self._order = deque(engine)  # the removed ones' entries dropped
 
     def remove(self, engine_hashes: Sequence[int]) -> None:
         engine = self._engine
         for engine_hash in engine_hashes:
-            key = engine.pop(engine_hash, None)
+            key = engine.pop(engine_hash & KEY_MASK, None)
             if key is not None:
                 self._forget(key)
                 self.removed += 1
 
     def _forget(self, key: int) -> None:
-        left = self._keys[key] - 1
-        if left:
-            self._keys[key] = left
+        extra = self._extra.get(key)
+        if extra is None:
+            self._keys.discard(key)
+        elif extra > 1:
+            self._extra[key] = extra - 1
         else:
-            del self._keys[key]
+            del self._extra[key]
 
     def clear(self) -> None:
         self._engine.clear()
         self._keys.clear()
+        self._extra.clear()
+        self._order = None
 
     def matched_blocks(self, keys: Sequence[int]) -> int:
         """How many leading blocks of a prompt (its `chain_hashes`) this instance holds."""

@@ -1,0 +1,201 @@
+"""100 engines per replica (issue 53, item 6): what following 100 discovered vLLM instances' KV events costs one pdproxy.
+
+    python benchmarks/membership_scale.py [--instances 100] [--seconds 15] [--tree LABEL=PATH ...]
+
+1. Event path CPU. `--instances` engines (half prefill, half decode) publish on vLLM 0.23's wire from
+   `--fleets` separate processes (benchmarks/harness/kv_engines.py: each engine `--rate` events/s in `--batches`
+   batches/s, one 16-token block per event, BlockRemoved once its cache is full: one real engine under load).
+   A real `pdproxy serve` discovers them from a watched instances file (as an operator would), subscribes to
+   every engine and rebuilds each index from its replay socket; then the engines publish. Printed per tree
+   (pure, compiled...): the proxy process's own CPU (/proc/PID/stat) over the window, idle (subscribed, engines
+   silent) and busy, the event path's share of a core per 100k events/s, events sent and applied, the loop's
+   worst lag (/debug/runtime), RSS; beside them the machine's load and what the publishers used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import harness  # noqa: E402  (benchmarks/ is a folder of scripts, not a package)
+from harness import stats  # noqa: E402
+
+ENGINES = HERE / "harness" / "kv_engines.py"
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+class Fleet:
+    """One kv_engines.py process."""
+
+    def __init__(self, count: int, rate: float, batches: float, seconds: float, capacity: int, seed: int) -> None:
+        self.popen = subprocess.Popen(
+            [sys.executable, str(ENGINES), "--count", str(count), "--rate", str(rate), "--batches", str(batches),
+             "--seconds", str(seconds), "--capacity", str(capacity), "--seed", str(seed)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        line = self.popen.stdout.readline()
+        if not line:
+            raise RuntimeError("kv_engines.py did not start")
+        self.engines: list[dict[str, str]] = json.loads(line)["engines"]
+
+    def go(self) -> None:
+        self.popen.stdin.write("go\n")
+        self.popen.stdin.flush()
+
+    def result(self) -> dict:
+        return json.loads(self.popen.stdout.readline())
+
+    def stop(self) -> None:
+        try:
+            self.popen.stdin.write("stop\n")
+            self.popen.stdin.flush()
+            self.popen.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.popen.kill()
+            self.popen.wait()
+
+    def cpu(self) -> float:
+        return stats.cpu_seconds([self.popen.pid])
+
+
+def instances_file(path: Path, engines: list[dict[str, str]]) -> list[str]:
+    """Half prefill, half decode; each instance's URL a distinct port (nothing listens: health checks are off)."""
+    roles: dict[str, list[dict]] = {"prefill": [], "decode": []}
+    addresses = []
+    for k, engine in enumerate(engines):
+        role = "prefill" if k < len(engines) // 2 else "decode"
+        address = f"127.0.0.1:{20000 + k}"
+        addresses.append(address)
+        roles[role].append({"url": f"http://{address}", "kv_events_endpoint": engine["pub"],
+                            "kv_events_replay_endpoint": engine["replay"]})
+    path.write_text(json.dumps(roles))
+    return addresses
+
+
+def kv_status(url: str) -> dict[str, dict]:
+    return get_json(url + "/status")["kv_events"]
+
+
+def wait_for(predicate, what: str, timeout: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} after {timeout:.0f} s")
+
+
+def event_path(tree: str, args: argparse.Namespace) -> dict:
+    per_fleet = -(-args.instances // args.fleets)
+    warm = 2.0
+    fleets = []
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as d, harness.Procs() as procs:
+        try:
+            for f in range(args.fleets):
+                count = min(per_fleet, args.instances - f * per_fleet)
+                fleets.append(Fleet(count, args.rate, args.batches, warm + args.seconds + 1, args.capacity, f + 1))
+            engines = [e for fleet in fleets for e in fleet.engines]
+            path = Path(d) / "instances.json"
+            addresses = instances_file(path, engines)
+            started = time.monotonic()
+            proxy = procs.pdproxy(
+                "serve", "--vllm-pd-disaggregation", "--instances-file", str(path), "--instances-file-interval",
+                "0.2", "--health-check-interval", "0", "--policy", "precise_prefix", "--load-metrics-interval",
+                "3600", "--no-tracing", "--debug-endpoints", "--log-level", "warning",
+                env={"PYTHONPATH": tree}, cwd=tree, log=Path(d) / "proxy.log")
+            wait_for(lambda: sum(s["flowing"] for s in kv_status(proxy.url).values()) == len(addresses),
+                     "every instance flowing", 120)
+            out["discovered_s"] = time.monotonic() - started
+            compiled = get_json(proxy.url + "/status").get("compiled", {}).get("form")
+            out["form"] = compiled
+            # idle: subscribed, engines silent (each answers a replay probe every 2 s)
+            time.sleep(1.0)
+            get_json(proxy.url + "/debug/runtime")
+            c0, w0, m0 = proxy.cpu_seconds(), time.monotonic(), stats.machine_busy()
+            time.sleep(args.idle)
+            out["idle_core"] = (proxy.cpu_seconds() - c0) / (time.monotonic() - w0)
+            for fleet in fleets:
+                fleet.go()
+            time.sleep(warm)
+            before = sum(s["events"] for s in kv_status(proxy.url).values())
+            get_json(proxy.url + "/debug/runtime")
+            f0 = sum(fl.cpu() for fl in fleets)
+            c0, w0, m0 = proxy.cpu_seconds(), time.monotonic(), stats.machine_busy()
+            lags = []
+            while time.monotonic() - w0 < args.seconds:
+                time.sleep(1.0)
+                lags.append(get_json(proxy.url + "/debug/runtime")["loop_lag_max_seconds"])
+            c1, w1, m1 = proxy.cpu_seconds(), time.monotonic(), stats.machine_busy()
+            after = sum(s["events"] for s in kv_status(proxy.url).values())
+            f1 = sum(fl.cpu() for fl in fleets)
+            wall = w1 - w0
+            out["busy_core"] = (c1 - c0) / wall
+            out["events_per_s"] = (after - before) / wall
+            out["machine_core"] = (m1[0] - m0[0]) / stats.CLK_TCK / wall
+            out["fleets_core"] = (f1 - f0) / wall
+            out["lag_max_ms"] = max(lags) * 1000
+            out["lag_p50_ms"] = sorted(lags)[len(lags) // 2] * 1000
+            sent = [fleet.result() for fleet in fleets]
+            out["sent"] = sum(s["sent_events"] for s in sent)
+            out["dropped"] = sum(s["dropped_batches"] for s in sent)
+            out["late"] = sum(s["late_batches"] for s in sent)
+            try:
+                wait_for(lambda: sum(s["events"] for s in kv_status(proxy.url).values()) >= out["sent"],
+                         "every event applied", 30)
+            except TimeoutError:
+                pass
+            status = kv_status(proxy.url)
+            out["applied"] = sum(s["events"] for s in status.values())
+            out["gaps"] = sum(s["gaps"] for s in status.values())
+            out["flowing"] = sum(s["flowing"] for s in status.values())
+            out["blocks"] = sum(s["blocks"] for s in status.values())
+            out["rss_mib"] = proxy.memory_mb("VmRSS") * 1e6 / 2**20
+        finally:
+            for fleet in fleets:
+                fleet.stop()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--instances", type=int, default=100)
+    parser.add_argument("--fleets", type=int, default=4, help="publisher processes")
+    parser.add_argument("--rate", type=float, default=1100.0, help="events/s per engine")
+    parser.add_argument("--batches", type=float, default=37.0, help="batches/s per engine")
+    parser.add_argument("--capacity", type=int, default=2048, help="blocks an engine holds before it removes")
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--idle", type=float, default=5.0)
+    parser.add_argument("--tree", action="append", default=[], help="LABEL=PATH: a pdproxy tree to measure "
+                        "(default: this one)")
+    args = parser.parse_args()
+    trees = [t.split("=", 1) for t in args.tree] or [["this tree", str(harness.REPO)]]
+    print(f"pdproxy, {args.instances} engines per replica ({harness.machine()}; load {os.getloadavg()[0]:.1f})")
+    print(f"each engine: {args.rate:,.0f} events/s in {args.batches:g} batches/s; {args.fleets} publisher processes")
+    for label, tree in trees:
+        r = event_path(tree, args)
+        net = r["busy_core"] - r["idle_core"]
+        print(f"[{label}: {r['form']}] discovered and flowing in {r['discovered_s']:.1f} s; CPU idle "
+              f"{r['idle_core'] * 100:.1f} %, busy {r['busy_core'] * 100:.1f} % of a core at "
+              f"{r['events_per_s']:,.0f} events/s: event path {net * 100:.1f} % -> "
+              f"{net * 100 / (r['events_per_s'] / 1e5):.1f} % of a core per 100k events/s; "
+              f"sent {r['sent']:,}, applied {r['applied']:,}, gaps {r['gaps']}, flowing {r['flowing']}, "
+              f"dropped {r['dropped']}, late {r['late']}; loop lag p50 {r['lag_p50_ms']:.1f} ms max "
+              f"{r['lag_max_ms']:.1f} ms; RSS {r['rss_mib']:.0f} MiB; machine {r['machine_core']:.2f} cores busy, "
+              f"publishers {r['fleets_core'] * 100:.1f} %")
+
+
+if __name__ == "__main__":
+    main()
