@@ -9,11 +9,12 @@ prompt with it), so neither package imports the other.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
-ROOT = 0  # the key a chain starts from (as pdproxy/sim/prefix_cache.py)
+ROOT: Final = 0  # the key a chain starts from (as pdproxy/sim/prefix_cache.py)
 # Keys are kept to 60 bits: CPython stores an int under 2**60 in 32 bytes and a full 64-bit one in 48, and an
 # index holds millions of them (100 engines' caches); 60 bits still make a collision among them negligible.
-KEY_MASK = (1 << 60) - 1
+KEY_MASK: Final = (1 << 60) - 1
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT, limit: int | None = None) -> list[int]:

@@ -58,6 +58,8 @@ MODULES = (
     "pdproxy.intake",
     "pdproxy.routing.placement",
     "pdproxy.blocks",
+    # the KV-event index: every engine's events applied a batch at a time (benchmarks/membership_scale.py)
+    "pdproxy.kvevents.index",
     "pdproxy.legs",
     "pdproxy.migration.attempts",
     # the server of the inference routes

@@ -44,6 +44,7 @@ from pdproxy.kvevents.publisher import _Batch, removed, stored  # noqa: E402  (t
 BLOCK = 16
 SEQUENCES = 256  # running sequences per engine (max-num-seqs of the measured run)
 SEQUENCE_BLOCKS = 16  # blocks a sequence stores before it finishes (256 output tokens)
+VOCABULARY = 128_000
 REMOVED_SHARE = 485 / 1357  # BlockRemoved share of the events once the cache is full (the measured run)
 TICK_MS = 5  # sending wakes at most every 5 ms (a batch up to 5 ms late: engines are not clockwork either)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -67,7 +68,6 @@ class Engine:
         self.payloads: list[tuple[bytes, int]] = []  # (payload, events)
         self.rng = random.Random(seed)
         self.hash_base = self.rng.getrandbits(62)
-        self.token_base = (seed % 1000) * 10_000_000
         self.counter = itertools.count()
 
     def endpoints(self) -> dict[str, str]:
@@ -97,7 +97,7 @@ class Engine:
                 k = rng.randrange(SEQUENCES)
                 parent, blocks = chains[k]
                 h = (self.hash_base + next(self.counter)) & ((1 << 63) - 1)
-                start = self.token_base + h % 10_000_000 * BLOCK
+                start = rng.randrange(VOCABULARY - BLOCK)  # (token ids as a 128k vocabulary's: 1-3 msgpack bytes)
                 events.append(stored([h], parent, list(range(start, start + BLOCK)), BLOCK))
                 held += 1
                 blocks.append(h)

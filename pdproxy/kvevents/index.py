@@ -65,18 +65,57 @@ class BlockIndex:
 
     def apply_all(self, events: list[Event]) -> int:
         """Apply a batch's events in one call; the work done, in the subscriber's units (a token id, a hash, an
-        event)."""
-        units = 0
+        event). The common events (a store of one block of the known size, a removal) are applied inline."""
+        units = stored = removed = 0
+        engine, keys, extra = self._engine, self._keys, self._extra
+        size = self.block_size
         for event in events:
-            if isinstance(event, BlockStored):
-                self.store(event)
-                units += len(event.token_ids) + len(event.block_hashes)
-            elif isinstance(event, BlockRemoved):
-                self.remove(event.block_hashes)
-                units += len(event.block_hashes) + 1
+            if type(event) is BlockStored:
+                hashes, tokens = event.block_hashes, event.token_ids
+                units += len(tokens) + len(hashes)
+                if len(hashes) != 1 or event.block_size != size or len(tokens) != size or self._order is not None:
+                    self.store(event)  # several blocks, a new block size, or past the bound
+                    size = self.block_size
+                    continue
+                parent_hash = event.parent_block_hash
+                if parent_hash is None:
+                    parent = ROOT
+                else:
+                    found = engine.get(parent_hash & KEY_MASK)
+                    if found is None:
+                        self.orphans += 1
+                        continue
+                    parent = found
+                engine_hash = hashes[0] & KEY_MASK
+                if engine_hash in engine:
+                    engine[engine_hash] = engine.pop(engine_hash)  # stored again: now the newest
+                    continue
+                key = hash((parent, tuple(tokens))) & KEY_MASK  # (chain_hashes' key of one block)
+                engine[engine_hash] = key
+                if key in keys:
+                    extra[key] = extra.get(key, 0) + 1
+                else:
+                    keys.add(key)
+                stored += 1
+                if len(engine) > self.max_blocks:
+                    self._evict()
+            elif type(event) is BlockRemoved:
+                hashes = event.block_hashes
+                units += len(hashes) + 1
+                for engine_hash in hashes:
+                    found = engine.pop(engine_hash & KEY_MASK, None)
+                    if found is not None:
+                        key = found
+                        removed += 1
+                        if key in extra:
+                            self._forget(key)
+                        else:
+                            keys.discard(key)
             else:
-                self.clear()
+                self.apply(event)
                 units += 1
+        self.stored += stored
+        self.removed += removed
         return units
 
     def store(self, event: BlockStored) -> None:

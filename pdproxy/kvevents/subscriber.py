@@ -46,6 +46,7 @@ import asyncio
 import logging
 import time
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -72,7 +73,10 @@ GAVE_UP_AFTER = 1.0  # a disconnection that ZMQ did not retry within this: it dr
 # disconnects, so a retry shows at once), looked for every REFUSAL_CHECK seconds of silence in a replay
 REFUSAL_GRACE, REFUSAL_CHECK = 0.2, 0.1
 MAX_BLIND_SKIPS = 4  # refused answers skipped in a row where their sequence is not known (see _replay)
+PUMP_DELAY = 0.005  # seconds between a parked instance's message and the pump's pass (see Pump)
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# pyzmq's constants are enums, whose `&` costs microseconds; these are read for every message
+_EVENTS, _POLLIN, _RCVMORE, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE), int(zmq.NOBLOCK)
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 # (instance address, batch, live): called for every batch applied, after the index took it
@@ -134,7 +138,12 @@ class Subscription:
         self._dealer: zmq.asyncio.Socket | None = None
         self._dealer_monitor: zmq.asyncio.Socket | None = None  # its connection's events: a refused answer
         self._dropped_at: float | None = None  # monotonic: the replay socket disconnected, not retried since
-        self._woken: asyncio.Future[None] | None = None  # set when the SUB socket (re)connects: rebuild now
+        self._woken: asyncio.Future[None] | None = None  # wakes the task: (re)connected, a message, a hand-over
+        self._sub: zmq.Socket | None = None
+        self._pump: Pump | None = None  # the process's (KVEvents'): applies live batches while this is parked
+        self._parked = False
+        self._held: deque[list[bytes]] = deque()  # messages the pump handed to the task, in order
+        self._last_message = float("-inf")  # monotonic: the last message received (an idle stream is probed)
 
     @property
     def not_flowing_reason(self) -> str | None:
@@ -169,13 +178,17 @@ class Subscription:
         """Follow the stream until cancelled, or until ZMQ dropped the connection for good (then return:
         the caller makes a new socket)."""
         self._ctx = ctx
-        self._woken = asyncio.get_running_loop().create_future()
-        sub = self._socket(zmq.SUB)
+        loop = asyncio.get_running_loop()
+        self._woken = loop.create_future()
+        sub = self._socket(zmq.SUB, zmq.Socket)  # a plain socket: its readiness is followed here (_readable)
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         monitor = sub.get_monitor_socket(_MONITORED)
+        fd = sub.getsockopt(zmq.FD)
+        loop.add_reader(fd, self._readable)
+        self._sub = sub
         sub.connect(self.source.endpoint)
         name = self.source.address
-        tasks = (asyncio.create_task(self._stream(sub), name=f"kv-events stream {name}"),
+        tasks = (asyncio.create_task(self._stream(), name=f"kv-events stream {name}"),
                  asyncio.create_task(self._watch(monitor), name=f"kv-events monitor {name}"))
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -185,15 +198,19 @@ class Subscription:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self._unpark()
+            self._sub = None
+            self._held.clear()
+            loop.remove_reader(fd)
             sub.disable_monitor()
             monitor.close(0)
             sub.close(0)
             self._close_dealer()  # a restarted task's replay must not use a closed socket
             self.connected, self._resync = False, True
 
-    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+    def _socket(self, kind: int, socket_class: type | None = None) -> zmq.asyncio.Socket:
         assert self._ctx is not None
-        sock = self._ctx.socket(kind)
+        sock = self._ctx.socket(kind, socket_class=socket_class)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:5557 (IPv4 addresses still work)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message)
@@ -228,7 +245,7 @@ class Subscription:
 
     # -- the stream -----------------------------------------------------------------------------
 
-    async def _stream(self, sub: zmq.asyncio.Socket) -> None:
+    async def _stream(self) -> None:
         while True:
             timeout = self.probe_interval
             if self._resync and self.connected:
@@ -237,16 +254,16 @@ class Subscription:
                     await self._try_rebuild()
                     continue
                 timeout = min(timeout, wait)
-            frames = await self._receive(sub, timeout)
+            frames = self._held.popleft() if self._held else await self._receive(timeout)
             if frames is None:
-                if self._probe_due(idle=True):
+                idle = time.monotonic() - self._last_message >= self.probe_interval
+                if self._probe_due(idle=idle):
                     await self._replay(self.next_seq or 0)  # still there? and a lost tail repaired
                 continue
             await self._live(frames)
-            while self._budget > 0:  # what already waits, within this turn's budget
-                try:
-                    frames = await sub.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
+            while self._budget > 0 and not self._held:  # what already waits, within this turn's budget
+                frames = self._next_message()
+                if frames is None:
                     break
                 await self._live(frames)
             if self._probe_due(idle=False):
@@ -254,19 +271,120 @@ class Subscription:
             self._budget = TURN_BUDGET
             await asyncio.sleep(0)  # a receive that had finished already does not yield (Python 3.12)
 
-    async def _receive(self, sub: zmq.asyncio.Socket, timeout: float) -> list[bytes] | None:
+    def _next_message(self) -> list[bytes] | None:
+        """The next message waiting in the SUB socket, without waiting (None: none)."""
+        sub = self._sub
+        if sub is None or not sub.getsockopt(_EVENTS) & _POLLIN:
+            return None
+        try:
+            frames = [sub.recv(_NOBLOCK)]
+            while sub.getsockopt(_RCVMORE):
+                frames.append(sub.recv(_NOBLOCK))
+        except zmq.Again:
+            return None
+        return frames
+
+    def _readable(self) -> None:
+        """The SUB socket's descriptor is readable (the event loop calls this): ZMQ's signal is taken (reading
+        EVENTS does it; it is raised again only once the socket has been read empty), and a message waiting is
+        handed to the pump while parked, else to this instance's own task."""
+        sub = self._sub
+        if sub is None:
+            return
+        try:
+            waiting = sub.getsockopt(_EVENTS) & _POLLIN
+        except zmq.ZMQError:
+            return
+        if not waiting:
+            return
+        if self._parked:
+            assert self._pump is not None
+            self._pump.ready(self)
+        elif self._woken is not None and not self._woken.done():
+            self._woken.set_result(None)
+
+    async def _receive(self, timeout: float) -> list[bytes] | None:
         """The next message within `timeout` seconds; None when none came, or as soon as the socket (re)connects:
         the index is rebuilt from the replay buffer then, whether or not the engine sends anything (a replica
-        started, or an engine restarted, in a quiet hour routes precisely from its first request)."""
+        started, or an engine restarted, in a quiet hour routes precisely from its first request).
+
+        In step (connected, rebuilt, in sequence), the task parks: the process's pump (`Pump`) applies the
+        live batches that follow in sequence for every parked instance in one pass, and hands this task what
+        it cannot apply at once (a gap, a restart, a big batch); the task wakes for that, a (re)connection, or
+        its probe's time."""
+        frames = self._next_message()
+        if frames is not None:
+            return frames
         woken = self._woken
         if woken is None or woken.done():
             woken = self._woken = asyncio.get_running_loop().create_future()
-        receiving = sub.recv_multipart()
-        await asyncio.wait((receiving, woken), timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        if receiving.done():
-            return receiving.result()
-        receiving.cancel()  # a message not taken yet stays in the socket for the next receive
-        return None
+        park = self._pump is not None and self.connected and not self._resync and self.next_seq is not None
+        if park:
+            since = time.monotonic() - self._last_message
+            probe = self.probe_interval - since if since < self.probe_interval else self.probe_interval
+            if self.source.replay_endpoint:
+                busy = self.last_replay_at + BUSY_PROBE_INTERVALS * self.probe_interval - time.monotonic()
+                probe = min(probe, busy)
+            timeout = min(timeout, max(0.0, probe))
+            self._parked = True  # (the socket was read empty just above: its next message signals _readable)
+        try:
+            await asyncio.wait((woken,), timeout=timeout)
+        finally:
+            if park:
+                self._unpark()
+        if self._held:
+            return self._held.popleft()
+        return self._next_message()
+
+    def _unpark(self) -> None:
+        if self._parked:
+            self._parked = False
+            if self._pump is not None:
+                self._pump.forget(self)
+
+    def pumped(self, budget: int) -> int:
+        """The pump's pass over this parked instance: live batches in sequence applied at once, up to `budget`
+        units; the first message that needs more (out of sequence, too big, not in step) is handed to this
+        instance's task, which wakes. The units spent; negative: more messages wait (the pump comes back)."""
+        spent = 0
+        while self._parked:
+            if spent >= budget:
+                return -spent
+            frames = self._next_message()
+            if frames is None:
+                break
+            units = self._take(frames)
+            if units is None:
+                self._held.append(frames)
+                self.hand_back()
+                break
+            spent += units
+        return spent
+
+    def hand_back(self) -> None:
+        """Unpark and wake the task (the pump could not go on with this instance)."""
+        self._unpark()
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(None)
+
+    def _take(self, frames: list[bytes]) -> int | None:
+        """A live message applied synchronously when it is the next in sequence, small, and the index is in
+        step (the units spent); None: the task's `_live` must handle it."""
+        if len(frames) != 3 or len(frames[2]) > TURN_BUDGET or self._resync or not self.connected:
+            return None
+        seq_frame = frames[1]
+        if len(seq_frame) != 8 or int.from_bytes(seq_frame, "big", signed=True) != self.next_seq:
+            return None
+        seq = self.next_seq
+        self._last_message = time.monotonic()
+        batch = self._decoded(seq, frames[2])
+        units = MESSAGE_UNITS
+        if batch is not None:
+            units += self.index.apply_all(batch.events)
+            self._applied(batch, live=True)
+        self._floor = seq + 1
+        self.last_heard = time.monotonic()
+        return units
 
     def _probe_due(self, idle: bool) -> bool:
         if not self.connected or self._resync or not self.source.replay_endpoint:
@@ -281,6 +399,7 @@ class Subscription:
             await asyncio.sleep(0)
 
     async def _live(self, frames: list[bytes]) -> None:
+        self._last_message = time.monotonic()
         await self._spend(MESSAGE_UNITS)
         try:
             if len(frames) != 3:
@@ -329,24 +448,39 @@ class Subscription:
         # else a replay just brought it, or (after a rebuild) the next repair will
 
     async def _apply(self, seq: int, payload: bytes, live: bool) -> None:
+        batch = self._decoded(seq, payload)
+        if batch is None:
+            return
+        if len(payload) <= TURN_BUDGET:  # (a payload holds at least a byte per token id and hash: a turn at most)
+            await self._spend(self.index.apply_all(batch.events))
+        else:
+            for event in batch.events:
+                await self._index(event)
+        self._applied(batch, live)
+
+    def _decoded(self, seq: int, payload: bytes) -> EventBatch | None:
+        """Batch `seq` decoded and counted (None: undecodable, counted); the next expected is the one after."""
         self.next_seq = seq + 1
         try:
             batch = decode_batch(payload)
         except DecodeError as exc:
             self.counts["decode_errors"] += 1
             log.debug("kv events: undecodable batch %d from %s: %s", seq, self.source.address, exc)
-            return
+            return None
         counts = self.counts
         counts["batches"] += 1
         counts["events"] += len(batch.events)
-        counts["unknown_events"] += batch.unknown
+        if batch.unknown:
+            counts["unknown_events"] += batch.unknown
         if batch.malformed:
             if not counts["malformed_events"]:
                 log.warning("kv events: %s sent malformed events (skipped, counted in malformed_events)",
                             self.source.address)
             counts["malformed_events"] += batch.malformed
-        for event in batch.events:
-            await self._index(event)
+        return batch
+
+    def _applied(self, batch: EventBatch, live: bool) -> None:
+        """What follows a batch in the index: its time, its lag, the listeners."""
         self.last_batch_at = time.monotonic()
         if live:
             lag = max(0.0, time.time() - batch.ts)
@@ -549,6 +683,55 @@ class _Refused(Exception):
     """ZMQ refused a replay answer over the size bound and dropped the connection for good."""
 
 
+class Pump:
+    """Applies the live batches of every parked subscription (one in step: connected, rebuilt, in sequence) in
+    passes: the first message waiting schedules a pass `PUMP_DELAY` later, and a pass takes every instance with
+    messages waiting, a turn's budget (`TURN_BUDGET` units) at a time, the rest after the loop's other work.
+    At 100 engines' rate (~3,700 batches/s) a pass finds some 20 batches: the loop wakes once for them, not once
+    per batch through a task's wait (asyncio's futures, callbacks and timers cost more than applying a batch of
+    30 events). What a pass cannot apply at once it hands to the instance's own task (`Subscription.pumped`)."""
+
+    def __init__(self) -> None:
+        self._ready: dict[Subscription, None] = {}  # parked instances with messages waiting, in turn
+        self._handle: asyncio.Handle | None = None
+        self.passes = 0
+
+    def ready(self, sub: Subscription) -> None:
+        self._ready[sub] = None
+        if self._handle is None:
+            self._handle = asyncio.get_running_loop().call_later(PUMP_DELAY, self._pass)
+
+    def forget(self, sub: Subscription) -> None:
+        self._ready.pop(sub, None)
+
+    def _pass(self) -> None:
+        self._handle = None
+        self.passes += 1
+        budget = TURN_BUDGET
+        ready = self._ready
+        while ready and budget > 0:
+            sub = next(iter(ready))
+            del ready[sub]
+            try:
+                spent = sub.pumped(budget)
+            except Exception:  # never let one instance's trouble stop the others: its own task takes over
+                log.exception("kv events: applying %s's batches failed; its stream restarts", sub.source.address)
+                sub.hand_back()
+                continue
+            if spent < 0:  # more waits: its turn again after the others'
+                ready[sub] = None
+                spent = -spent
+            budget -= spent
+        if ready:
+            self._handle = asyncio.get_running_loop().call_soon(self._pass)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._ready.clear()
+
+
 class KVEvents:
     """Every instance's subscription, for one pdproxy process (workers and replicas each run their own).
 
@@ -564,12 +747,14 @@ class KVEvents:
         self._listeners: list[Listener] = []
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: dict[str, asyncio.Task] = {}
+        self.pump = Pump()
         for source in sources:
             self.subscriptions[source.address] = self._subscription(source)
 
     def _subscription(self, source: Source) -> Subscription:
         sub = Subscription(source, self.max_blocks, self.probe_interval, self.replay_timeout)
         sub.listeners.extend(self._listeners)
+        sub._pump = self.pump
         return sub
 
     def get(self, address: str) -> Subscription | None:
@@ -637,6 +822,7 @@ class KVEvents:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks = {}
+        self.pump.stop()
 
     def status(self) -> dict[str, dict]:
         return {address: sub.status() for address, sub in self.subscriptions.items()}
