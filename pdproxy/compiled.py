@@ -58,7 +58,7 @@ MODULES = (
     "pdproxy.intake",
     "pdproxy.routing.placement",
     "pdproxy.blocks",
-    # the KV-event index: every engine's events applied a batch at a time (benchmarks/membership_scale.py)
+    # the KV-event index: every engine's events applied a batch at a time, see benchmarks/membership_scale.py
     "pdproxy.kvevents.index",
     "pdproxy.legs",
     "pdproxy.migration.attempts",
