@@ -113,13 +113,21 @@ class PrecisePrefix:
 
     def _events(self, instances: Sequence[Instance]) -> tuple[str | None, Sequence[Instance], list[Any]]:
         """Every candidate's event subscription when all are flowing; else why not, and whose state it is."""
-        if self.events is None:
+        events = self.events
+        if events is None:
             return "events_off", instances, []
-        subs = [self.events.get(i.address) for i in instances]
-        off = [i for i, s in zip(instances, subs) if s is None]
+        subs: list[Any] = []
+        off: list[Instance] = []
+        stalled: list[Instance] = []
+        for i in instances:  # one pass: a pool may hold 100 instances
+            sub = events.get(i.address)
+            if sub is None:
+                off.append(i)
+            elif not sub.flowing:
+                stalled.append(i)
+            subs.append(sub)
         if off:
             return "events_off", off, []
-        stalled = [i for i, s in zip(instances, subs) if not s.flowing]
         if stalled:
             return "events_not_flowing", stalled, []
         return None, (), subs
