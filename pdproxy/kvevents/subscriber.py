@@ -73,7 +73,8 @@ GAVE_UP_AFTER = 1.0  # a disconnection that ZMQ did not retry within this: it dr
 # disconnects, so a retry shows at once), looked for every REFUSAL_CHECK seconds of silence in a replay
 REFUSAL_GRACE, REFUSAL_CHECK = 0.2, 0.1
 MAX_BLIND_SKIPS = 4  # refused answers skipped in a row where their sequence is not known (see _replay)
-PUMP_DELAY = 0.005  # seconds between a parked instance's message and the pump's pass (see Pump)
+PUMP_INTERVAL = 0.01  # seconds between the pump's passes over busy instances (the index lags at most this more)
+COOL_PASSES = 10  # passes without a message after which an instance's socket is watched by the loop again
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # pyzmq's constants are enums, whose `&` costs microseconds; these are read for every message
 _EVENTS, _POLLIN, _RCVMORE, _NOBLOCK = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE), int(zmq.NOBLOCK)
@@ -142,6 +143,8 @@ class Subscription:
         self._sub: zmq.Socket | None = None
         self._pump: Pump | None = None  # the process's (KVEvents'): applies live batches while this is parked
         self._parked = False
+        self._fd: int | None = None  # the SUB socket's descriptor (ZMQ's signal that messages may wait)
+        self._watched = False  # whether the loop watches it (not while the pump polls this instance: `Pump`)
         self._held: deque[list[bytes]] = deque()  # messages the pump handed to the task, in order
         self._last_message = float("-inf")  # monotonic: the last message received (an idle stream is probed)
 
@@ -183,9 +186,9 @@ class Subscription:
         sub = self._socket(zmq.SUB, zmq.Socket)  # a plain socket: its readiness is followed here (_readable)
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         monitor = sub.get_monitor_socket(_MONITORED)
-        fd = sub.getsockopt(zmq.FD)
-        loop.add_reader(fd, self._readable)
+        fd = self._fd = sub.getsockopt(zmq.FD)
         self._sub = sub
+        self._watch_fd(True)
         sub.connect(self.source.endpoint)
         name = self.source.address
         tasks = (asyncio.create_task(self._stream(), name=f"kv-events stream {name}"),
@@ -199,9 +202,9 @@ class Subscription:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self._unpark()
-            self._sub = None
+            self._watch_fd(False)
+            self._sub = self._fd = None
             self._held.clear()
-            loop.remove_reader(fd)
             sub.disable_monitor()
             monitor.close(0)
             sub.close(0)
@@ -299,7 +302,7 @@ class Subscription:
             return
         if self._parked:
             assert self._pump is not None
-            self._pump.ready(self)
+            self._pump.hot(self)
         elif self._woken is not None and not self._woken.done():
             self._woken.set_result(None)
 
@@ -335,6 +338,24 @@ class Subscription:
         if self._held:
             return self._held.popleft()
         return self._next_message()
+
+    def _watch_fd(self, on: bool) -> None:
+        """Have the loop watch the SUB socket's descriptor (call `_readable`), or stop."""
+        if on != self._watched and self._fd is not None:
+            loop = asyncio.get_running_loop()
+            if on:
+                loop.add_reader(self._fd, self._readable)
+            else:
+                loop.remove_reader(self._fd)
+            self._watched = on
+
+    def waiting(self) -> bool:
+        """Whether a message waits in the SUB socket (reading this takes ZMQ's signal)."""
+        sub = self._sub
+        try:
+            return sub is not None and bool(sub.getsockopt(_EVENTS) & _POLLIN)
+        except zmq.ZMQError:
+            return False
 
     def _unpark(self) -> None:
         if self._parked:
@@ -685,51 +706,75 @@ class _Refused(Exception):
 
 class Pump:
     """Applies the live batches of every parked subscription (one in step: connected, rebuilt, in sequence) in
-    passes: the first message waiting schedules a pass `PUMP_DELAY` later, and a pass takes every instance with
-    messages waiting, a turn's budget (`TURN_BUDGET` units) at a time, the rest after the loop's other work.
-    At 100 engines' rate (~3,700 batches/s) a pass finds some 20 batches: the loop wakes once for them, not once
-    per batch through a task's wait (asyncio's futures, callbacks and timers cost more than applying a batch of
-    30 events). What a pass cannot apply at once it hands to the instance's own task (`Subscription.pumped`)."""
+    passes, so that the event loop wakes once for many engines' batches instead of once per batch.
+
+    A parked instance's first message (the loop sees its socket's descriptor) makes it hot: the loop stops
+    watching its descriptor and each pass, every `PUMP_INTERVAL`, looks at its socket and applies what waits, a
+    turn's budget (`TURN_BUDGET` units) at a time (the rest after the loop's other work). An instance that sent
+    nothing for `COOL_PASSES` passes is watched again. At 100 engines' rate (~3,700 batches/s, each engine one
+    every ~27 ms) the loop then wakes ~100 times a second instead of ~3,700: each wake, with its system calls,
+    cost more than applying a batch of 30 events. What a pass cannot apply at once (a gap, a restart, a big batch)
+    it hands to the instance's own task (`Subscription.pumped`)."""
 
     def __init__(self) -> None:
-        self._ready: dict[Subscription, None] = {}  # parked instances with messages waiting, in turn
-        self._handle: asyncio.Handle | None = None
+        self._hot: dict[Subscription, int] = {}  # parked instances polled by the passes -> passes without a message
+        self._handle: asyncio.TimerHandle | asyncio.Handle | None = None
         self.passes = 0
 
-    def ready(self, sub: Subscription) -> None:
-        self._ready[sub] = None
+    def hot(self, sub: Subscription) -> None:
+        """A parked instance has a message: polled by the passes from now on."""
+        sub._watch_fd(False)
+        self._hot[sub] = 0
         if self._handle is None:
-            self._handle = asyncio.get_running_loop().call_later(PUMP_DELAY, self._pass)
+            self._handle = asyncio.get_running_loop().call_later(PUMP_INTERVAL, self._pass)
 
     def forget(self, sub: Subscription) -> None:
-        self._ready.pop(sub, None)
+        """No longer parked: its task reads it (and the loop watches its descriptor)."""
+        if self._hot.pop(sub, None) is not None:
+            sub._watch_fd(True)
 
     def _pass(self) -> None:
         self._handle = None
         self.passes += 1
         budget = TURN_BUDGET
-        ready = self._ready
-        while ready and budget > 0:
-            sub = next(iter(ready))
-            del ready[sub]
+        hot = self._hot
+        by_socket = {sub._sub: sub for sub in hot if sub._sub is not None}
+        try:  # one call in C over every hot socket: those with a message waiting
+            ready = {sock for sock, _ in zmq.zmq_poll([(sock, _POLLIN) for sock in by_socket], 0)}
+        except zmq.ZMQError:
+            ready = set(by_socket)
+        for sub in list(hot):
+            if budget <= 0:
+                break
+            if sub._sub not in ready:
+                if hot[sub] + 1 < COOL_PASSES:
+                    hot[sub] += 1
+                else:  # quiet: the loop watches it again (and a message that came meanwhile keeps it hot)
+                    del hot[sub]
+                    sub._watch_fd(True)
+                    if sub.waiting():
+                        hot[sub] = 0
+                        sub._watch_fd(False)
+                continue
             try:
                 spent = sub.pumped(budget)
             except Exception:  # never let one instance's trouble stop the others: its own task takes over
                 log.exception("kv events: applying %s's batches failed; its stream restarts", sub.source.address)
                 sub.hand_back()
                 continue
-            if spent < 0:  # more waits: its turn again after the others'
-                ready[sub] = None
-                spent = -spent
-            budget -= spent
-        if ready:
-            self._handle = asyncio.get_running_loop().call_soon(self._pass)
+            if sub not in hot:
+                continue  # handed to its task
+            hot[sub] = 0
+            budget -= abs(spent)
+        if hot:
+            loop = asyncio.get_running_loop()
+            self._handle = loop.call_soon(self._pass) if budget <= 0 else loop.call_later(PUMP_INTERVAL, self._pass)
 
     def stop(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        self._ready.clear()
+        self._hot.clear()
 
 
 class KVEvents:
