@@ -74,6 +74,7 @@ def main() -> int:
         n = stretch(args.record, args.minutes * 60, rec)
         out = Path(tmp) / "w.json"
         cmd = [sys.executable, "-m", "pdproxy", "whatif", "--records", str(rec), "--num-gpu-blocks", "4096",
+               "--preset", "h200-llama8b",
                "--jobs", str(args.jobs), "--no-table", "--json", str(out)]
         for s in setups:
             cmd += ["--setup", s]

@@ -1,111 +1,161 @@
-"""The what-if model against real vLLM 0.23 runs: the error per figure, for docs/explanation/whatif.md.
+"""The what-if model against real vLLM 0.23 runs, cluster by cluster: in-sample fit and leave-one-out, for docs/explanation/whatif.md.
 
-Self-replay of every shared recording (its workload on its own set-up) and the cross pair of run A (the
-same workload recorded as 2P2D and as four single instances, each predicted from the other), compared
-with the recording: TTFT, per-request max ITL (tail ITL), the KV wait (pd.kv_transfer, upper bound),
-p50 and p99, and the completed requests, beside the recording's own band (where the workload's true figure
-lies, 95 % of the time: pdproxy/bench/stats.py `percentile_band`) and whether the prediction
-lands in it. Last, the worst error per figure: what the output states.
+Each cluster's recordings go to one `pdproxy whatif` (the command itself, `--json`): one parameter set is fitted to
+all of them, each is replayed against its recording (in-sample), and each is predicted by the model fitted to the
+others (leave-one-out, the error a prediction states). Printed per recording and figure: recorded, leave-one-out
+prediction and error, in-sample error, whether the left-out prediction lands in the recording's own band; then per
+cluster the fitted parameters, and last the issue-56 goals (in-sample: TTFT p50 and p99 within ±25 %, tail ITL p99
+within ±35 %, or inside vLLM's own run-to-run spread where that is wider; leave-one-out: TTFT p50 ±25 %, tail ITL
+p99 ±35 %) and how many pairs of set-ups the leave-one-out predictions order as measured.
 
-    PYTHONPATH=. python3 benchmarks/whatif_validation.py              # presets as shipped
-    PYTHONPATH=. python3 benchmarks/whatif_validation.py --fit-run    # fitted to the source run as a whole
-    PYTHONPATH=. python3 benchmarks/whatif_validation.py --calibrate  # fitted to the source run's spans
-    PYTHONPATH=. python3 benchmarks/whatif_validation.py --fit-run --prefixes-as-counted  # docs/explanation/whatif.md "Spread"
+    PYTHONPATH=. python3 benchmarks/whatif_validation.py                 # every cluster (a few minutes)
+    PYTHONPATH=. python3 benchmarks/whatif_validation.py --cluster one-h200-4
+    PYTHONPATH=. python3 benchmarks/whatif_validation.py --run-b          # run B's self-replay with its dead decode
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
+import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pdproxy.bench import stats  # noqa: E402
-from pdproxy.whatif.validate import Case, run_case  # noqa: E402
+from pdproxy.whatif.predict import within  # noqa: E402
 
-A = ROOT / "tests/fixtures/real-xpyd-2026-12-01b"
-B = ROOT / "tests/fixtures/xpyd"
-V = ROOT / "tests/fixtures/vllm023"
-RUN_A = (("max_model_len", 8192), ("num_gpu_blocks", 4096))
-A_RUNS = {"pd": ("pd-88412b25", "pd-a.jsonl.gz"), "dp": ("dp-cc978f0c", "pd-dp.jsonl.gz")}
+F = ROOT / "tests/fixtures"
+A, R, V, P = F / "real-xpyd-2026-12-01b", F / "real-ratios-2026-12-01", F / "vllm023", F / "real-repeats-2026-12-07"
 
 
-def _run_a(src: str, tgt: str) -> Case:
-    (s, s_tr), (t, t_tr) = A_RUNS[src], A_RUNS[tgt]
-    kind = "self-replay" if src == tgt else "cross"
-    return Case(f"{kind}: run A {src} workload -> {tgt}", str(A / f"bench-{s}.jsonl.gz"), str(A / f"bench-{t}.jsonl.gz"),
-                (str(A / t_tr),), "h200-llama8b", RUN_A,
-                source_traces=(str(A / s_tr), str(A / "vllm-spans.otlp.jsonl.gz")))
+def _repeats() -> list[str]:
+    out = []
+    for k in (1, 2, 3):
+        pd = next(P.glob(f"pd-r{k}-*.jsonl.gz"))
+        single = next(P.glob(f"single-r{k}-*.jsonl.gz"))
+        out += ["--records", str(pd), "--records", str(single), "--warm-from", f"{single.name}={pd}",
+                "--traces", str(P / f"tr-pd-r{k}.jsonl.gz"), "--traces", str(P / f"tr-single-r{k}.jsonl.gz")]
+    return [*out, "--traces", str(P / "vllm-spans.otlp.jsonl.gz")]
 
 
-def cases() -> list[Case]:
-    out = [_run_a("pd", "pd"), _run_a("dp", "dp")]
-    b, b_tr = str(B / "run-b-bench.jsonl.gz"), str(B / "run-b.otlp.jsonl.gz")
-    out.append(Case("self-replay: run B (2P2D, a decode killed at 18 s)", b, b, (b_tr,), "h200-llama8b", RUN_A,
-                    source_traces=(b_tr,)))
-    for gpus, preset in (("1gpu", "h200-llama8b"), ("2gpu", "h200-llama8b-2gpu")):
-        tr = (str(V / f"vllm023-pd-{gpus}.otlp.jsonl.gz"),)
-        for kind in ("pd", "single"):
-            bench = str(V / f"bench-{gpus}-{kind}.jsonl.gz")
-            out.append(Case(f"self-replay: vllm023 {gpus} {kind}", bench, bench, tr, preset,
-                            setup="1P1D" if kind == "pd" else "1xsingle", source_traces=tr,
-                            warm_from="" if kind == "pd" else str(V / f"bench-{gpus}-pd.jsonl.gz")))
-    # four singles -> 2P2D: single instances move no KV, so the singles fit only the GPU sharing; the 2P2D's KV
-    # path is the preset's (the link measured on lone transfers, the decodes' intake fitted on run B)
-    return [*out, _run_a("pd", "dp"), _run_a("dp", "pd")]
+# Each cluster: the runs of one set of instances (the same GPUs and card), and what their records do not say.
+CLUSTERS: dict[str, tuple[str, list[str]]] = {
+    "one-h200-4": ("four vLLM 0.23 instances on one H200 (run A and the ratio runs; 8 GiB KV each)", [
+        "--records", str(A / "bench-pd-88412b25.jsonl.gz"), "--records", str(A / "bench-dp-cc978f0c.jsonl.gz"),
+        "--records", str(R / "p1d3-147e34b8.jsonl.gz"), "--records", str(R / "p3d1-f3716690.jsonl.gz"),
+        "--traces", str(A / "pd-a.jsonl.gz"), "--traces", str(A / "pd-dp.jsonl.gz"),
+        "--traces", str(R / "rr-p1d3.jsonl.gz"), "--traces", str(R / "rr-p3d1.jsonl.gz"),
+        # the benches named gpu.count 4 for four instances on one H200; 8 GiB of KV each
+        "--recorded-gpus", "1", "--num-gpu-blocks", "4096"]),
+    "one-h200-2": ("vllm023: a prefill and a decode instance on one H200, then the decode alone", [
+        "--records", str(V / "bench-1gpu-pd.jsonl.gz"), "--records", str(V / "bench-1gpu-single.jsonl.gz"),
+        "--warm-from", f"bench-1gpu-single.jsonl.gz={V / 'bench-1gpu-pd.jsonl.gz'}",
+        "--traces", str(V / "vllm023-pd-1gpu.otlp.jsonl.gz")]),
+    "two-h200": ("vllm023: a prefill and a decode instance on two H200s, then the decode alone", [
+        "--records", str(V / "bench-2gpu-pd.jsonl.gz"), "--records", str(V / "bench-2gpu-single.jsonl.gz"),
+        "--warm-from", f"bench-2gpu-single.jsonl.gz={V / 'bench-2gpu-pd.jsonl.gz'}",
+        "--traces", str(V / "vllm023-pd-2gpu.otlp.jsonl.gz")]),
+    "one-h100-2": ("the vllm023 1-GPU workload repeated three times on one H100 (P/D, then the decode alone)",
+                   _repeats()),
+}
+RUN_B = ["--records", str(F / "xpyd/run-b-bench.jsonl.gz"), "--traces", str(F / "xpyd/run-b.otlp.jsonl.gz"),
+         "--recorded-gpus", "1", "--num-gpu-blocks", "4096"]
+GOAL_IN = {"TTFT p50": 0.25, "TTFT p99": 0.25, "tail ITL p99": 0.35}
+GOAL_LOO = {"TTFT p50": 0.25, "tail ITL p99": 0.35}
+
+
+def whatif(args: list[str], setup: str | None = None) -> dict:
+    cmd = [sys.executable, "-m", "pdproxy", "whatif", *args, "--json", "-", "--no-table"]
+    if setup:
+        cmd += ["--setup", setup]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=ROOT,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    if p.returncode != 0:
+        raise SystemExit(f"pdproxy whatif failed:\n{p.stderr}")
+    return json.loads(p.stdout[p.stdout.index("{"):])
+
+
+def _recorded_setup(args: list[str]) -> str | None:
+    from pdproxy.bench.records import read_run
+    from pdproxy.whatif import setups
+
+    first = read_run(args[args.index("--records") + 1])
+    s = setups.recorded(first.conditions)
+    if "--recorded-gpus" in args and s is not None:
+        return s.name
+    return s.name if s is not None else None
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calibrate", action="store_true",
-                    help="fit the model to each source run's own vLLM spans first (pdproxy whatif --calibrate)")
-    ap.add_argument("--fit-run", action="store_true",
-                    help="fit the model to each source run as a whole first (pdproxy whatif --fit-run)")
-    ap.add_argument("--prefixes-as-counted", action="store_true",
-                    help="shared prefixes at the size the server counted (pdproxy whatif --prefixes-as-counted)")
-    ap.add_argument("--spread", action="store_true",
-                    help="self-replays: the model's own range over replays with a millisecond of API-server jitter "
-                         "(pdproxy whatif's spread; four more replays per case)")
+    ap.add_argument("--cluster", action="append", choices=list(CLUSTERS), help="only these clusters")
+    ap.add_argument("--run-b", action="store_true", help="run B's self-replay with its dead decode replayed")
     args = ap.parse_args()
-    print("| case | figure | recorded | predicted | error | recorded's band | in it |"
-          + (" model's spread | recorded in it |" if args.spread else ""))
-    print("|---|---|---:|---:|---:|---:|:---:|" + ("---:|:---:|" if args.spread else ""))
+    if args.run_b:
+        rep = whatif(RUN_B, "2P2D")
+        for r in rep["whatif"]["self_replay"]["rows"]:
+            err = "n/a" if r["error"] is None else f"{r['error']:+.0%}"
+            print(f"run B {r['figure']}: recorded {r['recorded']}, predicted {r['predicted']}, {err}")
+        return 0
+    print("| cluster | recording | set-up | figure | recorded | leave-one-out | error | in-sample | LOO in the band |")
+    print("|---|---|---|---|---:|---:|---:|---:|:---:|")
+    goals_in, goals_loo, pairs = [], [], []
     worst: dict[str, float] = {}
-    started = time.perf_counter()
-    for case in cases():
-        case = replace(case, prefixes_as_counted=args.prefixes_as_counted)
+    fitted_lines = []
+    for name in args.cluster or list(CLUSTERS):
+        what, cargs = CLUSTERS[name]
         t = time.perf_counter()
-        rows = run_case(case, calibrate=args.calibrate, fit=args.fit_run, spread=args.spread)
+        rep = whatif(cargs, _recorded_setup(cargs))
+        w = rep["whatif"]
+        fitted_lines.append(f"{name}: {what}: " + ", ".join(
+            f"{k} {v:.3g}" for k, v in w["fit_run"].items() if isinstance(v, (int, float)) and k != "best_round")
+            + (f"; not fitted: {', '.join(w['fit_run']['unfitted'])}" if w["fit_run"]["unfitted"] else ""))
+        rows = w["leave_one_out"]["rows"]
+        for left, f in w["leave_one_out"]["fits"].items():
+            fitted_lines.append(f"{name} without {left}: " + ", ".join(
+                f"{k} {v:.3g}" for k, v in f.items() if isinstance(v, (int, float)) and k != "best_round")
+                + (f"; not fitted: {', '.join(f['unfitted'])}" if f["unfitted"] else ""))
         for r in rows:
-            if r.recorded is None and r.predicted is None:
+            if r["recorded"] is None:
                 continue
-            unit, fmt = (1.0, "{:.0f}") if r.figure == "completed" else (1e3, "{:.1f} ms")
-            err = f"{r.error:+.0%}" if r.error is not None else "n/a"
-            rec = fmt.format(r.recorded * unit) if r.recorded is not None else "—"
-            pred = fmt.format(r.predicted * unit) if r.predicted is not None else "—"
-            band = " / ".join("unbounded" if b is None else f"{b / r.recorded - 1:+.0%}" for b in r.band) \
-                if r.band and r.recorded else ""
-            inside = ("yes" if r.in_band else "no") if r.band else ""
-            spread = ""
-            if args.spread:
-                lo_hi = " / ".join(f"{b / r.recorded - 1:+.0%}" for b in r.spread) if r.spread and r.recorded else ""
-                held = ("yes" if stats.in_band(r.recorded, r.spread) else "no") \
-                    if r.spread and r.recorded is not None else ""
-                spread = f" {lo_hi} | {held} |"
-            print(f"| {case.name} | {r.figure} | {rec} | {pred} | {err} | {band} | {inside} |{spread}")
-            if r.error is not None and not case.outside:
-                worst[r.figure] = max(worst.get(r.figure, 0.0), abs(r.error))
-        print(f"<!-- {case.name}: {time.perf_counter() - t:.1f} s -->", file=sys.stderr)
-    print("\nWorst |error| per figure (the stated error): "
-          + ", ".join(f"{k} ±{v:.0%}" for k, v in worst.items()))
-    for case in cases():
-        if case.outside:
-            print(f"left out of it: {case.name}: {case.outside}")
-    print(f"<!-- all cases: {time.perf_counter() - started:.1f} s -->", file=sys.stderr)
+            unit, fmt = (1.0, "{:.0f}") if r["figure"] == "completed" else (1e3, "{:.1f} ms")
+            pred = fmt.format(r["predicted"] * unit) if r["predicted"] is not None else "—"
+            err = f"{r['error']:+.0%}" if r["error"] is not None else "n/a"
+            ins = f"{r['in_sample_error']:+.0%}" if r["in_sample_error"] is not None else "n/a"
+            inside = ("yes" if r["in_band"] else "no") if r["band"] else ""
+            print(f"| {name} | {r['left_out']} | {r['setup']} | {r['figure']} | {fmt.format(r['recorded'] * unit)} "
+                  f"| {pred} | {err} | {ins} | {inside} |")
+            if r["error"] is not None:
+                worst[r["figure"]] = max(worst.get(r["figure"], 0.0), abs(r["error"]))
+            if r["figure"] in GOAL_IN and r["in_sample"] is not None:
+                ok = within(r["figure"], r["in_sample"], r["recorded"], GOAL_IN[r["figure"]])
+                goals_in.append((name, r["left_out"], r["figure"], r["in_sample_error"], ok))
+            if r["figure"] in GOAL_LOO and r["error"] is not None:
+                goals_loo.append((name, r["left_out"], r["figure"], r["error"], GOAL_LOO[r["figure"]]))
+        by_run: dict[str, dict[str, tuple[float, float]]] = {}
+        for r in rows:
+            if r["predicted"] is not None and r["recorded"] is not None:
+                by_run.setdefault(r["figure"], {})[r["left_out"]] = (r["recorded"], r["predicted"])
+        for fig in ("TTFT p50", "tail ITL p99"):
+            for (a, (ra, pa)), (b, (rb, pb)) in itertools.combinations(by_run.get(fig, {}).items(), 2):
+                if ra != rb:
+                    pairs.append((name, fig, a, b, (ra < rb) == (pa < pb)))
+        print(f"<!-- {name}: {time.perf_counter() - t:.0f} s -->", file=sys.stderr)
+    print()
+    for line in fitted_lines:
+        print(f"fitted {line}")
+    ok_in = [g for g in goals_in if g[4]]
+    ok_loo = [g for g in goals_loo if abs(g[3]) <= g[4]]
+    print(f"\nin-sample within the goal (or vLLM's own spread): {len(ok_in)} of {len(goals_in)}; missed: "
+          + ", ".join(f"{c}/{r} {f} {e:+.0%}" for c, r, f, e, ok in goals_in if not ok))
+    print(f"leave-one-out within the goal: {len(ok_loo)} of {len(goals_loo)}; missed: "
+          + ", ".join(f"{c}/{r} {f} {e:+.0%}" for c, r, f, e, _ in goals_loo if abs(e) > _))
+    print(f"pairs ordered as measured (leave-one-out, within each cluster): {sum(p[4] for p in pairs)} of {len(pairs)}")
+    print("worst leave-one-out |error| per figure: " + ", ".join(f"{k} {v:.0%}" for k, v in worst.items()))
     return 0
 
 

@@ -117,11 +117,12 @@ def test_demo_defaults_finish_in_two_minutes_with_the_comparison(tmp_path: Path)
     # the same-resources verdict first (pd vs dp on the same 2 GPUs), the capacity one separately, each named
     same, capacity = rep["verdicts"]
     assert rep["verdict"] == same and same["candidate"] == "pd" and same["baselines"] == ["dp"]
-    assert same["resources"] == "same resources" and same["decision"] in ("adopt", "don't adopt")
+    assert same["resources"] == "same resources" and same["decision"] in (
+        "adopt", "don't adopt", "trade-off", "no measurable difference")
     assert capacity["resources"] == "capacity" and capacity["baselines"] == ["single", "chunked"]
     verdicts = [x for x in text.splitlines() if x.startswith("Verdict:")]
     assert len(verdicts) == 2 and "same resources" in verdicts[0] and "capacity comparison" in verdicts[1]
-    assert same["decided_by"] in text
+    assert same["decided_by"] is None or same["decided_by"] in text
 
 
 def request_records(path: Path) -> int:

@@ -29,7 +29,8 @@ INHERITED = {
     "max_num_seqs": "the engine's configuration",
     "enable_chunked_prefill": "the engine's configuration",
     "async_scheduling": "the engine's configuration",
-    "gpu_share": "0 in both: no GPU time-sharing unless fitted to a recording",
+    "kv_pull_cached": "vLLM's connector reads only what the decode's prefix cache lacks, on any GPUs",
+    "kv_intake_gbps": "0 in both: one decode fed by three prefills on one H200 took its KV fastest (3P1D)",
     "kv_link_shares_gpu": "on in both: it only matters with a GPU sharing, which is fitted, and the fit chooses it",
     "kv_intake_bursts": "off in both: it did not fit the one-GPU recordings, and the 2-GPU preset has no intake",
     "instant": "both run the engine loop",
@@ -45,5 +46,6 @@ def test_the_two_gpu_preset_inherits_only_what_a_second_gpu_leaves_alone():
         f"h200-llama8b-2gpu inherits {sorted(unexplained)} from h200-llama8b: set them for two GPUs, or "
         "list them in INHERITED with the reason a second GPU leaves them alone")
     # the fields that define it as a 2-GPU preset are its own
-    for name in ("kv_bandwidth_gbps", "kv_latency_ms", "kv_pull_stalls_decode", "kv_intake_gbps"):
+    for name in ("kv_bandwidth_gbps", "kv_latency_ms", "kv_pull_stalls_decode", "shared_gpu", "gpu_share",
+                 "kv_together_gbps"):
         assert name not in shared, name

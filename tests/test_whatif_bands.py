@@ -81,7 +81,8 @@ def test_a_miss_inside_the_recordings_band_is_noise_and_one_outside_is_a_misfit(
     assert "inside the recording's own band for TTFT p99" in text
     assert "does not fit this recording for TTFT p50" in text
     # the verdicts' note names the misfit only
-    v = predict.respect_error({"slo": {"percentile": 99}, "criteria": []}, predict.EXPECTED_ERROR, replay["misfit"])
+    v = predict.with_misfit({"slo": {"percentile": 99}, "criteria": [], "decided_by": None, "reason": ""},
+                            replay["misfit"])
     assert v["notes"] == ["the model does not fit this recording for TTFT p50 (self-replay): verdicts on those "
                           "figures are unreliable"]
 
@@ -92,6 +93,7 @@ def test_the_cli_prints_each_figures_band_and_says_when_there_is_nothing_to_comp
     out = tmp_path / "whatif.json"
     proc = run([sys.executable, "-m", "pdproxy", "whatif", "--records", str(FIX / "vllm023/bench-1gpu-single.jsonl.gz"),
                 "--warm-from", str(FIX / "vllm023/bench-1gpu-pd.jsonl.gz"), "--setup", "1xsingle", "--jobs", "1",
+                "--preset", "h200-llama8b",
                 "--json", str(out)], timeout=240)
     assert proc.returncode == 0, proc.stderr
     rep = json.loads(out.read_text())

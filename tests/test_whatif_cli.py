@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from pdproxy.whatif import predict
+
 pytestmark = pytest.mark.timeout(180)
 
 FIX = Path(__file__).parent / "fixtures" / "real-xpyd-2026-12-01b"
@@ -70,10 +72,11 @@ def test_instances_that_shared_one_gpu_are_replayed_first(tmp_path):
     assert [e["label"] for e in rep["runs"]] == ["1P1D (recorded)", "2xsingle", "2xchunked:2048"]
     assert all(e["gpu_total"] == 1 for e in rep["runs"])
     fit = rep["whatif"]["fit_run"]
-    assert fit["gpu_share"] > 0 and fit["kv_link_shares_gpu"] is False
+    assert fit["gpu_share"] > 0 and fit["recordings"] == ["pd"]
+    assert "gpu_share" in fit["unfitted"]  # one P/D recording: its instances' sharing is not what it shows (fitrun)
     errors = {row["figure"]: row["error"] for row in rep["whatif"]["self_replay"]["rows"]}
-    for figure in ("TTFT p50", "TTFT p99", "tail ITL p99"):
-        assert abs(errors[figure]) <= 0.15, (figure, errors)
+    for figure in ("TTFT p50", "TTFT p99", "tail ITL p99"):  # issue 56's goal, in-sample
+        assert abs(errors[figure]) <= predict.REPLAY_TOLERANCE[figure], (figure, errors)
 
 
 def test_trace_files_alone(tmp_path):
@@ -134,7 +137,7 @@ def test_a_gpu_count_below_one_is_not_used(tmp_path, count):
 
 @pytest.mark.parametrize("args, message", [
     (("--records", str(PD_RECORDS), "--setup", "3P3D"), "needs 6 GPUs"),
-    (("--records", str(PD_RECORDS), "--max-model-len", "4096", "--num-gpu-blocks", "4096"), "max-model-len 4096"),
+    (("--records", str(PD_RECORDS), *RUN_A, "--max-model-len", "4096"), "max-model-len 4096"),
     (("--records", str(PD_RECORDS), "--setup", "2Q2D"), "not understood"),
     (("--records", str(FIX / "README.md")), "not JSON"),
     ((), "no input"),

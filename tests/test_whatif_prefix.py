@@ -46,23 +46,24 @@ def test_a_prefix_sized_in_words_is_replayed_at_the_servers_count():
     assert len(sizes) == 5 and all(len(s) == 1 for s in sizes.values()), sizes
 
 
-def test_by_default_a_prefix_is_its_draw():
-    """Until the fit carries run A's crosses with the prefixes at the server's count (docs/explanation/whatif.md, "Spread")."""
+def test_the_workload_reads_a_prefix_as_its_draw_unless_asked():
+    """`workload.from_bench` keeps the draw unless asked (`pdproxy whatif` asks by default: docs/explanation/whatif.md, "Spread")."""
     agents = _agents(workload.from_bench(DP))
     assert len(agents) > 100
     assert all(500 < r.prefix_tokens < 900 for r in agents), {r.prefix_tokens for r in agents}
 
 
-def test_the_command_replays_the_servers_count_when_asked_and_says_so():
+def test_the_command_replays_the_servers_count_by_default_and_says_so():
     def run(*extra: str) -> dict:
         r = subprocess.run([sys.executable, "-m", "pdproxy", "whatif", "--records", str(DP), "--num-gpu-blocks", "4096",
+                            "--preset", "h200-llama8b",
                             "--setup", "4xsingle", "--no-fit-run", "--no-table", "--json", "-", *extra],
                            capture_output=True, text=True, timeout=150,
                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parent.parent)})
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
 
-    drawn, counted = run(), run("--prefixes-as-counted")
+    drawn, counted = run("--no-prefixes-as-counted"), run()
     note = [n for n in counted["whatif"]["workload"]["notes"] if "--prefixes-as-counted" in n]
     assert note and int(note[0].split()[0]) > 100, note
     assert not any("--prefixes-as-counted" in n for n in drawn["whatif"]["workload"]["notes"])

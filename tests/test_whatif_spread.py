@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from pdproxy.bench.verdict import Slo, decide
+
 from pdproxy.sim.presets import PRESETS
 from pdproxy.sim.timing import FrontEnd
 from pdproxy.whatif import predict, setups, workload
@@ -97,12 +99,16 @@ def test_the_verdicts_count_a_difference_inside_the_spread_as_none():
     allowed = predict.spread_errors(replay, predict.EXPECTED_ERROR)
     assert allowed["TTFT p50"] == pytest.approx(0.060 / 0.036 - 1)
     assert allowed["TTFT p99"] == predict.EXPECTED_ERROR["TTFT p99"]
+    def run(label: str, ttft: float) -> dict:
+        stats = {"requests": {"error_rate": 0.0, "measured": 100}, "ttft": {"p50": ttft},
+                 "tail_itl": {"per_request_max": {"p50": 0.010}}, "bands": {}}
+        return {"label": label, "stats": stats, "kv_transfer": None, "gpu_total": 1}
+
     for candidate, errors, measurable in ((0.040, predict.EXPECTED_ERROR, True), (0.040, allowed, False),
                                           (0.015, allowed, True)):
-        v = {"slo": {"percentile": 50}, "criteria": [
-            {"criterion": "TTFT p50 improved", "value": candidate, "limit": 0.060, "passed": True, "margin": 0.1,
-             "detail": "lower"}]}
-        v = predict.respect_error(v, errors, [])
-        assert (v["criteria"][0]["passed"] is not None) == measurable, (candidate, v)
+        v = decide(run("cand", candidate), [run("base", 0.060)], Slo(percentile=50), errors=errors)
+        ttft = next(c for c in v["criteria"] if c["criterion"] == "TTFT p50 improved")
+        assert (ttft["passed"] is not None) == measurable, (candidate, v)
+        assert v["decision"] == ("adopt" if measurable else "no measurable difference"), v
         if not measurable:
-            assert "inside the ±67% model's own spread" in v["criteria"][0]["detail"]
+            assert "no measurable difference (inside the ±67% stated error)" in ttft["detail"]

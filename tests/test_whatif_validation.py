@@ -2,9 +2,9 @@
 
 vllm023, two H200s (tests/fixtures/vllm023): the P/D run's workload is replayed on its own set-up with the
 model fitted to the run (`--fit-run`), and every figure of the prediction (TTFT, per-request max ITL, KV
-wait; p50 and p99; completed requests) must land within `EXPECTED_ERROR` of the recording. The same table for every recorded pair is in
-docs/explanation/whatif.md (benchmarks/whatif_validation.py); a model change that moves a figure past what the
-output claims fails here.
+wait; p50 and p99; completed requests) must land within `EXPECTED_ERROR` of the recording (the development set's
+leave-one-out error, docs/explanation/whatif.md "Validation", benchmarks/whatif_validation.py); a model change that moves a
+figure past what the output claims fails here.
 """
 
 from __future__ import annotations
@@ -40,35 +40,35 @@ def test_two_gpu_pd_self_replay_fitted_to_the_run_within_the_stated_error():
 A = Path(__file__).parent / "fixtures" / "real-xpyd-2026-12-01b"
 
 
-def test_run_a_2p2d_predicted_from_its_singles_with_the_decode_intake_sized_on_run_b():
-    """The cross check of issue 40: four single instances move no KV, so their recording fits only the GPU
-    sharing; the 2P2D's KV path is the preset's (the link: lone transfers; the decodes' intake of KV from two
-    prefills: run B's fit). Without the intake the 2P2D's TTFT came out at a quarter of the recorded."""
+def test_run_a_2p2d_predicted_from_its_singles():
+    """Four single instances move no KV, so their recording fits only the GPU sharing and the front end; the 2P2D's
+    KV path is the preset's (the link: lone transfers; the rate two decodes' reads share: the cluster's fit). Ordered
+    as measured against the singles' own recording: the 2P2D's TTFT far longer, its streams far smoother."""
     case = Case("run A dp -> pd", str(A / "bench-dp-cc978f0c.jsonl.gz"), str(A / "bench-pd-88412b25.jsonl.gz"),
                 (str(A / "pd-a.jsonl.gz"),), "h200-llama8b", (("max_model_len", 8192), ("num_gpu_blocks", 4096)),
                 source_traces=(str(A / "pd-dp.jsonl.gz"),))
     rows = {r.figure: r for r in run_case(case, fit=True)}
-    for figure, bound in (("TTFT p50", 0.25), ("tail ITL p99", 0.35)):
+    for figure in ("TTFT p50", "tail ITL p99"):
         r = rows[figure]
-        assert r.error is not None and abs(r.error) <= bound, (figure, r.predicted, r.recorded)
+        assert r.error is not None and abs(r.error) <= EXPECTED_ERROR[figure], (figure, r.predicted, r.recorded)
     # ordered as measured against the singles' own recording: 2P2D's TTFT far longer, its streams far smoother
     singles = predict.figures(recorded_entry(case.source, case.source_traces))
     assert rows["TTFT p50"].predicted > 10 * singles["TTFT p50"]
     assert rows["tail ITL p99"].predicted < singles["tail ITL p99"] / 10
 
 
-def test_one_gpu_pd_fits_its_kv_copies_beside_the_compute():
-    """vllm023's 1-GPU 1P1D: with the prefill's KV copies sharing the GPU's compute (the presets' default) the
-    fitted self-replay misses the recording's TTFT p99 (+18 %: a copy is stretched all the way or not at all, by
-    whether the decode steps when it starts); the fit then tries the copies beside the compute, keeps that, and
-    lands within issue 40's ±15 % on TTFT p50, p99 and tail ITL p99."""
+def test_one_gpu_pd_fits_its_link_and_names_what_it_cannot_show():
+    """vllm023's 1-GPU 1P1D fitted alone: one decode reads, so the link is fitted (the lone measurement, 0.34 GB/s,
+    moves to what this run's reads took) and the run lands within issue 56's goal; several decodes reading at once
+    and single instances sharing the GPU are not in it, and the fit says so (`unfitted`)."""
     bench = str(V / "bench-1gpu-pd.jsonl.gz")
     wl = workload.from_bench(bench)
     own = setups.recorded(wl.conditions)
     assert own is not None and own.mode == "pd"
     entry = recorded_entry(bench, (str(V / "vllm023-pd-1gpu.otlp.jsonl.gz"),))
     fit = fitrun.fit_run(wl, own, ModelParams(PRESETS["h200-llama8b"]), entry)
-    sharing = [r for r in fit.rounds if r["kv_link_shares_gpu"]]
-    assert sharing and min(r["worst_error"] for r in sharing) > fitrun.SELF_REPLAY_GOAL, sharing
-    assert not fit.params.preset.kv_link_shares_gpu
-    assert fit.rounds[fit.best]["worst_error"] <= fitrun.SELF_REPLAY_GOAL, fit.rounds[fit.best]
+    got, want = fit.figures("recorded"), predict.figures(entry)
+    for name in fitrun.GOAL:
+        assert predict.within(name, got[name], want[name], predict.REPLAY_TOLERANCE[name]), (name, got, want)
+    assert fit.params.preset.kv_bandwidth_gbps < 0.9 * PRESETS["h200-llama8b"].kv_bandwidth_gbps
+    assert set(fit.unfitted) == {"gpu_share", "kv_together_gbps"}

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +204,29 @@ def say_prompts(console: Console) -> Any:
     return say
 
 
+def from_status(url: str, conditions: dict[str, Any], timeout: float = 5.0) -> list[str]:
+    """The set-up (pd.mode, pd.prefill.count, pd.decode.count) from pdproxy's /status where the run does not name it:
+    a record without it is replayed by `pdproxy whatif` on the wrong baseline. Silent when the target is not a
+    pdproxy (no /status of that shape): the conditions stay as given."""
+    keys = ("pd.mode", "pd.prefill.count", "pd.decode.count")
+    if all(k in conditions for k in keys):
+        return []
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=timeout) as resp:
+            status = json.loads(resp.read())
+        mode = status["mode"]
+        counts = {"pd.prefill.count": int(status["prefill_node_count"]),
+                  "pd.decode.count": int(status["decode_node_count"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    if mode not in ("pd", "single"):
+        return []
+    found = {"pd.mode": mode, **counts}
+    added = {k: v for k, v in found.items() if k not in conditions}
+    conditions.update(added)
+    return [f"set-up from the proxy's /status: " + ", ".join(f"{k}={v}" for k, v in added.items())] if added else []
+
+
 def run_many(wl: Workload, target: runner.Target, label: str, conditions: dict[str, Any], sweep: str | None,
              out: str | None, out_dir: str, save_text: bool, progress: bool, console: Console) -> list[runner.RunResult]:
     """One run, or one run per sweep value; returns results in order."""
@@ -238,6 +263,8 @@ def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
         wl, target, label, conditions, sweep, file_opts = build(args)
+        for note in from_status(target.url, conditions):
+            err.print(f"[yellow]pdproxy bench: {note}[/]")
         out_dir = args.out_dir or file_opts.get("out_dir") or "bench-results"
         show_progress = not (args.no_progress or args.quiet)
         results = run_many(wl, target, label, conditions, sweep, args.out, out_dir, args.save_text,

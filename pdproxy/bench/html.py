@@ -23,7 +23,7 @@ h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px;border-bot
 table{border-collapse:collapse;margin:6px 0} th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;
 vertical-align:top} td.num{text-align:right;font-variant-numeric:tabular-nums} th{background:#f4f4f4}
 .verdict{padding:10px 14px;border-radius:6px;margin:12px 0;font-size:15px}
-.adopt{background:#e6f6e6;border:1px solid #5a5} .reject{background:#fbe9e9;border:1px solid #c55}
+.adopt{background:#e6f6e6;border:1px solid #5a5} .reject{background:#fbe9e9;border:1px solid #c55} .undecided{background:#fdf6e3;border:1px solid #b90}
 .flag{background:#fff6dc;border:1px solid #e0b000;padding:6px 10px;margin:4px 0;border-radius:4px}
 .pass{color:#1a7f1a;font-weight:600} .fail{color:#b00;font-weight:600} .dim{color:#777}
 .plots{display:flex;flex-wrap:wrap;gap:18px} .plot{border:1px solid #e3e3e3;border-radius:6px;padding:6px}
@@ -157,7 +157,8 @@ def _verdict(report: dict[str, Any]) -> str:
 
 
 def _one_verdict(v: dict[str, Any], suffix: str) -> str:
-    cls = "adopt" if v["decision"] in ("adopt", "pass") else "reject"
+    cls = "adopt" if v["decision"] in ("adopt", "pass") else "reject" if v["decision"] in ("don't adopt", "fail") \
+        else "undecided"
     rows = []
     for c in v["criteria"]:
         mark = {True: "<span class=pass>pass</span>", False: "<span class=fail>FAIL</span>",

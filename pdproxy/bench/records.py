@@ -140,8 +140,11 @@ def read_run(path: str | Path) -> Run:
                 raise RecordError(f"{p}:{n}: not JSON") from None
             kind = obj.get("type") if isinstance(obj, dict) else None
             if kind == "run":
+                _check(obj, _HEADER_FIELDS, p, n)
+                _check_workload(obj.get("workload"), p, n)
                 header = obj
             elif kind == "request":
+                _check(obj, _REQUEST_FIELDS, p, n)
                 reqs.append(obj)
             elif kind == "summary":
                 summary = obj
@@ -150,3 +153,70 @@ def read_run(path: str | Path) -> Run:
     if header is None:
         raise RecordError(f"{p}: no run header line; is this a `pdproxy bench` record file?")
     return Run(header=header, requests=reqs, summary=summary, source=str(p))
+
+
+# What a record's fields must be where they are given (type, and whether they may be missing or null): the
+# report and the what-if read them as numbers, lists and names, so a wrong one is named here (file, line, field)
+# instead of failing deep inside with a traceback.
+_INT, _NUM, _STR, _BOOL, _LIST, _DICT = "a whole number", "a number", "a string", "true or false", "a list", "an object"
+_REQUEST_FIELDS: dict[str, tuple[str, bool]] = {  # field -> (kind, required)
+    "request_id": (_STR, True), "start_offset": (_NUM, True), "class": (_STR, False), "index": (_INT, False),
+    "seq": (_INT, False), "warmup": (_BOOL, False), "ok": (_BOOL, False), "status": (_INT, False),
+    "start_time": (_NUM, True), "ttft": (_NUM, False), "e2e": (_NUM, False), "end": (_NUM, False),
+    "itl": (_LIST, False), "chunk_tokens": (_LIST, False), "prompt_tokens": (_INT, False),
+    "prompt_tokens_requested": (_INT, False), "output_tokens": (_INT, False), "max_tokens": (_INT, False),
+    "prompt_words": (_INT, False), "chunks": (_INT, False),
+}
+_HEADER_FIELDS: dict[str, tuple[str, bool]] = {
+    "conditions": (_DICT, False), "workload": (_DICT, False), "prompts": (_DICT, False), "label": (_STR, False),
+    "run_id": (_STR, False),
+}
+_CLASS_FIELDS: dict[str, tuple[str, bool]] = {
+    "name": (_STR, False), "concurrency": (_INT, False), "rate": (_NUM, False), "requests": (_INT, False),
+    "shared_prefixes": (_INT, False), "sessions": (_INT, False), "turns": (_INT, False),
+}
+_WORKLOAD_FIELDS: dict[str, tuple[str, bool]] = {
+    "duration": (_NUM, False), "warmup_seconds": (_NUM, False), "warmup_requests": (_INT, False),
+    "requests": (_INT, False), "seed": (_INT, False), "classes": (_LIST, False),
+}
+_NON_NEGATIVE = {"start_offset", "index", "seq", "ttft", "e2e", "prompt_tokens", "prompt_tokens_requested",
+                 "output_tokens", "max_tokens", "prompt_words", "chunks", "duration", "warmup_seconds",
+                 "warmup_requests", "requests", "rate", "concurrency", "shared_prefixes", "sessions", "turns"}
+
+
+def _is(kind: str, v: Any) -> bool:
+    if kind == _INT:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if kind == _NUM:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+    return isinstance(v, {_STR: str, _BOOL: bool, _LIST: list, _DICT: dict}[kind])
+
+
+def _check(obj: dict[str, Any], fields: dict[str, tuple[str, bool]], p: Path, n: int, where: str = "") -> None:
+    for name, (kind, required) in fields.items():
+        if name not in obj or obj[name] is None:
+            if required:
+                raise RecordError(f"{p}:{n}: field {where}{name} is missing")
+            continue
+        v = obj[name]
+        if name == "request_id" and _is(_INT, v):
+            continue  # an id written as a number is still an id
+        if not _is(kind, v):
+            raise RecordError(f"{p}:{n}: field {where}{name} must be {kind}, not {json.dumps(v)[:60]}")
+        if name in _NON_NEGATIVE and v < 0:
+            raise RecordError(f"{p}:{n}: field {where}{name} must not be negative ({v})")
+    if fields is _REQUEST_FIELDS and obj.get("ok") is True and obj.get("ttft") is None:
+        raise RecordError(f"{p}:{n}: field ttft is missing (the request is ok: its first token came)")
+    if where == "" and "itl" in fields and isinstance(obj.get("itl"), list) and \
+            not all(_is(_NUM, g) and g >= 0 for g in obj["itl"]):
+        raise RecordError(f"{p}:{n}: field itl must be a list of non-negative numbers (seconds)")
+
+
+def _check_workload(wl: Any, p: Path, n: int) -> None:
+    if not isinstance(wl, dict):
+        return  # missing or null: _check named anything else
+    _check(wl, _WORKLOAD_FIELDS, p, n, "workload.")
+    for i, c in enumerate(wl.get("classes") or []):
+        if not isinstance(c, dict):
+            raise RecordError(f"{p}:{n}: field workload.classes[{i}] must be an object, not {json.dumps(c)[:60]}")
+        _check(c, _CLASS_FIELDS, p, n, f"workload.classes[{i}].")

@@ -235,6 +235,8 @@ def run_entry(run: Run, idx: traces.TraceIndex | None, *, unit: str, stall_thres
         if timeline is not None and joined else None,
         "slowest": {"ttft": [brief(r) for r in by_ttft], "tail_itl": [brief(r) for r in by_tail]},
         "failed": [brief(r) for r in failed[:slowest * 2]],
+        # each measured request's TTFT and largest gap: the verdict's goodput counts those meeting the SLOs
+        "slo_points": [[r["ttft"], t[1] if t else None] for t, r in with_tail],
         "plots": {"ttft": _cdf([r["ttft"] for r in ok]), "itl": _cdf(pooled), "tail_itl": _cdf(maxes),
                   "tail_itl_by_start": by_start[:2000]},
     }

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.text import Text
 
 from pdproxy.bench import deployments, html, report, stats, table, traces
@@ -109,6 +110,15 @@ def add_slo_arguments(v: argparse._ArgumentGroup) -> None:
 
 
 def slo_from(args: argparse.Namespace) -> Slo:
+    for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tail-itl-ms", args.slo_tail_itl_ms),
+                        ("--max-kv-transfer-ms", args.max_kv_transfer_ms)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} {value:g}: must be above 0")
+    if not 0 <= args.max_error_rate <= 1:
+        raise ValueError(f"--max-error-rate {args.max_error_rate:g}: a fraction between 0 and 1")
+    if not 0 <= args.min_improvement < 1:
+        raise ValueError(f"--min-improvement {args.min_improvement:g}: a fraction between 0 and 1")
+
     def s(ms: float | None) -> float | None:
         return None if ms is None else ms / 1e3
 
@@ -266,7 +276,7 @@ def run(args: argparse.Namespace) -> int:
                                slowest=args.slowest, slo=slo_from(args), candidate=args.candidate,
                                baselines=args.baseline)
     except (RecordError, traces.TraceError, ValueError, OSError) as e:
-        err.print(f"[red]pdproxy report: {e}[/]", highlight=False)
+        err.print(f"[red]pdproxy report: {escape(str(e))}[/]", highlight=False, soft_wrap=True)
         return 2
     if not args.no_table:
         rows = args.slowest if rep.get("traffic") else min(args.slowest, 3)
@@ -283,9 +293,16 @@ def write_outputs(rep: dict, json_path: str | None, html_page: tuple[str, str] |
         if json_path == "-":
             sys.stdout.write(text + "\n")
         else:
-            Path(json_path).write_text(text)
+            _write(json_path, text)
             err.print(f"JSON report: {json_path}")
     if html_page:
         path, page = html_page
-        Path(path).write_text(page)
+        _write(path, page)
         err.print(f"HTML report: {path}")
+
+
+def _write(path: str, text: str) -> None:
+    """A report file, its directory made first where it is missing (`--json out/run.json` in a fresh tree)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)

@@ -407,7 +407,8 @@ def verdict_text(report: dict[str, Any]) -> Group | None:
 
 
 def _one_verdict(v: dict[str, Any]) -> Group:
-    style = "bold green" if v["decision"] in ("adopt", "pass") else "bold red"
+    style = "bold green" if v["decision"] in ("adopt", "pass") else "bold red" if v["decision"] in (
+        "don't adopt", "fail") else "bold yellow"  # no measurable difference, a trade-off, cannot tell
     head = Text.assemble(("Verdict: ", "bold"), (v["decision"].upper(), style),
                          f"  ({v['candidate']}" + (f" vs {', '.join(v['baselines'])})" if v["baselines"] else ")"))
     if v.get("resources_text"):

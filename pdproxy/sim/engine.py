@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import math
 from collections.abc import Callable
@@ -62,7 +63,7 @@ class Sequence:
     __slots__ = ("request_id", "prompt_tokens", "target_tokens", "target_reason", "hold_kv", "remote",
                  "kv_fail", "arrival", "queued_at", "scheduled_at", "first_token_at", "last_token_at",
                  "finished_at", "num_computed", "num_generated", "blocks", "state", "finish_reason", "error",
-                 "kv_loaded", "held_blocks", "pull", "pull_started", "stalls_until", "block_hashes", "cached_blocks",
+                 "kv_loaded", "held_blocks", "pull", "pull_started", "stalls_until", "block_hashes", "cached_blocks", "shared",
                  "_waiter", "_threshold")
 
     def __init__(self, request_id: str, prompt_tokens: int, target_tokens: int, target_reason: str,
@@ -94,6 +95,7 @@ class Sequence:
         self.pull_started: asyncio.Event | None = None
         self.block_hashes = block_hashes or []  # the prompt's full blocks, chained (prefix caching)
         self.cached_blocks = 0  # leading blocks of the prompt already in the prefix cache
+        self.shared = 0  # of those, found cached when it was admitted: vLLM shares them, it holds no copy of its own
         self._waiter: asyncio.Future[None] | None = None
         self._threshold = 0
 
@@ -362,6 +364,7 @@ class Engine:
                     break
                 self.waiting.popleft()
                 seq.blocks = self.pool.allocate(need)
+                self._read_uncached(seq)
                 seq.state = LOADING_KV
                 seq.stalls_until = now + self._link_seconds(seq.prompt_tokens)
                 self.loading.add(seq)
@@ -384,7 +387,7 @@ class Engine:
             seq.blocks.extend(self.pool.allocate(need))
             if seq.num_computed == 0:  # vLLM looks the prompt up when first scheduled (and after a preemption)
                 self._queried(seq, start)
-                seq.num_computed, seq.cached_blocks = start, hit_blocks
+                seq.num_computed, seq.cached_blocks, seq.shared = start, hit_blocks, hit_blocks
                 self.prefix_cache.touch(seq.block_hashes[:hit_blocks])
             self._admit(seq, now)
             batch.append((seq, n))
@@ -393,6 +396,21 @@ class Engine:
                 prefill_tokens += n
         self._trim_cache()
         return batch, prefill_tokens
+
+    def _read_uncached(self, seq: Sequence) -> None:
+        """A decode reads only the prompt blocks its prefix cache lacks (vLLM 0.23's NIXL connector: the scheduler
+        counts the local hit as computed, `get_num_new_matched_tokens`, and the worker reads the rest of the remote
+        blocks, `_apply_prefix_caching`), up to the last prompt token, which is always computed."""
+        if not self.settings.preset.kv_pull_cached or not seq.block_hashes or seq.remote is None:
+            return
+        hit = min(self.prefix_cache.cached_blocks(seq.block_hashes), (seq.prompt_tokens - 1) // self.block_size)
+        if hit:
+            self.prefix_cache.touch(seq.block_hashes[:hit])
+            seq.cached_blocks = hit
+            read = max(self._blocks_for(seq.prompt_tokens) - hit, 0)
+            ids = seq.remote.block_ids
+            seq.remote = dataclasses.replace(seq.remote, block_ids=ids[len(ids) - read:] if read < len(ids) else ids,
+                                             read_blocks=read)
 
     def _queried(self, seq: Sequence, hit: int) -> None:
         if self.prefix_cache.enabled:  # vLLM without prefix caching looks nothing up and counts no queries
@@ -470,6 +488,12 @@ class Engine:
         if seq.hold_kv and reason in ("length", "stop") and self.leases is not None:
             if not seq.blocks:  # instant mode allocates only when KV has to be held
                 seq.blocks = self.pool.allocate(self._blocks_for(seq.prompt_tokens))
+            # the blocks its prompt found cached stay the cache's (vLLM shares them between requests): the lease holds
+            # the ones it computed, and the decode reads the prompt's blocks from both (RemoteKV.num_tokens)
+            shared = min(seq.shared, len(seq.blocks) - 1) if self.settings.preset.kv_pull_cached else 0
+            if shared > 0:
+                self.pool.free(seq.blocks[:shared])
+                seq.blocks = seq.blocks[shared:]
             self.leases.hold(seq.request_id, seq.blocks, seq.prompt_tokens)
             seq.held_blocks = seq.blocks
         else:

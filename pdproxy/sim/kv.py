@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -88,6 +89,11 @@ class Lease:
     handle: asyncio.TimerHandle | None = None
     pulling: bool = False
     stale: bool = False  # its blocks were already read and freed: whatever they hold now is read
+    read: int | None = None  # blocks the decode reads (the ones its prefix cache lacks); None: all
+
+    @property
+    def blocks_read(self) -> int:
+        return len(self.blocks) if self.read is None else self.read
 
 
 class PullRejected(Exception):
@@ -147,13 +153,17 @@ class KVLeases:
             raise PullRejected(404, "unknown_request", f"no KV blocks held for request {request_id}")
         if lease.pulling:
             raise PullRejected(409, "already_pulling", f"KV blocks of {request_id} are already being read")
-        if sorted(block_ids) != sorted(lease.blocks):
+        if not set(block_ids) <= set(lease.blocks):
+            # a decode whose prefix cache holds the prompt's first blocks reads only the rest (vLLM 0.23's
+            # NIXL worker `_apply_prefix_caching`: "Partial prefix cache hit: just read uncomputed blocks")
             raise PullRejected(404, "unknown_blocks",
-                               f"block ids do not match the {len(lease.blocks)} blocks held for {request_id}")
+                               f"block ids do not match the {len(lease.blocks)} blocks held for {request_id} (nor a "
+                               "part of them)")
         lease.pulling = True
         if lease.handle:
             lease.handle.cancel()
             lease.handle = None
+        lease.read = len(block_ids)
         return lease
 
     def release(self, request_id: str) -> None:
@@ -242,6 +252,130 @@ class TransferLink:
         return start - start_wait, self.clock.now() - start_wait
 
 
+class _Copy:
+    """One KV read on a `SharedKVPath`: its link, the decode reading it, the bytes left."""
+
+    __slots__ = ("link", "reader", "lane", "left", "rate", "done", "arrived", "started")
+
+    def __init__(self, link: TransferLink, reader: str, nbytes: int, now: float) -> None:
+        self.link, self.reader, self.lane, self.left, self.rate = link, reader, (id(link), reader), float(nbytes), 0.0
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.arrived, self.started = now, None  # type: float, float | None
+
+
+class SharedKVPath:
+    """The KV reads between instances on one GPU (the what-if's cluster in one process): each prefill sends to each
+    decode one KV at a time at its link's rate; while several decodes read, all the reads on the GPU share one
+    rate between them.
+
+    Recorded on one H200 with four vLLM 0.23 instances (tests/fixtures/real-ratios-2026-12-01, real-xpyd-2026-12-01b,
+    xpyd; docs/explanation/whatif.md "One GPU, several decodes"): one decode read from three prefills side by side (3P1D: the
+    first KVs of each prefill released per prefill, ~0.55 GB/s in all, where one read alone moves ~0.34 GB/s);
+    with two or three decodes reading, ~0.1 GB/s moved in all, over two prefills (2P2D) as over one (1P3D); run B's
+    decodes, each fed by its own prefill, ~0.1 GB/s in all while both read, and decode-0 0.27 GB/s from two prefills
+    once the other had died. Reads of one decode from one prefill queue (vllm023's 1-GPU 1P1D: short KVs landing
+    behind a 4.5k-token one come out after it). Rates are recomputed at every read's start and end (a fluid model),
+    so a read slows and speeds up as other decodes start and stop reading.
+    """
+
+    def __init__(self, together_bytes_per_s: float, clock: PreciseClock, gpu: SharedGPU | None = None) -> None:
+        self.together = together_bytes_per_s  # all reads at once while several decodes read (0: no such limit)
+        # the copies take their share of the GPU: each prefill sending counts as one more instance busy (SharedGPU)
+        self.gpu = gpu if gpu is not None and gpu.weight > 0 else None
+        self._slots: dict[int, int] = {}  # link id -> its GPU slot
+        self.clock = clock
+        self.active: list[_Copy] = []  # the head read of each busy lane
+        self.queued: dict[tuple[int, str], collections.deque[_Copy]] = {}  # lane -> reads behind its head
+        self._last = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def transfer(self, link: TransferLink, reader: str, nbytes: int) -> tuple[float, float]:
+        """Read `nbytes` over `link` into decode `reader`; returns (queued, total) s as `TransferLink.transfer`."""
+        now = self.clock.now()
+        copy = _Copy(link, reader, nbytes, now)
+        self._advance(now)
+        if any(c.lane == copy.lane for c in self.active):
+            self.queued.setdefault(copy.lane, collections.deque()).append(copy)
+        else:
+            self._start(copy, now)
+        self._reschedule(now)
+        link.in_flight += 1
+        try:
+            await copy.done
+            await self.clock.sleep(link.latency)
+        except asyncio.CancelledError:  # the reader went away (its instance died): its read stops
+            self._drop(copy)
+            raise
+        finally:
+            link.in_flight -= 1
+        link.bytes_total += nbytes
+        started = copy.started if copy.started is not None else copy.arrived
+        return started - copy.arrived, self.clock.now() - copy.arrived
+
+    def _drop(self, copy: _Copy) -> None:
+        now = self.clock.now()
+        self._advance(now)
+        waiting = self.queued.get(copy.lane)
+        if copy in self.active:
+            self.active.remove(copy)
+            if waiting:
+                self._start(waiting.popleft(), now)
+        elif waiting and copy in waiting:
+            waiting.remove(copy)
+        self._reschedule(now)
+
+    def _start(self, copy: _Copy, now: float) -> None:
+        copy.started = now
+        self.active.append(copy)
+
+    def _advance(self, now: float) -> None:
+        elapsed = now - self._last
+        if elapsed > 0:
+            for c in self.active:
+                c.left -= c.rate * elapsed
+        self._last = now
+
+    def _reschedule(self, now: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self.active:
+            if self.gpu is not None:
+                for slot in self._slots.values():
+                    self.gpu.leave(slot, now)
+            return
+        # a decode with a read queued is a decode reading (its engine waits on the KV all the same)
+        readers = {c.reader for c in self.active} | {c.reader for q in self.queued.values() for c in q}
+        share = self.together / len(self.active) if len(readers) > 1 and self.together > 0 else math.inf
+        for c in self.active:
+            c.rate = min(c.link.bandwidth if c.link.bandwidth > 0 else math.inf, share)
+        soonest = min(max(c.left, 0.0) / c.rate if c.rate < math.inf else 0.0 for c in self.active)
+        self._timer = asyncio.get_running_loop().call_later(soonest, self._tick)
+        if self.gpu is not None:  # each sending link busy until the next change, then marked again
+            sending = {id(c.link) for c in self.active}
+            for link_id in sending | set(self._slots):
+                slot = self._slots.get(link_id)
+                if slot is None:
+                    slot = self._slots[link_id] = self.gpu.slot()
+                if link_id in sending:
+                    self.gpu.mark(slot, now + soonest)
+                else:
+                    self.gpu.leave(slot, now)
+
+    def _tick(self) -> None:
+        self._timer = None
+        now = self.clock.now()
+        self._advance(now)
+        for c in [c for c in self.active if c.left <= 1.0 or c.rate == math.inf]:  # within a byte: done
+            self.active.remove(c)
+            if not c.done.done():
+                c.done.set_result(None)
+            waiting = self.queued.get(c.lane)
+            if waiting:
+                self._start(waiting.popleft(), now)
+        self._reschedule(now)
+
+
 @dataclass(frozen=True)
 class RemoteKV:
     """The `kv_transfer_params` a decode received: where to read the prompt's KV from."""
@@ -253,6 +387,7 @@ class RemoteKV:
     port: int
     num_tokens: int | None
     tp_size: int | None
+    read_blocks: int | None = None  # the decode reads this many blocks (its prefix cache holds the rest); None: all
 
     @classmethod
     def parse(cls, params: dict[str, Any]) -> RemoteKV:

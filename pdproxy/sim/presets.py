@@ -93,6 +93,16 @@ class Preset:
     # on one GPU (1.5 s same-GPU transfers left the streams alone). On in the 2-GPU preset, whose link is
     # fitted so that the whole pull reproduces the 62 ms (benchmarks/sim_calibration.py checks it).
     kv_pull_stalls_decode: bool = False
+    # decode: a remote prompt whose first blocks the decode's prefix cache already holds reads only the rest (vLLM
+    # 0.23's NIXL connector: `get_num_new_matched_tokens` counts the local hit as computed and the worker's
+    # `_apply_prefix_caching` trims the remote blocks to the uncomputed ones). Seen in the recorded 3P1D on one H200
+    # (tests/fixtures/real-ratios-2026-12-01): the one decode, which has seen every shared system prompt, took an
+    # agent's 2,085-token KV in 0.46-0.5 s where the lone link moves 2,048 tokens in 0.86 s.
+    kv_pull_cached: bool = True
+    # instances on one GPU: the KV rate (GB/s) all the reads on the GPU share while several decodes read (one decode
+    # reads from each prefill at kv_bandwidth_gbps, side by side; pdproxy/sim/kv.py `SharedKVPath`, the what-if's
+    # cluster of instances sharing a GPU). 0: no such limit.
+    kv_together_gbps: float = 0.0
     # decode: its intake of a remote KV while several prefills feed it at once (GB/s; 0 = no such intake).
     # A KV that lands while a pull from another prefill is still in the decode's hands (in flight or being
     # taken in) is taken in one at a time, at this rate, before its request may step; with
@@ -114,6 +124,10 @@ class Preset:
     # it between `pdproxy sim` processes that share a --gpu-share-file; the what-if to every instance of a
     # set-up (all on the recorded GPUs). Fitted to a recording by `pdproxy whatif --fit-run`.
     gpu_share: float = 0.0
+    # the what-if puts every instance of a set-up on one GPU (the recorded one): their steps share it (gpu_share) and
+    # their KV reads go through one path (kv_bandwidth_gbps per prefill-decode pair, kv_together_gbps). The simulator
+    # shares a GPU only between processes given one --gpu-share-file.
+    shared_gpu: bool = False
     # a prefill's KV copies to a decode on the same GPU take their share of its compute (they stretch, and are
     # stretched by, the steps beside them, as one more busy instance), or run beside the steps untouched (a copy
     # engine of its own). Which one a recording shows is fitted by `pdproxy whatif --fit-run` where the first
@@ -155,8 +169,16 @@ H200_LLAMA8B = Preset(
     # 0.341 GB/s and 4.75 ms -> within +/-10.7 % at every measured point.
     kv_bandwidth_gbps=0.341,
     kv_latency_ms=4.75,
-    # run B's `pdproxy whatif --fit-run` (2P2D, four instances on one H200; run A's alone gives 0.12)
-    kv_intake_gbps=0.13,
+    # no decode intake: one decode fed by three prefills on one H200 took their KV fastest of all the splits
+    # (tests/fixtures/real-ratios-2026-12-01, 3P1D); several decodes reading at once are what slows it: 0.15 GB/s in
+    # all, `pdproxy whatif --fit-run` on that cluster's four recordings (run A's 2P2D and singles, 1P3D, 3P1D;
+    # docs/explanation/whatif.md "Validation"), the link staying the lone measurement above
+    kv_intake_gbps=0.0,
+    kv_together_gbps=0.15,
+    # instances on one GPU time-share it fully (two busy instances each at half speed): a prior, not a fit (the same
+    # cluster's singles fit 0.95); `--fit-run` fits it on a recording of several single instances
+    gpu_share=1.0,
+    shared_gpu=True,
     max_model_len=4608,
     block_size=16,
     # 0.9 x 141 GB - 16 GB weights - ~4 GB activations ~ 106 GB; 2 MiB per 16-token block.
@@ -181,6 +203,10 @@ H200_LLAMA8B_2GPU = replace(
     kv_bandwidth_gbps=11.2,
     kv_latency_ms=4.0,
     kv_pull_stalls_decode=True,
+    # a GPU per instance: none time-shared, the KV reads on their own links
+    shared_gpu=False,
+    gpu_share=0.0,
+    kv_together_gbps=0.0,
     # no decode intake: it was fitted on one shared H200's 2P2D runs, and no recording has several prefills
     # feeding one decode across GPUs (inherited, it took 25 GB/s links' KV in at 0.13 GB/s)
     kv_intake_gbps=0.0,

@@ -99,7 +99,7 @@ class SimServer:
             from pdproxy.sim.tracing import RequestTracer
 
             self.tracer = RequestTracer(s.otlp_traces_endpoint, s.otlp_traces_file, s.preset.name,
-                                        default_service=f"vllm-{s.role}-{s.port}")
+                                        default_service=f"vllm-{s.role}-{s.port}", time_scale=s.time_scale)
 
     # ---- application -----------------------------------------------------------------------------
     def build_app(self) -> web.Application:
@@ -483,13 +483,17 @@ class SimServer:
             lease = leases.claim(str(engine_id), str(request_id), blocks if isinstance(blocks, list) else [])
         except PullRejected as exc:
             return _json({"reason": exc.reason, "message": exc.message}, exc.status)
-        nbytes = kv_bytes(self.settings.preset, len(lease.blocks))
+        # all of the prompt's blocks, its own and those its prefix cache shares, unless the decode read fewer
+        block_size = self.settings.preset.block_size
+        blocks = lease.blocks_read if lease.read is not None and lease.read < len(lease.blocks) or not lease.num_tokens \
+            else max(lease.blocks_read, -(-lease.num_tokens // block_size))
+        nbytes = kv_bytes(self.settings.preset, blocks)
         try:
             queued, total = await self.link.transfer(nbytes)
         finally:
             if not lease.stale:
                 leases.release(lease.request_id)  # read (or abandoned): NIXL frees the blocks either way
-        return _json({"bytes": nbytes, "blocks": len(lease.blocks), "tokens": lease.num_tokens,
+        return _json({"bytes": nbytes, "blocks": blocks, "tokens": lease.num_tokens,
                       "queued_seconds": round(queued, 6), "transfer_seconds": round(total, 6), "stale": lease.stale})
 
     async def kv_heartbeat(self, request: web.Request) -> web.Response:

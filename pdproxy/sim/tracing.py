@@ -81,7 +81,7 @@ class RequestTracer:
     """Emits one `llm_request` span per finished request."""
 
     def __init__(self, endpoint: str | None, trace_file: str | None = None, preset: str | None = None,
-                 default_service: str | None = None) -> None:
+                 default_service: str | None = None, time_scale: float = 1.0) -> None:
         attrs = {"vllm.instrumenting_module_name": MODULE_NAME, "vllm.process_id": str(os.getpid())}
         if default_service and not service_name_set():
             attrs["service.name"] = default_service
@@ -96,6 +96,7 @@ class RequestTracer:
         # the engine's clock is time.perf_counter(); spans want wall time
         self.offset = time.time() - time.perf_counter()
         self.preset = preset  # not vLLM's: says which timing preset served, so `pdproxy whatif` replays with it
+        self.time_scale = time_scale  # ... and how much slower than the preset it ran (--time-scale)
 
     def finished(self, headers: Mapping[str, str], seq: Any, request_id: str, submitted: float,
                  params: dict[str, Any]) -> None:
@@ -117,6 +118,7 @@ class RequestTracer:
         }
         if self.preset:
             attrs["pdproxy.sim.preset"] = self.preset
+            attrs["pdproxy.sim.time_scale"] = self.time_scale
         for key, attr in (("top_p", "gen_ai.request.top_p"), ("max_tokens", "gen_ai.request.max_tokens"),
                           ("temperature", "gen_ai.request.temperature"), ("n", "gen_ai.request.n")):
             if params.get(key):  # vLLM sets each only when truthy

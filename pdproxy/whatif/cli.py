@@ -3,6 +3,7 @@
 Examples:
 
     pdproxy whatif --records bench/pd-88412b25.jsonl --max-model-len 8192 --num-gpu-blocks 4096
+    pdproxy whatif --records pd.jsonl --records dp.jsonl --records 3p1d.jsonl --traces proxy.jsonl
     pdproxy whatif --traces pd-a.jsonl --gpus 4 --setup 2P2D --setup 4xchunked:1024 --html whatif.html
     pdproxy whatif --records run.jsonl --traces proxy.jsonl --traces vllm.jsonl --calibrate
 
@@ -10,33 +11,43 @@ The recorded workload (arrivals, prompt and output tokens, shared prefixes) is r
 candidate set-up at the same GPU total (every P:D ratio, all single, all chunked at --chunk sizes, and
 the set-up it was recorded on) by the simulator's engine in virtual time, and printed as `pdproxy
 report` prints a real comparison: the same rows, verdicts against the recorded set-up, and the real
-runs worth making next. Every figure is a prediction with the expected error stated (docs/explanation/whatif.md).
+runs worth making next. With several --records (runs of one cluster), one parameter set is fitted to all
+of them, each is replayed against its recording, and each is predicted by the model fitted to the others
+(leave-one-out): that miss is the error the prediction states (docs/explanation/whatif.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from concurrent.futures import ProcessPoolExecutor
+import re
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import replace
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.text import Text
 
 from pdproxy import policies
 from pdproxy.bench import html, records, table, traces
 from pdproxy.bench.report_cli import add_slo_arguments, slo_from, write_outputs
-from pdproxy.sim.presets import DEFAULT_PRESET, PRESETS
 from pdproxy.config import Settings
-from pdproxy.whatif import failures, predict, recorded as recorded_run, setups
+from pdproxy.sim.presets import PRESETS
+from pdproxy.whatif import fitrun, loo, predict, recordings, setups
 from pdproxy.whatif.model import Death, ModelParams
-from pdproxy.whatif.workload import Workload, WorkloadError, from_index, load, one_run, warm_from
+from pdproxy.whatif.recordings import Recording
+from pdproxy.whatif.workload import Workload, WorkloadError
 
 CALIBRATED_NOTE = ("calibrated on the given spans: the stated error is the shipped presets'; replaying a run's own "
                    "workload with the curves fitted to its spans, TTFT and KV wait landed within 21 % on vllm023 "
                    "P/D, but across set-ups calibration helped some figures and hurt others (docs/explanation/whatif.md)")
 PRESET_ATTR = "pdproxy.sim.preset"  # the simulator names its preset on its spans (and a bench may as a condition)
+SCALE_ATTR = "pdproxy.sim.time_scale"  # ... and its --time-scale
+SIMULATED = re.compile(r"simulated \(([\w.+-]+), time scale ([0-9.]+)\)")  # `pdproxy demo`'s gpu.kind
+# the cards the presets were measured on (pdproxy/sim/presets.py), by what gpu.kind says: instances sharing one GPU,
+# and one GPU each
+CARDS = {"H200": ("h200-llama8b", "h200-llama8b-2gpu")}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,20 +55,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = __doc__.split("\n", 2)[2]
     i = p.add_argument_group("recorded workload")
     i.add_argument("--records", action="append", default=[], metavar="FILE",
-                   help="a `pdproxy bench` record file: arrivals, tokens, closed-loop concurrency, shared prefixes")
+                   help="a `pdproxy bench` record file: arrivals, tokens, closed-loop concurrency, shared prefixes; "
+                        "repeat it for every recorded run of the same cluster (one model is fitted to all, each "
+                        "predicted from the others; the first is the workload predicted)")
     i.add_argument("--traces", action="append", default=[], metavar="FILE",
-                   help="pdproxy trace file(s) (OTLP-JSON lines): the workload when no records are given; with "
-                        "--calibrate also the spans to fit")
+                   help="pdproxy trace file(s) (OTLP-JSON lines): the workload when no records are given; beside "
+                        "records, each record's run in them (KV wait, routing, lost instances); with --calibrate also "
+                        "the spans to fit")
     i.add_argument("--run", metavar="NAME",
                    help="the run to replay when the trace files hold several proxies' runs: its proxy's run label "
                         "(pd.run) or instance id; the error lists them")
-    i.add_argument("--warm-from", metavar="FILE",
+    i.add_argument("--warm-from", action="append", default=[], metavar="[RECORD=]FILE",
                    help="the bench record of a run just before this one on the same instances with the same seeded "
-                        "prompts: the replay starts with its prompts in the prefix caches")
-    i.add_argument("--prefixes-as-counted", action="store_true",
+                        "prompts: the replay starts with its prompts in the prefix caches (RECORD=: for that one of "
+                        "the --records, else the first; repeatable)")
+    i.add_argument("--prefixes-as-counted", action=argparse.BooleanOptionalAction, default=True,
                    help="replay a shared prefix at the size the server counted (what it counted beyond the tokens "
-                        "a request asked for, where more than the re-drawn prefix); not the default: "
-                        "docs/explanation/whatif.md, \"Spread\"")
+                        "a request asked for, where more than the re-drawn prefix; default), or at its draw's "
+                        "size (--no-prefixes-as-counted); docs/explanation/whatif.md, \"Spread\"")
+    i.add_argument("--recorded-gpus", type=int, metavar="N",
+                   help="the GPUs the recorded instances ran on, where the records' gpu.count says otherwise (run A's "
+                        "bench named 4 for four instances on one H200)")
     s = p.add_argument_group("candidate set-ups")
     s.add_argument("--gpus", type=int, help="GPU total (default: the recording's gpu.count)")
     s.add_argument("--setup", action="append", default=[], metavar="SPEC",
@@ -67,8 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"chunk sizes for the default chunked set-ups (default {setups.DEFAULT_CHUNKS[0]})")
     m = p.add_argument_group("model")
     m.add_argument("--preset", choices=sorted(n for n, p in PRESETS.items() if not p.instant), default=None,
-                   help=f"timing preset of every instance (default: the one the recording names, as `pdproxy sim` "
-                        f"instances do on their spans ({PRESET_ATTR}), else the simulator's default, {DEFAULT_PRESET})")
+                   help="timing preset of every instance (default: the one the recording names, as `pdproxy sim` "
+                        f"instances do on their spans ({PRESET_ATTR}), else the one measured on the recording's "
+                        "card (gpu.kind) with its instances on one GPU or one each; a card without a preset is fitted "
+                        "from the vLLM spans given, or refused)")
     m.add_argument("--max-model-len", type=int, help="as the recorded instances had it (default: the recording's, "
                                                      "else the preset's)")
     m.add_argument("--num-gpu-blocks", type=int, help="KV blocks per instance (default: the preset's)")
@@ -85,17 +105,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="fit prefill, decode and KV-transfer curves from the --traces' vLLM spans, print the fit "
                         "and its residuals, and predict with it (default: the preset)")
     m.add_argument("--fit-run", action=argparse.BooleanOptionalAction, default=None,
-                   help="fit the model's free parameters (GPU time-sharing between instances, the KV link's "
-                        "bandwidth) so that the recorded set-up reproduces the recording, print the fit, and predict "
-                        "every set-up with it (default: on whenever the recorded set-up is among the candidates, unless "
-                        "the recording names the simulator's preset)")
-    m.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="set-ups simulated in parallel")
+                   help="fit the model's free parameters (GPU time-sharing between instances, the KV path) so that "
+                        "the recorded set-ups reproduce their recordings, print the fit, and predict every set-up with "
+                        "it (default: on whenever a recorded set-up is known, unless the recording names the "
+                        "simulator's preset)")
+    m.add_argument("--leave-one-out", action=argparse.BooleanOptionalAction, default=True,
+                   help="with several --records, predict each from the model fitted to the others and state that "
+                        "miss as the prediction's error (default)")
+    m.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="processes simulating in parallel")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the report as JSON ('-' for stdout)")
     o.add_argument("--html", metavar="PATH", help="write the HTML page `pdproxy report` writes, marked as a prediction")
     o.add_argument("--no-table", action="store_true", help="do not print the terminal table")
     v = p.add_argument_group("verdict (each set-up vs the recorded one)")
     add_slo_arguments(v)
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """Numbers a prediction cannot be made with, named (exit 2) rather than failing deep inside."""
+    for flag, value in (("--gpus", args.gpus), ("--num-gpu-blocks", args.num_gpu_blocks),
+                        ("--max-model-len", args.max_model_len), ("--jobs", args.jobs),
+                        ("--recorded-gpus", args.recorded_gpus), *(("--chunk", c) for c in args.chunk)):
+        if value is not None and value < 1:
+            raise setups.SetupError(f"{flag} {value}: must be at least 1")
 
 
 def choose_setups(args: argparse.Namespace, wl: Workload) -> list[setups.Setup]:
@@ -121,8 +153,7 @@ def choose_setups(args: argparse.Namespace, wl: Workload) -> list[setups.Setup]:
             # candidates get as many instances, on the GPUs the recording had, time-shared as the fit finds
             wl.notes.append(f"the recorded set-up {rec.name} ran {rec.gpus} instances on {gpus} GPU(s): every "
                             f"candidate has {rec.gpus} instances on those GPU(s), time-sharing them as the fit to the "
-                            "run finds (unfitted, each has a GPU's compute to itself; pass --gpus for another "
-                            "instance total)")
+                            "run finds (pass --gpus for another instance total)")
             shared, gpus = gpus, rec.gpus
     chosen = [setups.parse_setup(s) for s in args.setup] if args.setup else \
         setups.candidates(gpus, tuple(args.chunk) or setups.DEFAULT_CHUNKS)
@@ -141,34 +172,82 @@ def choose_setups(args: argparse.Namespace, wl: Workload) -> list[setups.Setup]:
     return [replace(s, on_gpus=shared) for s in chosen] if shared else chosen
 
 
-def recorded_preset(wl: Workload, idx: traces.TraceIndex | None) -> str | None:
-    """The preset the recording says served it: a condition of the run, else the simulator's spans."""
-    named = wl.conditions.get(PRESET_ATTR)
-    if named is None and idx is not None:
-        named = next((e.attrs[PRESET_ATTR] for i in idx.by_request.values() for e in i.engine.values()
-                      if PRESET_ATTR in e.attrs), None)
-    return str(named) if named is not None else None
+def _engine_attr(recs: list[Recording], key: str) -> Any:
+    return next((e.attrs[key] for r in recs if r.idx is not None for i in r.idx.by_request.values()
+                 for e in i.engine.values() if key in e.attrs), None)
 
 
-def choose_preset(args: argparse.Namespace, wl: Workload, idx: traces.TraceIndex | None) -> str:
+def recorded_sim(recs: list[Recording]) -> tuple[str, float] | None:
+    """The simulator's preset and time scale that served the recording, where it says: a condition of the run, the
+    sims' own spans, or `pdproxy demo`'s gpu.kind ("simulated (NAME, time scale S)")."""
+    wl = recs[0].workload
+    named = wl.conditions.get(PRESET_ATTR) or _engine_attr(recs, PRESET_ATTR)
+    scale = wl.conditions.get(SCALE_ATTR) or _engine_attr(recs, SCALE_ATTR)
+    m = SIMULATED.search(str(wl.conditions.get("gpu.kind") or ""))
+    if m:
+        named, scale = named or m.group(1), scale or m.group(2)
+    if named is None:
+        return None
+    try:
+        return str(named), float(scale) if scale is not None else 1.0
+    except ValueError:
+        raise setups.SetupError(f"the recording's time scale {scale!r} is not a number") from None
+
+
+def instances_per_gpu(recs: list[Recording]) -> float:
+    """The most instances any recording ran on one GPU (gpu.count; without it, one GPU per instance)."""
+    most = 1.0
+    for r in recs:
+        try:
+            gpus = int(r.workload.conditions["gpu.count"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if r.setup is not None and gpus > 0:
+            most = max(most, r.setup.gpus / gpus)
+    return most
+
+
+def choose_preset(args: argparse.Namespace, recs: list[Recording]) -> tuple[str, float, bool]:
+    """(preset, time scale, whether its curves must be fitted from the spans) for the recordings' hardware."""
+    wl = recs[0].workload
+    sim = recorded_sim(recs)
+    scale = sim[1] if sim else 1.0
+    if scale != 1.0:
+        wl.notes.append(f"replayed at time scale {scale:g}: the simulated instances that made the recording ran "
+                        f"{scale:g} times slower than their preset (pdproxy sim --time-scale)")
     if args.preset:
-        return str(args.preset)
-    named = recorded_preset(wl, idx)
-    if named in PRESETS and not PRESETS[named].instant:
-        wl.notes.append(f"preset {named}: the one the recording names")
-        return named
-    if named is not None:
-        wl.notes.append(f"the recording names preset {named!r}, which the model does not have: the simulator's "
-                        f"default {DEFAULT_PRESET} instead")
-    else:
-        wl.notes.append(f"preset {DEFAULT_PRESET}: the simulator's default (the recording does not name one; pass "
-                        "--preset for other hardware)")
-    return DEFAULT_PRESET
+        return str(args.preset), scale, False
+    if sim is not None:
+        if sim[0] not in PRESETS or PRESETS[sim[0]].instant:
+            raise setups.SetupError(f"the recording names the simulator's preset {sim[0]!r}, which the model does not "
+                                    f"have: pass --preset ({', '.join(n for n, p in PRESETS.items() if not p.instant)})")
+        wl.notes.append(f"preset {sim[0]}: the one the recording names")
+        return sim[0], scale, False
+    kinds = {str(k) for r in recs if (k := r.workload.conditions.get("gpu.kind"))}
+    shared = instances_per_gpu(recs) > 1
+    where = "instances sharing one GPU" if shared else "one GPU per instance"
+    card = next((c for c in CARDS for k in kinds if c in k.upper().replace(" ", "")), None)
+    if card is not None:
+        name = CARDS[card][0 if shared else 1]
+        wl.notes.append(f"preset {name}: measured on the recording's card ({', '.join(sorted(kinds))}), {where} "
+                        "(gpu.count and the recorded instances)")
+        return name, scale, False
+    spans = any(i.engine for r in recs if r.idx is not None for i in r.idx.by_request.values())
+    what = f"gpu.kind {', '.join(sorted(kinds))}" if kinds else "no gpu.kind"
+    if spans:
+        name = CARDS["H200"][0 if shared else 1]
+        wl.notes.append(f"no preset for the recording's hardware ({what}): prefill, decode and KV curves fitted from "
+                        f"its vLLM spans (--calibrate) on the structure of {name} ({where})")
+        return name, scale, True
+    raise setups.SetupError(
+        f"no preset for the recording's hardware ({what}; the presets were measured on "
+        f"{', '.join(CARDS)}): give its vLLM llm_request spans with --traces to fit the curves from them, or name a "
+        "preset with --preset to model it as that card")
 
 
-def model_params(args: argparse.Namespace, wl: Workload, preset_name: str,
-                 routing: dict[str, str] | None = None) -> ModelParams:
-    """`routing`: the recorded proxy's policies per leg (recorded.routing), the defaults the flags override."""
+def model_params(args: argparse.Namespace, wl: Workload, preset_name: str, scale: float,
+                 found: dict[str, Any]) -> ModelParams:
+    """`found`: the recorded proxy's policies (`Recording.routing`), the defaults the flags override."""
     preset = PRESETS[preset_name]
     over: dict[str, Any] = {}
     mml = args.max_model_len or wl.max_model_len
@@ -181,8 +260,6 @@ def model_params(args: argparse.Namespace, wl: Workload, preset_name: str,
         if preset.num_gpu_blocks and -(-preset.max_model_len // preset.block_size) > preset.num_gpu_blocks:
             raise setups.SetupError(f"max-model-len {preset.max_model_len} does not fit in {preset.num_gpu_blocks} "
                                     "KV blocks: raise --num-gpu-blocks (vLLM refuses to start in this case too)")
-    rec = setups.recorded(wl.conditions)
-    found = recorded_run.policies(routing or {}, rec.mode) if rec is not None else {}
     chosen: dict[str, Any] = {"single_policy": "cache_aware", "prefill_policy": "cache_aware",
                               "decode_policy": "load_aware", **found}
     if found:
@@ -193,7 +270,8 @@ def model_params(args: argparse.Namespace, wl: Workload, preset_name: str,
     for name in chosen.values():
         if name not in policies.POLICIES:
             raise setups.SetupError(f"unknown routing policy {name!r}; choose one of {', '.join(policies.POLICIES)}")
-    return ModelParams(preset, **chosen, proxy=Settings(migrate_mid_stream=args.migrate_mid_stream))
+    return ModelParams(preset, **chosen, proxy=Settings(migrate_mid_stream=args.migrate_mid_stream),
+                       time_scale=scale)
 
 
 Job = tuple[Workload, setups.Setup, ModelParams, tuple[Death, ...], bool]
@@ -205,19 +283,15 @@ def _one(job: Job) -> Any:
     return predict.prediction_figures(pred) if figures_only else pred
 
 
-def predictions(wl: Workload, chosen: list[setups.Setup], params: ModelParams, jobs: int,
+def predictions(wl: Workload, chosen: list[setups.Setup], params: ModelParams, pool: Executor | None,
                 spread_of: setups.Setup | None = None, deaths: tuple[Death, ...] = ()
                 ) -> tuple[list[predict.Prediction], dict[str, tuple[float, float]] | None]:
     """Every chosen set-up predicted, and with `spread_of` the model's own spread there (`predict.spread`, its
-    replays in the same pool of `jobs` processes)."""
+    replays in the same pool)."""
     work: list[Job] = [(wl, s, params, (), False) for s in chosen]
     if spread_of is not None:
         work += [(wl, spread_of, p, deaths, True) for p in predict.jittered(params)]
-    if jobs <= 1 or len(work) == 1:
-        done = [_one(w) for w in work]
-    else:
-        with ProcessPoolExecutor(max_workers=min(jobs, len(work))) as pool:
-            done = list(pool.map(_one, work))
+    done = list(pool.map(_one, work)) if pool is not None and len(work) > 1 else [_one(w) for w in work]
     n = len(chosen)
     return done[:n], predict.spread_of(done[n:]) if spread_of is not None else None
 
@@ -232,6 +306,12 @@ def print_prediction(rep: dict[str, Any], console: Console) -> None:
     if w.get("self_replay"):
         for line in predict.self_replay_lines(w["self_replay"]):
             console.print(Text(line, style="bold red" if "not fit" in line or "NOT FIT" in line else ""))
+    for other in w.get("self_replays") or []:
+        for line in predict.self_replay_lines(other):
+            console.print(Text(line, style="bold red" if "not fit" in line or "NOT FIT" in line else ""))
+    if w.get("leave_one_out"):
+        for line in w["leave_one_out"]["lines"]:
+            console.print(Text(line))
     for line in w["suggested_runs"]:
         console.print(Text(line, style="bold" if line.startswith("Real runs") else ""))
 
@@ -240,11 +320,14 @@ def html_page(rep: dict[str, Any]) -> str:
     """`pdproxy report`'s page with the prediction banner and the suggested runs on top."""
     w = rep["whatif"]
     esc = html._e
+    replays = [r for r in [w.get("self_replay"), *(w.get("self_replays") or [])] if r]
     banner = (f"<div class=flag><b>{esc(w['prediction'])}</b></div>"
               + "".join(f"<div class=flag>assumed: {esc(n)}</div>" for n in w["workload"]["notes"])
-              + ("<h2>Self-replay</h2><ul>" + "".join(f"<li>{esc(s)}</li>" for s in
-                                                       predict.self_replay_lines(w["self_replay"])) + "</ul>"
-                 if w.get("self_replay") else "")
+              + ("<h2>Self-replay</h2><ul>" + "".join(f"<li>{esc(s)}</li>" for r in replays
+                                                       for s in predict.self_replay_lines(r)) + "</ul>"
+                 if replays else "")
+              + ("<h2>Leave-one-out</h2><pre>" + esc("\n".join(w["leave_one_out"]["lines"])) + "</pre>"
+                 if w.get("leave_one_out") else "")
               + "<h2>Suggested real runs</h2><ul>" + "".join(f"<li>{esc(s)}</li>" for s in w["suggested_runs"])
               + "</ul>")
     page = html.render(rep)
@@ -252,81 +335,135 @@ def html_page(rep: dict[str, Any]) -> str:
     return page.replace("<body>\n", "<body>\n" + banner + "\n", 1)
 
 
+def _targets(recs: list[Recording], first: setups.Setup | None) -> list[fitrun.Target]:
+    """The recordings the fit reproduces: each with its set-up as recorded (the first as chosen for the candidates)
+    and its own figures."""
+    out = []
+    for n, r in enumerate(recs):
+        setup = first if n == 0 else r.setup
+        if setup is None or r.entry is None:
+            continue
+        out.append(fitrun.Target(r.name, r.workload, setup, predict.figures(r.entry), r.deaths, r.routing))
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
+    pool: ProcessPoolExecutor | None = None
     try:
-        # the trace files read once, narrowed to one proxy's run: the one named, else the one the record's requests
-        # join; without a record they are the workload
-        idx = traces.read_traces(args.traces) if args.traces else None
-        if idx is not None and not args.records:
-            idx = one_run(idx, args.run)
-            wl = from_index(idx, args.traces)
-        else:
-            wl = load(args.records, [], args.prefixes_as_counted)
-            if idx is not None:
-                idx = one_run(idx, args.run, [r.request_id for r in wl.requests])
-        if args.warm_from:
-            warm_from(wl, args.warm_from)
+        check_flags(args)
+        slo = slo_from(args)
+        recs = recordings.load(args.records, args.traces, args.warm_from, args.prefixes_as_counted, args.run)
+        if args.recorded_gpus:
+            for r in recs:
+                r.workload.conditions["gpu.count"] = str(args.recorded_gpus)
+                r.setup = setups.recorded(r.workload.conditions)
+            recs[0].workload.notes.append(f"the recorded instances ran on {args.recorded_gpus} GPU(s) "
+                                          "(--recorded-gpus), whatever the records' gpu.count says")
+        recordings.check_cluster(recs)
+        first = recs[0]
+        wl = first.workload
+        if len(recs) > 1:
+            wl.notes.append(f"{len(recs)} recordings of the cluster: {', '.join(r.name for r in recs)}; the first "
+                            "is the workload predicted, one model is fitted to all of them")
         if args.records and args.traces and not args.calibrate:
             wl.notes.append("the workload is the bench record's; the trace files given beside it give the recorded "
-                            "KV wait (self-replay) and the preset, and serve --calibrate")
-        chosen = choose_setups(args, wl)
-        params = model_params(args, wl, choose_preset(args, wl, idx), recorded_run.routing(idx) if idx else None)
-        recorded = recorded_run.entry(args.records[0] if args.records else None, idx)
-        rec_setup = next((s for s in chosen if s.recorded), None)
-        deaths: tuple[Death, ...] = ()
-        if idx is not None and rec_setup is not None:
-            found, notes = failures.read(idx, wl, rec_setup.mode)
-            deaths = tuple(found)
-            wl.notes.extend(notes)
-            if deaths:
-                wl.notes.append("an instance failure is the run's, not its set-up's: the set-ups compared, the "
-                                "recorded one included, are predicted without it; the self-replay (and the fit) "
-                                "replay it")
+                            "KV wait (self-replay), the routing and the instances lost, and serve --calibrate")
         if not args.records:
             wl.notes.append("self-replay against the proxy's traces: TTFT (time to first chunk), per-request max ITL "
                             "(pd.itl.max) and the KV wait as the proxy saw them")
+        chosen = choose_setups(args, wl)
+        preset_name, scale, from_spans = choose_preset(args, recs)
+        params = model_params(args, wl, preset_name, scale, first.routing)
+        rec_setup = next((s for s in chosen if s.recorded), None)
+        deaths = first.deaths if rec_setup is not None else ()
+        if deaths:
+            wl.notes.append("an instance failure is the run's, not its set-up's: the set-ups compared, the recorded "
+                            "one included, are predicted without it; the self-replay (and the fit) replay it")
         calibration = None
-        if args.calibrate:
+        if args.calibrate or from_spans:
             from pdproxy.whatif import calibrate
 
             calibration = calibrate.fit_files(args.traces, params.preset)
             err.print(calibrate.render(calibration))
             params = replace(params, preset=calibration.preset)
-        wl.check(params.preset.max_model_len)
-        fitted = None
-        if args.fit_run is None and args.preset is None and recorded_preset(wl, idx) == params.preset.name:
+        for r in recs:
+            r.workload.check(params.preset.max_model_len)
+        if args.fit_run is None and args.preset is None and recorded_sim(recs) is not None:
             args.fit_run = False  # simulated instances: their timings are the preset's, what misses is the host's
             wl.notes.append("not fitted to the run: the recording names the simulator's preset, whose timings the "
                             "model replays as they are (--fit-run to fit anyway)")
-        if args.fit_run is not False and (recorded is None or rec_setup is None):
-            if args.fit_run:
-                raise setups.SetupError("--fit-run replays the recorded set-up against its recording: keep the "
-                                        "recorded set-up among the candidates")
+            # the sims shared no GPU (no --gpu-share-file): neither do their replays
+            params = replace(params, preset=replace(params.preset, shared_gpu=False))
+        targets = _targets(recs, rec_setup)
+        if args.fit_run and (first.entry is None or rec_setup is None):
+            raise setups.SetupError("--fit-run replays the recorded set-up against its recording: keep the "
+                                    "recorded set-up among the candidates")
+        fitting = args.fit_run is not False and bool(targets) and rec_setup is not None and first.entry is not None
+        if args.fit_run is not False and not fitting:
             wl.notes.append("not fitted to the run (its set-up is not among the candidates): the preset's figures")
-        elif args.fit_run is not False and rec_setup is not None and recorded is not None:
-            from pdproxy.whatif import fitrun
-
-            fitted = fitrun.fit_run(wl, rec_setup, params, recorded, deaths=deaths)
-            err.print(fitrun.render(fitted, rec_setup.name))
-            params = fitted.params
+        base = params
+        jobs = args.jobs
+        pool = ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else None
+        fitted: fitrun.RunFit | None = None
+        loo_rows: list[loo.Row] = []
+        loo_fits: dict[str, Any] = {}
+        if fitting:
+            loo_jobs = loo.jobs(targets, base) if args.leave_one_out else []
+            if pool is not None:
+                joint: Future[Any] = pool.submit(loo.fit_job, (targets, base, None))
+                pending = [pool.submit(loo.fit_job, j) for j in loo_jobs]
+                fitted = joint.result()[0]
+            else:
+                fitted = loo.fit_job((targets, base, None))[0]
+                pending = []
+            err.print(fitrun.render(fitted, rec_setup.name if rec_setup else ""))
+            params = replace(params, preset=fitted.params.preset)
         # the model's own spread where the self-replay checks it: the recorded set-up, its failures replayed
-        preds, spreads = predictions(wl, chosen, params, args.jobs, rec_setup if recorded is not None else None,
+        preds, spreads = predictions(wl, chosen, params, pool, rec_setup if first.entry is not None else None,
                                      deaths)
         replayed = predict.run_setup(wl, rec_setup, params, deaths) if deaths and rec_setup is not None else None
-        rep = predict.build_report(wl, preds, slo=slo_from(args), recorded=recorded, replayed=replayed,
-                                   spreads=spreads)
+        if fitting and fitted is not None:
+            done = [f.result() for f in pending] if pool is not None else \
+                [loo.fit_job(j) for j in (loo.jobs(targets, base) if args.leave_one_out else [])]
+            left = [d[1] for d in done]
+            loo_fits = {t.name: {k: v for k, v in d[0].to_dict().items() if k != "rounds"}
+                        for t, d in zip(targets, done)}
+            if left:
+                bands = {r.name: r.entry.get("bands") or {} for r in recs if r.entry}
+                loo_rows = loo.rows(targets, left, fitted, bands)
+        errors = loo.stated_errors(loo_rows) if loo_rows else predict.EXPECTED_ERROR
+        rep = predict.build_report(wl, preds, slo=slo, recorded=first.entry, replayed=replayed, spreads=spreads,
+                                   errors=errors)
+        w = rep["whatif"]
         if calibration is not None:
-            rep["whatif"]["calibration"] = calibration.to_dict()
-            rep["whatif"]["calibration_notes"] = [CALIBRATED_NOTE]
+            w["calibration"] = calibration.to_dict()
+            w["calibration_notes"] = [CALIBRATED_NOTE]
         if fitted is not None:
-            rep["whatif"]["fit_run"] = fitted.to_dict()
+            w["fit_run"] = fitted.to_dict()
+            others = [t for t in targets[1:]]
+            w["self_replays"] = [predict.self_replay_of(r.entry, fitted.figures(t.name) or {}, f"{t.setup.name} "
+                                                        f"({t.name}, recorded)", predict.REPLAY_TOLERANCE)
+                                 for t in others for r in recs if r.name == t.name and r.entry is not None]
+        if loo_rows:
+            w["leave_one_out"] = {"rows": [r.to_dict() for r in loo_rows], "stated_error": errors,
+                                  "lines": loo.table_lines(loo_rows), "fits": loo_fits}
+            w["error_source"] = "leave-one-out"
+        else:
+            w["error_source"] = "validation" if fitted is None or len(targets) < 2 else "in-sample"
     except (WorkloadError, setups.SetupError, records.RecordError, traces.TraceError, OSError, ValueError) as e:
-        err.print(f"[red]pdproxy whatif: {e}[/]")
+        err.print(f"[red]pdproxy whatif: {escape(str(e))}[/]", soft_wrap=True)
         return 2
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     out = table.make_console(stderr=args.json == "-")
     if not args.no_table:
         table.render(rep, out, drilldown=False, more="every row in the page --html FILE writes")
     print_prediction(rep, out)
-    write_outputs(rep, args.json, (args.html, html_page(rep)) if args.html else None, err)
+    try:
+        write_outputs(rep, args.json, (args.html, html_page(rep)) if args.html else None, err)
+    except OSError as e:
+        err.print(f"[red]pdproxy whatif: cannot write the report: {escape(str(e))}[/]", soft_wrap=True)
+        return 2
     return 0

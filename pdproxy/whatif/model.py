@@ -27,7 +27,7 @@ from pdproxy.config import Settings
 from pdproxy.legs import MAX_BACKOFF
 from pdproxy.policies.load_aware import LoadAware, Reading
 from pdproxy.sim.engine import Engine, Sequence
-from pdproxy.sim.kv import PullOutcome, PullRejected, RemoteKV, TransferLink
+from pdproxy.sim.kv import PullOutcome, PullRejected, RemoteKV, SharedKVPath, TransferLink
 from pdproxy.sim.prefix_cache import block_hashes
 from pdproxy.sim.presets import SIM_LOOPBACK_MS, Preset
 from pdproxy.sim.settings import SimSettings
@@ -48,6 +48,9 @@ class ModelParams:
     # the proxy's retries, ejection, health checks and --migrate-mid-stream: what it does when an instance dies
     proxy: Settings = field(default_factory=Settings)
     seed: int = 0  # of the API servers' jitter (preset frontend_jitter_ms), each instance its own stream
+    # `pdproxy sim --time-scale`: the simulated instances that made a recording ran this many times slower than
+    # their preset (the demo's 4), so a replay of their recording runs at that scale too
+    time_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,8 @@ class _Instance:
         self.address = name
         self.inflight = 0
         self.role = role
-        self.settings = SimSettings(role=role, preset=preset, engine_id=f"whatif-{name}")
+        self.settings = SimSettings(role=role, preset=preset, engine_id=f"whatif-{name}",
+                                    time_scale=cluster.params.time_scale)
         self.clock = clock
         self.puller = _Puller(cluster, clock, self.settings) if role == "decode" else None
         self.engine = Engine(self.settings, virtual.NullMetrics(), clock, self.puller,  # type: ignore[arg-type]
@@ -168,7 +172,7 @@ class _Instance:
         self.frontend.in_flight += 1
         try:
             seq = Sequence(request_id, prompt_tokens, target, "length", arrival, hold_kv=hold_kv, remote=remote,
-                           block_hashes=[] if remote is not None else hashes)
+                           block_hashes=hashes)
             self.engine.submit(seq)
             waiter = seq.wait(target)
             if waiter is not None:
@@ -212,9 +216,16 @@ class _Puller:
                 lease = leases.claim(remote.engine_id, remote.request_id, remote.block_ids)
             except PullRejected as exc:
                 return PullOutcome(False, reason=exc.reason, message=exc.message)
-            nbytes = kv_bytes(prefill.settings.preset, len(lease.blocks))
+            # the prompt's blocks the decode lacks: the prefill's own and those its cache shares (RemoteKV.num_tokens)
+            preset = prefill.settings.preset
+            blocks = remote.read_blocks if remote.read_blocks is not None else \
+                -(-(remote.num_tokens or 0) // preset.block_size) or lease.blocks_read
+            nbytes = kv_bytes(preset, blocks)
             try:
-                queued, total = await prefill.link.transfer(nbytes)
+                if self.cluster.kv_path is not None:
+                    queued, total = await self.cluster.kv_path.transfer(prefill.link, self.engine_id, nbytes)
+                else:
+                    queued, total = await prefill.link.transfer(nbytes)
             finally:
                 if not lease.stale:
                     leases.release(lease.request_id)
@@ -244,7 +255,12 @@ class _Cluster:
         self.transfers: dict[str, tuple[float, float]] = {}
         self.tokens: dict[str, list[float]] = {}
         preset = params.preset
-        self.gpu = SharedGPU(preset.gpu_share)  # every instance on the recorded GPUs (when gpu_share > 0)
+        # every instance on the recorded GPU (preset shared_gpu), their steps sharing it by gpu_share
+        self.gpu = SharedGPU(preset.gpu_share if preset.shared_gpu else 0.0)
+        # instances on one GPU: their KV reads, each decode's from each prefill in turn, sharing one rate while several
+        # decodes read (preset kv_together_gbps); on GPUs of their own, each prefill's outgoing link
+        self.kv_path = SharedKVPath(preset.kv_together_gbps * 1e9 / params.time_scale, clock,
+                                    self.gpu if preset.kv_link_shares_gpu else None) if preset.shared_gpu else None
         if setup.chunk is not None:
             preset = replace(preset, enable_chunked_prefill=True, max_num_batched_tokens=setup.chunk)
         self.preset = preset

@@ -10,6 +10,7 @@ tell apart within that error, which are the real runs worth making next.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -41,6 +42,27 @@ EXPECTED_ERROR: dict[str, float] = {
 }
 
 
+# vLLM's own run-to-run spread (tests/fixtures/real-repeats-2026-12-07: one workload repeated three times on one H100,
+# P/D and single, `tests/test_whatif_repeats.py`): the largest over the smallest of the three, less one, the wider of
+# the two set-ups. A replay closer than this to one run cannot be told from another run of the same workload.
+VLLM_SPREAD: dict[str, float] = {"TTFT p50": 0.12, "TTFT p99": 0.39, "tail ITL p50": 0.22, "tail ITL p99": 1.18}
+# What a self-replay must come within (issue 56's goal: TTFT ±25 %, tail ITL ±35 %; the KV wait as the TTFT it makes,
+# completed requests as a TTFT), or vLLM's own spread where that is wider (`within`): beyond both the model does not
+# fit the run.
+REPLAY_TOLERANCE: dict[str, float] = {"TTFT p50": 0.25, "TTFT p99": 0.25, "tail ITL p50": 0.35, "tail ITL p99": 0.35,
+                                      "KV wait p50": 0.25, "KV wait p99": 0.25, "completed": 0.25}
+
+
+def within(figure: str, predicted: float, recorded: float, limit: float | None) -> bool:
+    """`predicted` within `limit` of `recorded` (relative), or within vLLM's own spread of it (a factor: the repeats
+    ran a factor of 2.18 apart on tail ITL p99, so a replay half the recorded one is one of vLLM's own runs)."""
+    err = (predicted - recorded) / recorded
+    spread = VLLM_SPREAD.get(figure, VLLM_SPREAD.get(figure.replace("KV wait", "TTFT")))
+    if limit is not None and abs(err) <= limit:
+        return True
+    return spread is not None and predicted > 0 and abs(math.log(predicted / recorded)) <= math.log1p(spread)
+
+
 def _kv(e: dict[str, Any], p: str) -> float | None:
     return ((e.get("kv_transfer") or {}).get("upper_bound") or {}).get(p)
 
@@ -67,7 +89,9 @@ COMPARED = (("TTFT p50", "ttft", "p50"), ("TTFT p99", "ttft", "p99"),
 
 
 def figures(entry: dict[str, Any]) -> dict[str, float | None]:
-    return {name: get(entry) for name, get in FIGURES}
+    """The FIGURES of a report entry, and the median token gap (all requests' gaps pooled: the fit reads the GPU's
+    sharing in a P/D run off it)."""
+    return {**{name: get(entry) for name, get in FIGURES}, "ITL p50": (entry["stats"].get("itl") or {}).get("p50")}
 
 
 def overlap(a: float, b: float, err: float) -> bool:
@@ -145,8 +169,9 @@ def prediction_figures(pred: Prediction) -> dict[str, float | None]:
     tail = stats.describe(max(r["itl"]) for r in ok if r["itl"])
     kv = stats.describe(i.stages["kv_transfer"] for r in ok
                         if (i := pred.traces.get(r["request_id"])) is not None and "kv_transfer" in i.stages)
+    gaps = stats.describe(g for r in ok for g in r["itl"])
     return {"TTFT p50": ttft["p50"], "TTFT p99": ttft["p99"], "tail ITL p50": tail["p50"], "tail ITL p99": tail["p99"],
-            "KV wait p50": kv["p50"], "KV wait p99": kv["p99"], "completed": float(len(ok))}
+            "KV wait p50": kv["p50"], "KV wait p99": kv["p99"], "completed": float(len(ok)), "ITL p50": gaps["p50"]}
 
 
 def run_setup(workload: Workload, setup: Setup, params: ModelParams, deaths: tuple[Death, ...] = ()) -> Prediction:
@@ -217,15 +242,22 @@ def self_replay(recorded: dict[str, Any], predicted: dict[str, Any],
     another run of the same workload, so this recording cannot tell the model wrong (`noise`, not `misfit`).
     Nor where the recorded figure lies inside the model's own `spread` (`unsettled`): a replay with a millisecond
     of jitter lands on it."""
+    return self_replay_of(recorded, figures(predicted), predicted["label"], errors, spreads)
+
+
+def self_replay_of(recorded: dict[str, Any], pred: dict[str, float | None], label: str,
+                   errors: dict[str, float] = EXPECTED_ERROR,
+                   spreads: dict[str, tuple[float, float]] | None = None) -> dict[str, Any]:
+    """`self_replay` from the predicted figures (`prediction_figures`, a fit's round) of the set-up `label`."""
     rows, misfit, noise, unsettled = [], [], [], []
-    rec, pred = figures(recorded), figures(predicted)
+    rec = figures(recorded)
     bands = recorded.get("bands") or {}
     for name, _ in FIGURES:
         r, p = rec[name], pred[name]
         err = None if r is None or p is None or r == 0 else (p - r) / r
         limit = errors.get(name)
         band = bands.get(name)
-        fits = None if err is None or limit is None else abs(err) <= limit
+        fits = None if err is None or limit is None else within(name, p, r, limit)
         in_band = stats.in_band(p, band)
         lo_hi = around((spreads or {}).get(name), p)
         if fits is False:
@@ -237,7 +269,7 @@ def self_replay(recorded: dict[str, Any], predicted: dict[str, Any],
                 misfit.append(name)
         rows.append({"figure": name, "recorded": r, "predicted": p, "error": err, "stated_error": limit,
                      "fits": fits, "band": list(band) if band else None, "in_band": in_band, "spread": lo_hi})
-    return {"setup": predicted["label"], "rows": rows, "misfit": misfit, "noise": noise, "unsettled": unsettled}
+    return {"setup": label, "rows": rows, "misfit": misfit, "noise": noise, "unsettled": unsettled}
 
 
 def self_replay_lines(replay: dict[str, Any]) -> list[str]:
@@ -255,7 +287,7 @@ def self_replay_lines(replay: dict[str, Any]) -> list[str]:
             verdict = "inside the recording's own band"
         elif r["figure"] in unsettled:
             verdict = "inside the model's own spread"
-        stated = f" (stated ±{r['stated_error']:.0%})" if r["stated_error"] is not None else ""
+        stated = f" (bound ±{r['stated_error']:.0%})" if r["stated_error"] is not None else ""
         what = "requests" if r["figure"] == "completed" else "ms"
         band = f", the recording's band {table.band_text(r['band'], unit)} {what}" if r.get("band") else ""
         spread_ = f", the model's spread {table.band_text(r['spread'], unit)} {what}" if r.get("spread") else ""
@@ -287,37 +319,11 @@ def _figure_of(criterion: str, p: int) -> str | None:
     return None
 
 
-def respect_error(v: dict[str, Any], errors: dict[str, float], misfit: list[str]) -> dict[str, Any]:
-    """A predicted difference inside the stated error is no measurable difference: never a deciding criterion."""
+def with_misfit(v: dict[str, Any], misfit: list[str]) -> dict[str, Any]:
+    """The verdict (`verdict.decide` with the stated errors: a difference inside them decides nothing) noted where
+    the figure that decided it, or any, is one the self-replay could not reproduce."""
     p = int(v["slo"]["percentile"])
-    for c in v["criteria"]:
-        fig = _figure_of(c["criterion"], p)
-        err = errors.get(fig or "")
-        value, limit = c["value"], c["limit"]
-        if fig is None or err is None or value is None or limit is None or c["passed"] is None:
-            continue
-        if c["criterion"].endswith("SLO"):  # the SLO lies within the prediction's error
-            inside = value * (1 - err) <= limit <= value * (1 + err)
-        else:  # the two predictions differ by less than the stated error
-            inside = abs(value - limit) <= err * abs(limit)
-        if inside:
-            c["passed"] = None
-            source = "stated error" if err <= EXPECTED_ERROR.get(fig, err) else "model's own spread"
-            c["detail"] += f"; no measurable difference (inside the ±{err:.0%} {source})"
-    failing = [c for c in v["criteria"] if c["passed"] is False]
-    passing = [c for c in v["criteria"] if c["passed"] and _figure_of(c["criterion"], p)]
-    if failing:
-        decided = failing[0]
-        v["decision"], v["reason"] = "don't adopt", f"{_label(decided)} failed: {decided['detail']}"
-    elif passing:
-        scored = [c for c in passing if c["margin"] is not None] or passing
-        decided = min(scored, key=lambda c: c["margin"] if c["margin"] is not None else 0.0)
-        v["decision"], v["reason"] = "adopt", f"all criteria met; closest: {_label(decided)}: {decided['detail']}"
-    else:
-        decided = None
-        v["decision"] = "no measurable difference"
-        v["reason"] = "every compared figure is inside the stated error of the recorded set-up's"
-    v["decided_by"] = _label(decided) if decided else None
+    decided = next((c for c in v["criteria"] if _label(c) == v.get("decided_by")), None)
     fig = _figure_of(decided["criterion"], p) if decided else None
     if fig in misfit:
         v["reason"] += (f" — but the model does not fit the recording for {fig} (self-replay): this verdict rests on a "
@@ -367,20 +373,20 @@ def build_report(workload: Workload, predictions: list[Prediction], slo: Slo | N
     base = entries[base_i if base_i is not None else 0]
     replay = None
     if recorded is not None and base_i is not None:
-        replay = self_replay(recorded, replay_entry(replayed) if replayed is not None else entries[base_i], errors,
-                             spreads)
+        replay = self_replay(recorded, replay_entry(replayed) if replayed is not None else entries[base_i],
+                             REPLAY_TOLERANCE, spreads)
     misfit = replay["misfit"] if replay else []
     allowed = spread_errors(replay, errors)
     verdicts = []
     for e in entries:
         if e is base:
             continue
-        v = decide(e, [base], slo or Slo())
+        v = decide(e, [base], slo or Slo(), errors=allowed)
         v["resources"] = "same resources"
         v["resources_text"] = f"same GPU total; {PREDICTION}"
         v["notes"] = [*v.get("notes", []), "predicted figures: a difference inside the stated error is no measurable "
                                            "difference and decides nothing (see the suggested runs)"]
-        verdicts.append(respect_error(v, allowed, misfit))
+        verdicts.append(with_misfit(v, misfit))
     if verdicts:
         report["verdicts"] = verdicts
         report["verdict"] = verdicts[0]

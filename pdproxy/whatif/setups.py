@@ -100,7 +100,8 @@ def recorded(conditions: dict[str, Any]) -> Setup | None:
         if mode == "pd":
             s = parse_setup(f"{int(conditions['pd.prefill.count'])}P{int(conditions['pd.decode.count'])}D")
         elif mode == "single":
-            n = int(conditions.get("gpu.count") or conditions.get("pd.decode.count"))
+            # its instances: the proxy's pool (pd.decode.count) where the record or its traces say, else one per GPU
+            n = int(conditions.get("pd.decode.count") or conditions.get("gpu.count"))
             chunk = conditions.get("vllm.max_num_batched_tokens")
             chunked = str(conditions.get("vllm.enable_chunked_prefill", "")).lower() == "true" and chunk
             s = parse_setup(f"{n}xchunked:{int(chunk)}" if chunked else f"{n}xsingle")
