@@ -112,3 +112,25 @@ def test_a_replay_inside_vllms_own_spread_is_within():
     """Tail ITL p99 ±35 % is the goal, but vLLM's own repeats ran 2.18 times apart: half the recorded is within."""
     assert predict.within("tail ITL p99", 0.5, 1.0, 0.35) and not predict.within("tail ITL p99", 0.4, 1.0, 0.35)
     assert predict.within("TTFT p50", 1.25, 1.0, 0.25) and not predict.within("TTFT p50", 1.3, 1.0, 0.25)
+
+
+def test_one_recording_says_what_it_cannot_tell_and_a_verdict_across_an_slo_cannot_tell(tmp_path):
+    """Run A's 2P2D alone: two decodes read at once, so nothing in it sizes one decode's link, which 3P1D depends
+    on; predicted with the preset's link halved and doubled, 3P1D's TTFT p99 spans an SLO of 5 s, and its verdict
+    says it cannot tell from this recording and names the run to record next."""
+    a = FIX / "real-xpyd-2026-12-01b"
+    out = tmp_path / "w.json"
+    r = subprocess.run([sys.executable, "-m", "pdproxy", "whatif", "--records", str(a / "bench-pd-88412b25.jsonl.gz"),
+                        "--traces", str(a / "pd-a.jsonl.gz"), "--recorded-gpus", "1", "--num-gpu-blocks", "4096",
+                        "--setup", "2P2D", "--setup", "3P1D", "--slo-ttft-ms", "5000", "--no-table", "--json",
+                        str(out)], capture_output=True, text=True, timeout=180,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "COLUMNS": "200"})
+    assert r.returncode == 0, r.stderr
+    w = json.loads(out.read_text())["whatif"]
+    assert w["unknowns"]["parameters"] == ["gpu_share", "kv_bandwidth_gbps"]  # no singles, no lone decode
+    lo, hi = w["unknowns"]["ranges"]["3P1D"]["TTFT p99"]
+    assert lo < 5.0 < hi, (lo, hi)
+    v = json.loads(out.read_text())["verdicts"][0]
+    assert v["candidate"] == "3P1D" and v["decision"] == "cannot tell from this recording", v
+    assert "record 3P1D (one decode reading KV)" in v["reason"]
+    assert "This recording cannot tell GPU sharing (no recording of several single instances), KV link" in " ".join((r.stdout + r.stderr).split())

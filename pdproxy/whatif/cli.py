@@ -34,7 +34,7 @@ from pdproxy.bench import html, records, table, traces
 from pdproxy.bench.report_cli import add_slo_arguments, slo_from, write_outputs
 from pdproxy.config import Settings
 from pdproxy.sim.presets import PRESETS
-from pdproxy.whatif import fitrun, loo, predict, recordings, setups
+from pdproxy.whatif import fitrun, loo, predict, recordings, setups, unknowns
 from pdproxy.whatif.model import Death, ModelParams
 from pdproxy.whatif.recordings import Recording
 from pdproxy.whatif.workload import Workload, WorkloadError
@@ -298,22 +298,35 @@ def predictions(wl: Workload, chosen: list[setups.Setup], params: ModelParams, p
 
 def print_prediction(rep: dict[str, Any], console: Console) -> None:
     w = rep["whatif"]
-    console.print(Text(w["prediction"], style="bold yellow"))
+    console.print(Text(w["prediction"], style="bold yellow"), soft_wrap=True)
     for n in w["workload"]["notes"]:
-        console.print(Text(f"assumed: {n}", style="yellow"))
+        console.print(Text(f"assumed: {n}", style="yellow"), soft_wrap=True)
     for n in w.get("calibration_notes") or []:
-        console.print(Text(n, style="yellow"))
-    if w.get("self_replay"):
-        for line in predict.self_replay_lines(w["self_replay"]):
-            console.print(Text(line, style="bold red" if "not fit" in line or "NOT FIT" in line else ""))
-    for other in w.get("self_replays") or []:
-        for line in predict.self_replay_lines(other):
-            console.print(Text(line, style="bold red" if "not fit" in line or "NOT FIT" in line else ""))
+        console.print(Text(n, style="yellow"), soft_wrap=True)
+    for replay in [r for r in [w.get("self_replay"), *(w.get("self_replays") or [])] if r]:
+        for line in predict.self_replay_lines(replay):
+            red = "not fit" in line or "NOT FIT" in line
+            console.print(Text(line, style="bold red" if red else ""), soft_wrap=True)
     if w.get("leave_one_out"):
         for line in w["leave_one_out"]["lines"]:
-            console.print(Text(line))
+            console.print(Text(line), soft_wrap=True)
+    if w.get("unknowns"):
+        for line in unknown_lines(w["unknowns"]):
+            console.print(Text(line, style="yellow"), soft_wrap=True)
     for line in w["suggested_runs"]:
-        console.print(Text(line, style="bold" if line.startswith("Real runs") else ""))
+        console.print(Text(line, style="bold" if line.startswith("Real runs") else ""), soft_wrap=True)
+
+
+def unknown_lines(u: dict[str, Any]) -> list[str]:
+    """What one recording cannot tell, and the range it opens per set-up (TTFT and tail ITL p50 / p99)."""
+    names = ", ".join(fitrun._KNOB_TEXT.get(k, k) for k in u["parameters"])
+    lines = [f"This recording cannot tell {names}: predicted again with each halved and doubled, the set-ups range "
+             f"over (ms) — {u['next_run']} to narrow it:"]
+    for setup, figs in u["ranges"].items():
+        parts = [f"{n} {lo * 1e3:,.0f}-{hi * 1e3:,.0f}" for n in ("TTFT p50", "TTFT p99", "tail ITL p50", "tail ITL p99")
+                 if (lo_hi := figs.get(n)) is not None for lo, hi in [lo_hi]]
+        lines.append(f"  {setup}: " + ", ".join(parts))
+    return lines
 
 
 def html_page(rep: dict[str, Any]) -> str:
@@ -423,6 +436,23 @@ def run(args: argparse.Namespace) -> int:
         preds, spreads = predictions(wl, chosen, params, pool, rec_setup if first.entry is not None else None,
                                      deaths)
         replayed = predict.run_setup(wl, rec_setup, params, deaths) if deaths and rec_setup is not None else None
+        # one recording: what it cannot tell (a parameter no mechanism in it shows), moved both ways
+        alternatives = unknowns.moved(fitted, chosen, params) if fitted is not None and len(targets) == 1 else []
+        spans: dict[str, dict[str, list[float]]] = {}
+        if alternatives:
+            work = [(wl, s, p, (), True) for _, p in alternatives for s in chosen]
+            done_alt = list(pool.map(_one, work)) if pool is not None else [_one(j) for j in work]
+            labels = [p.run.header["label"] for p in preds]
+            main = {lab: predict.prediction_figures(p) for lab, p in zip(labels, preds)}
+            others = [dict(zip(labels, done_alt[i * len(chosen):(i + 1) * len(chosen)]))
+                      for i in range(len(alternatives))]
+            # only what still fits the recording as well: a value its own replay would tell wrong is no unknown
+            rec_label = next((lab for lab, p in zip(labels, preds) if p.setup.recorded), None)
+            if rec_label is not None and first.entry is not None:
+                want = predict.figures(first.entry)
+                bound = max(fitrun.worst(want, main[rec_label]), fitrun.SELF_REPLAY_GOAL)
+                others = [o for o in others if fitrun.worst(want, o[rec_label]) <= bound]
+            spans = unknowns.ranges(main, others) if others else {}
         if fitting and fitted is not None:
             done = [f.result() for f in pending] if pool is not None else \
                 [loo.fit_job(j) for j in (loo.jobs(targets, base) if args.leave_one_out else [])]
@@ -445,6 +475,11 @@ def run(args: argparse.Namespace) -> int:
             w["self_replays"] = [predict.self_replay_of(r.entry, fitted.figures(t.name) or {}, f"{t.setup.name} "
                                                         f"({t.name}, recorded)", predict.REPLAY_TOLERANCE)
                                  for t in others for r in recs if r.name == t.name and r.entry is not None]
+        if spans and fitted is not None:
+            knobs = unknowns.knobs(fitted, chosen, params)
+            advice = unknowns.next_run(knobs, chosen)
+            w["unknowns"] = {"parameters": knobs, "factor": unknowns.FACTOR, "ranges": spans, "next_run": advice}
+            unknowns.cannot_tell(rep.get("verdicts") or [], spans, slo, advice)
         if loo_rows:
             w["leave_one_out"] = {"rows": [r.to_dict() for r in loo_rows], "stated_error": errors,
                                   "lines": loo.table_lines(loo_rows), "fits": loo_fits}

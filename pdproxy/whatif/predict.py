@@ -25,20 +25,19 @@ from pdproxy.whatif.workload import Workload
 
 PREDICTION = "a PREDICTION of the what-if model (pdproxy whatif), not a measurement"
 
-# Relative error of each figure: the largest |predicted - recorded| / recorded the validation shows with the
-# model fitted to the recorded run (benchmarks/whatif_validation.py --fit-run, docs/explanation/whatif.md "Validation"):
-# self-replay of run A pd and dp, run B, vllm023 1- and 2-GPU P/D and singles (warm from the P/D run before
-# them), and both of run A's cross predictions (2P2D -> four singles, four singles -> 2P2D), rounded up to 5 %.
-# Predictions overlapping within it cannot be told apart; a self-replay that
-# misses its own recording by more does not fit it, and the output says so.
+# The error a prediction states when it has no leave-one-out of its own (one recording): the largest leave-one-out
+# miss per figure over the development set (benchmarks/whatif_validation.py: four clusters of recorded vLLM 0.23
+# runs, each recording predicted by the model fitted to the others of its cluster; docs/explanation/whatif.md
+# "Validation"), rounded up to 5 %. With two or more recordings `pdproxy whatif` states its own (pdproxy/whatif/loo.py).
+# Predictions overlapping within it cannot be told apart.
 EXPECTED_ERROR: dict[str, float] = {
-    "TTFT p50": 0.30,
-    "TTFT p99": 0.40,
-    "tail ITL p50": 0.90,
-    "tail ITL p99": 0.35,
-    "KV wait p50": 0.10,
-    "KV wait p99": 0.15,
-    "completed": 0.70,
+    "TTFT p50": 0.90,
+    "TTFT p99": 0.65,
+    "tail ITL p50": 0.60,
+    "tail ITL p99": 1.40,
+    "KV wait p50": 0.90,
+    "KV wait p99": 0.65,
+    "completed": 1.30,
 }
 
 
@@ -232,7 +231,7 @@ def spread_errors(replay: dict[str, Any] | None, errors: dict[str, float]) -> di
 
 
 def self_replay(recorded: dict[str, Any], predicted: dict[str, Any],
-                errors: dict[str, float] = EXPECTED_ERROR,
+                errors: dict[str, float] = REPLAY_TOLERANCE,
                 spreads: dict[str, tuple[float, float]] | None = None) -> dict[str, Any]:
     """The recorded set-up's prediction against its own recording, figure by figure.
 
@@ -246,7 +245,7 @@ def self_replay(recorded: dict[str, Any], predicted: dict[str, Any],
 
 
 def self_replay_of(recorded: dict[str, Any], pred: dict[str, float | None], label: str,
-                   errors: dict[str, float] = EXPECTED_ERROR,
+                   errors: dict[str, float] = REPLAY_TOLERANCE,
                    spreads: dict[str, tuple[float, float]] | None = None) -> dict[str, Any]:
     """`self_replay` from the predicted figures (`prediction_figures`, a fit's round) of the set-up `label`."""
     rows, misfit, noise, unsettled = [], [], [], []
