@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import select
 import time
 from bisect import bisect_left
 from collections import deque
@@ -368,11 +369,15 @@ class Subscription:
         units; the first message that needs more (out of sequence, too big, not in step) is handed to this
         instance's task, which wakes. The units spent; negative: more messages wait (the pump comes back)."""
         spent = 0
-        while self._parked:
+        sub = self._sub
+        while self._parked and sub is not None:
             if spent >= budget:
                 return -spent
-            frames = self._next_message()
-            if frames is None:
+            try:  # (not ZMQ_EVENTS first: reading it costs two system calls whenever nothing waits)
+                frames = [sub.recv(_NOBLOCK)]
+                while sub.getsockopt(_RCVMORE):
+                    frames.append(sub.recv(_NOBLOCK))
+            except zmq.Again:
                 break
             units = self._take(frames)
             if units is None:
@@ -709,52 +714,72 @@ class Pump:
     passes, so that the event loop wakes once for many engines' batches instead of once per batch.
 
     A parked instance's first message (the loop sees its socket's descriptor) makes it hot: the loop stops
-    watching its descriptor and each pass, every `PUMP_INTERVAL`, looks at its socket and applies what waits, a
-    turn's budget (`TURN_BUDGET` units) at a time (the rest after the loop's other work). An instance that sent
-    nothing for `COOL_PASSES` passes is watched again. At 100 engines' rate (~3,700 batches/s, each engine one
-    every ~27 ms) the loop then wakes ~100 times a second instead of ~3,700: each wake, with its system calls,
-    cost more than applying a batch of 30 events. What a pass cannot apply at once (a gap, a restart, a big batch)
-    it hands to the instance's own task (`Subscription.pumped`)."""
+    watching the descriptor, the pump's own epoll set watches it instead, and a pass every `PUMP_INTERVAL`
+    drains the sockets whose descriptor says a message came (one system call for them all: asking a ZMQ socket
+    that has nothing costs two), a turn's budget (`TURN_BUDGET` units) at a time, the rest after the loop's other
+    work. An instance that sent nothing for `COOL_PASSES` passes is watched by the loop again. At 100 engines'
+    rate (~3,700 batches/s, each engine one every ~27 ms) the loop then wakes ~100 times a second instead of
+    ~3,700. What a pass cannot apply at once (a gap, a restart, a big batch) it hands to the instance's own task
+    (`Subscription.pumped`)."""
 
     def __init__(self) -> None:
-        self._hot: dict[Subscription, int] = {}  # parked instances polled by the passes -> passes without a message
+        self._hot: dict[Subscription, int] = {}  # parked instances the passes drain -> passes without a message
+        self._fds: dict[int, Subscription] = {}  # their descriptors, in `_epoll`
+        self._undrained: set[Subscription] = set()  # left with messages by a spent budget (no new signal comes)
+        self._epoll: select.epoll | None = None
         self._handle: asyncio.TimerHandle | asyncio.Handle | None = None
         self.passes = 0
 
     def hot(self, sub: Subscription) -> None:
-        """A parked instance has a message: polled by the passes from now on."""
+        """A parked instance has a message: drained by the passes from now on."""
+        fd = sub._fd
+        if fd is None:
+            return
         sub._watch_fd(False)
+        if self._epoll is None:
+            self._epoll = select.epoll()
         self._hot[sub] = 0
+        self._fds[fd] = sub
+        self._epoll.register(fd, select.EPOLLIN)
+        self._undrained.add(sub)  # (its message is waiting now: the descriptor's signal was taken)
         if self._handle is None:
             self._handle = asyncio.get_running_loop().call_later(PUMP_INTERVAL, self._pass)
 
     def forget(self, sub: Subscription) -> None:
         """No longer parked: its task reads it (and the loop watches its descriptor)."""
-        if self._hot.pop(sub, None) is not None:
+        if self._cool(sub):
             sub._watch_fd(True)
+
+    def _cool(self, sub: Subscription) -> bool:
+        if self._hot.pop(sub, None) is None:
+            return False
+        self._undrained.discard(sub)
+        fd = sub._fd
+        if fd is not None and self._fds.pop(fd, None) is not None and self._epoll is not None:
+            self._epoll.unregister(fd)
+        return True
 
     def _pass(self) -> None:
         self._handle = None
         self.passes += 1
         budget = TURN_BUDGET
-        hot = self._hot
-        by_socket = {sub._sub: sub for sub in hot if sub._sub is not None}
-        try:  # one call in C over every hot socket: those with a message waiting
-            ready = {sock for sock, _ in zmq.zmq_poll([(sock, _POLLIN) for sock in by_socket], 0)}
-        except zmq.ZMQError:
-            ready = set(by_socket)
+        hot, fds = self._hot, self._fds
+        if self._epoll is None:
+            return  # stopped
+        signalled = {fds[fd] for fd, _ in self._epoll.poll(0) if fd in fds}
+        due, self._undrained = signalled | self._undrained, set()
         for sub in list(hot):
-            if budget <= 0:
-                break
-            if sub._sub not in ready:
+            if sub not in due:
                 if hot[sub] + 1 < COOL_PASSES:
                     hot[sub] += 1
-                else:  # quiet: the loop watches it again (and a message that came meanwhile keeps it hot)
-                    del hot[sub]
+                else:  # quiet: the loop watches it again (a message that came meanwhile signals it there)
+                    self._cool(sub)
                     sub._watch_fd(True)
-                    if sub.waiting():
-                        hot[sub] = 0
-                        sub._watch_fd(False)
+                    if sub.waiting():  # (reading ZMQ_EVENTS takes a signal the loop would not see again)
+                        self.hot(sub)
+                continue
+            if budget <= 0:
+                self._undrained.add(sub)
                 continue
             try:
                 spent = sub.pumped(budget)
@@ -765,16 +790,23 @@ class Pump:
             if sub not in hot:
                 continue  # handed to its task
             hot[sub] = 0
+            if spent < 0:
+                self._undrained.add(sub)
             budget -= abs(spent)
-        if hot:
+        if hot and self._handle is None:  # (a pass may have been scheduled above, by hot())
             loop = asyncio.get_running_loop()
-            self._handle = loop.call_soon(self._pass) if budget <= 0 else loop.call_later(PUMP_INTERVAL, self._pass)
+            self._handle = loop.call_soon(self._pass) if self._undrained else loop.call_later(PUMP_INTERVAL,
+                                                                                                 self._pass)
 
     def stop(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        self._hot.clear()
+        for sub in list(self._hot):
+            self._cool(sub)
+        if self._epoll is not None:
+            self._epoll.close()
+            self._epoll = None
 
 
 class KVEvents:
