@@ -1,15 +1,23 @@
 """100 engines per replica (issue 53, item 6): what following 100 discovered vLLM instances' KV events costs one pdproxy.
 
-    python benchmarks/membership_scale.py [--instances 100] [--seconds 15] [--tree LABEL=PATH ...]
+    python benchmarks/membership_scale.py [--tree LABEL=PATH ...] [--parts events,index]
+    (smallest useful run: --seconds 3 --idle 1 --churn 3 --index-blocks 2048 --decisions 200)
 
-1. Event path CPU. `--instances` engines (half prefill, half decode) publish on vLLM 0.23's wire from
-   `--fleets` separate processes (benchmarks/harness/kv_engines.py: each engine `--rate` events/s in `--batches`
-   batches/s, one 16-token block per event, BlockRemoved once its cache is full: one real engine under load).
-   A real `pdproxy serve` discovers them from a watched instances file (as an operator would), subscribes to
-   every engine and rebuilds each index from its replay socket; then the engines publish. Printed per tree
-   (pure, compiled...): the proxy process's own CPU (/proc/PID/stat) over the window, idle (subscribed, engines
-   silent) and busy, the event path's share of a core per 100k events/s, events sent and applied, the loop's
-   worst lag (/debug/runtime), RSS; beside them the machine's load and what the publishers used.
+1. Event path CPU (`events`). `--instances` engines (half prefill, half decode) publish on vLLM 0.23's wire from
+   `--fleets` separate processes (benchmarks/harness/kv_engines.py, payloads encoded before the run: each engine
+   `--rate` events/s in `--batches` batches/s, one 16-token block per event, 36 % BlockRemoved once its cache is
+   full, as one real engine under load). A real `pdproxy serve` discovers them from a watched instances file (as an
+   operator would), subscribes to every engine and rebuilds each index from its replay socket; then the engines
+   publish. Printed per tree (pure, compiled...): the proxy process's own CPU (/proc/PID/stat, its threads
+   included: ZMQ's I/O thread too) idle (subscribed, engines silent) and busy, the event path's share of a core
+   per 100k events/s, events sent and applied (none may be lost), /health round trips meanwhile, RSS; beside them
+   the machine's load and what the publishers used. Then `--churn` seconds of 10 membership changes a second
+   through the admin API while the engines go on publishing (spare engines' instances added, each rebuilt from
+   its replay buffer, and removed), each change timed to its reconcile.
+2. Index memory and routing decisions (`index`), in a child process on the tree: `--instances` indexes of
+   `--index-blocks` blocks each (resident memory before and after), then precise_prefix's decision among all of
+   them for 4,000-token prompts (CPU time p50 / p99, best of three rounds), beside round_robin's for the same
+   requests: the typical case (a prefix held where it was routed) and the worst (every instance holds the prompt).
 """
 
 from __future__ import annotations
@@ -17,12 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from urllib.parse import quote
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -106,7 +116,10 @@ def event_path(tree: str, args: argparse.Namespace) -> dict:
         try:
             for f in range(args.fleets):
                 count = min(per_fleet, args.instances - f * per_fleet)
-                fleets.append(Fleet(count, args.rate, args.batches, warm + args.seconds + 1, args.capacity, f + 1))
+                fleets.append(Fleet(count, args.rate, args.batches, warm + args.seconds + args.churn + 3, args.capacity,
+                                    f + 1))
+            spares = Fleet(args.churn_spares, args.rate, args.batches, warm + args.seconds + args.churn + 3,
+                           args.capacity, 99) if args.churn else None
             engines = [e for fleet in fleets for e in fleet.engines]
             path = Path(d) / "instances.json"
             addresses = instances_file(path, engines)
@@ -114,7 +127,7 @@ def event_path(tree: str, args: argparse.Namespace) -> dict:
             proxy = procs.pdproxy(
                 "serve", "--vllm-pd-disaggregation", "--instances-file", str(path), "--instances-file-interval",
                 "0.2", "--health-check-interval", "0", "--policy", "precise_prefix", "--load-metrics-interval",
-                "3600", "--no-tracing", "--debug-endpoints", "--log-level", "warning",
+                "3600", "--no-tracing", "--log-level", "warning",
                 env={"PYTHONPATH": tree}, cwd=tree, log=Path(d) / "proxy.log")
             wait_for(lambda: sum(s["flowing"] for s in kv_status(proxy.url).values()) == len(addresses),
                      "every instance flowing", 120)
@@ -123,32 +136,36 @@ def event_path(tree: str, args: argparse.Namespace) -> dict:
             out["form"] = compiled
             # idle: subscribed, engines silent (each answers a replay probe every 2 s)
             time.sleep(1.0)
-            get_json(proxy.url + "/debug/runtime")
             c0, w0, m0 = proxy.cpu_seconds(), time.monotonic(), stats.machine_busy()
             time.sleep(args.idle)
             out["idle_core"] = (proxy.cpu_seconds() - c0) / (time.monotonic() - w0)
-            for fleet in fleets:
+            for fleet in (*fleets, *([spares] if spares else [])):
                 fleet.go()
             time.sleep(warm)
             before = sum(s["events"] for s in kv_status(proxy.url).values())
-            get_json(proxy.url + "/debug/runtime")
             f0 = sum(fl.cpu() for fl in fleets)
             c0, w0, m0 = proxy.cpu_seconds(), time.monotonic(), stats.machine_busy()
-            lags = []
+            health = []  # /health round trips meanwhile: what the event path makes other requests wait
             while time.monotonic() - w0 < args.seconds:
-                time.sleep(1.0)
-                lags.append(get_json(proxy.url + "/debug/runtime")["loop_lag_max_seconds"])
+                asked = time.monotonic()
+                with urllib.request.urlopen(proxy.url + "/health", timeout=30) as r:
+                    r.read()
+                health.append(time.monotonic() - asked)
+                time.sleep(max(0.0, asked + 0.05 - time.monotonic()))
             c1, w1, m1 = proxy.cpu_seconds(), time.monotonic(), stats.machine_busy()
             after = sum(s["events"] for s in kv_status(proxy.url).values())
             f1 = sum(fl.cpu() for fl in fleets)
+            if spares is not None:
+                out["churn"] = churn(proxy.url, spares.engines, args.churn)
             wall = w1 - w0
             out["busy_core"] = (c1 - c0) / wall
             out["events_per_s"] = (after - before) / wall
             out["machine_core"] = (m1[0] - m0[0]) / stats.CLK_TCK / wall
             out["fleets_core"] = (f1 - f0) / wall
-            out["lag_max_ms"] = max(lags) * 1000
-            out["lag_p50_ms"] = sorted(lags)[len(lags) // 2] * 1000
+            out["health_ms"] = (pct(health, 50), pct(health, 99), max(health) * 1000)
             sent = [fleet.result() for fleet in fleets]
+            if spares is not None:
+                spares.result()
             out["sent"] = sum(s["sent_events"] for s in sent)
             out["dropped"] = sum(s["dropped_batches"] for s in sent)
             out["late"] = sum(s["late_batches"] for s in sent)
@@ -164,9 +181,76 @@ def event_path(tree: str, args: argparse.Namespace) -> dict:
             out["blocks"] = sum(s["blocks"] for s in status.values())
             out["rss_mib"] = proxy.memory_mb("VmRSS") * 1e6 / 2**20
         finally:
-            for fleet in fleets:
+            for fleet in (*fleets, *([spares] if spares else [])):
                 fleet.stop()
     return out
+
+
+def churn(url: str, engines: list[dict[str, str]], seconds: float, rate: float = 10.0) -> dict:
+    """`rate` membership changes a second through the admin API for `seconds`, while every engine publishes:
+    spare engines' instances added (each one's events rebuilt from its replay buffer, then followed) and removed
+    in turn. Timed per change: the admin API's answer (it answers once the reconciler applied it: in or out of
+    the pools), and, from /status polled 10 times a second, the added instance's events flowing and the removed
+    one gone with its subscription."""
+    import httpx
+
+    members = [{"url": f"http://127.0.0.1:{21000 + k}", "worker_type": "decode" if k % 2 else "prefill",
+                "kv_events_endpoint": e["pub"], "kv_events_replay_endpoint": e["replay"]} for k, e in enumerate(engines)]
+    pending: dict[str, tuple[str, float]] = {}  # address -> (what, when asked)
+    times: dict[str, list[float]] = {"add answered": [], "remove answered": [], "add -> flowing": [],
+                                     "remove -> gone": []}
+    missed = {"add": 0, "remove": 0}  # not seen done before the same instance's next change
+    inside: set[int] = set()
+    stop = time.monotonic() + seconds
+    lock = threading.Lock()
+
+    def poll() -> None:
+        with httpx.Client(timeout=30) as client:
+            while time.monotonic() < stop + 5 and (time.monotonic() < stop or pending):
+                status = client.get(url + "/status").json()
+                seen = time.monotonic()
+                kv = status.get("kv_events") or {}
+                pooled = {i["url"] for v in status["instances"].values() for i in v}
+                with lock:
+                    for address, (what, asked) in list(pending.items()):
+                        if what == "add" and kv.get(address, {}).get("flowing"):
+                            times["add -> flowing"].append(seen - asked)
+                            del pending[address]
+                        elif what == "remove" and address not in kv and f"http://{address}" not in pooled:
+                            times["remove -> gone"].append(seen - asked)
+                            del pending[address]
+                time.sleep(0.2)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    n = 0
+    with httpx.Client(timeout=30) as client:
+        while time.monotonic() < stop:
+            k = n % len(members)
+            member, address = members[k], members[k]["url"].removeprefix("http://")
+            asked = time.monotonic()
+            if k in inside:
+                r = client.delete(url + "/workers/" + quote(member["url"], safe=""))
+                what = "remove"
+                inside.discard(k)
+            else:
+                r = client.post(url + "/workers", json=member)
+                what = "add"
+                inside.add(k)
+            answered = time.monotonic()
+            assert r.status_code == 200, r.text
+            times[f"{what} answered"].append(answered - asked)
+            with lock:
+                if address in pending:
+                    missed[pending[address][0]] += 1
+                pending[address] = (what, asked)
+            n += 1
+            time.sleep(max(0.0, asked + 1 / rate - time.monotonic()))
+    poller.join()
+    with httpx.Client(timeout=30) as client:
+        for k in list(inside):
+            client.delete(url + "/workers/" + quote(members[k]["url"], safe=""))
+    return {"changes": n, "seconds": seconds, "unseen": len(pending), "missed": missed, "times": times}
 
 
 # Runs in a child process with the tree under test first on sys.path (pure or compiled): the index's memory at
@@ -276,6 +360,13 @@ def index_and_decisions(tree: str, args: argparse.Namespace) -> dict:
     return json.loads(child.stdout.strip().splitlines()[-1])
 
 
+def pct(samples: list[float], q: float) -> float:
+    if not samples:
+        return float("nan")
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * q / 100))] * 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--instances", type=int, default=100)
@@ -288,6 +379,10 @@ def main() -> None:
     parser.add_argument("--index-blocks", type=int, default=65_536, help="blocks per instance for the index's "
                         "memory (65,536: 1M tokens, an 80 GB GPU's KV cache for an 8B model)")
     parser.add_argument("--decisions", type=int, default=2000)
+    parser.add_argument("--churn", type=float, default=10.0, help="seconds of 10 membership changes a second, "
+                        "after the CPU window, while the engines publish (0: none)")
+    parser.add_argument("--churn-spares", type=int, default=20, help="engines whose instances churn (each "
+                        "added or removed every spares / 10 seconds)")
     parser.add_argument("--parts", default="events,index", help="events, index (index memory and decisions)")
     parser.add_argument("--tree", action="append", default=[], help="LABEL=PATH: a pdproxy tree to measure "
                         "(default: this one)")
@@ -316,9 +411,16 @@ def main() -> None:
               f"{r['events_per_s']:,.0f} events/s: event path {net * 100:.1f} % -> "
               f"{net * 100 / (r['events_per_s'] / 1e5):.1f} % of a core per 100k events/s; "
               f"sent {r['sent']:,}, applied {r['applied']:,}, gaps {r['gaps']}, flowing {r['flowing']}, "
-              f"dropped {r['dropped']}, late {r['late']}; loop lag p50 {r['lag_p50_ms']:.1f} ms max "
-              f"{r['lag_max_ms']:.1f} ms; RSS {r['rss_mib']:.0f} MiB; machine {r['machine_core']:.2f} cores busy, "
+              f"dropped {r['dropped']}, late {r['late']}; /health p50 / p99 / max {r['health_ms'][0]:.1f} / "
+              f"{r['health_ms'][1]:.1f} / {r['health_ms'][2]:.1f} ms; RSS {r['rss_mib']:.0f} MiB; machine {r['machine_core']:.2f} cores busy, "
               f"publishers {r['fleets_core'] * 100:.1f} %")
+        if "churn" in r:
+            c = r["churn"]
+            print(f"   churn while the engines publish: {c['changes']} admin changes in {c['seconds']:.0f} s "
+                  f"({c['changes'] / c['seconds']:.1f}/s; /status read 5 times a second), not seen done before the "
+                  f"instance's next change {c['missed']}, by the end {c['unseen']}; p50 / p99 / max ms: " +
+                  "; ".join(f"{k} {pct(v, 50):.0f} / {pct(v, 99):.0f} / {max(v, default=0) * 1000:.0f}"
+                            for k, v in c["times"].items()))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 from pdproxy.blocks import KEY_MASK, ROOT, chain_hashes
 from pdproxy.kvevents.decode import AllBlocksCleared, BlockRemoved, BlockStored, Event
@@ -69,6 +70,8 @@ class BlockIndex:
         units = stored = removed = 0
         engine, keys, extra = self._engine, self._keys, self._extra
         size = self.block_size
+        # (hashes and keys held as `Any`: compiled, an int is then one object shared by the dict and the set, as in
+        # Python, instead of a new one boxed for each container: 32 bytes a block, and the allocations)
         for event in events:
             if type(event) is BlockStored:
                 hashes, tokens = event.block_hashes, event.token_ids
@@ -77,20 +80,19 @@ class BlockIndex:
                     self.store(event)  # several blocks, a new block size, or past the bound
                     size = self.block_size
                     continue
-                parent_hash = event.parent_block_hash
-                if parent_hash is None:
-                    parent = ROOT
-                else:
-                    found = engine.get(parent_hash & KEY_MASK)
-                    if found is None:
+                parent_hash: Any = event.parent_block_hash
+                parent: Any = ROOT
+                if parent_hash is not None:
+                    parent = engine.get(parent_hash & KEY_MASK)
+                    if parent is None:
                         self.orphans += 1
                         continue
-                    parent = found
-                engine_hash = hashes[0] & KEY_MASK
+                first: Any = hashes[0]
+                engine_hash: Any = first & KEY_MASK
                 if engine_hash in engine:
                     engine[engine_hash] = engine.pop(engine_hash)  # stored again: now the newest
                     continue
-                key = hash((parent, tuple(tokens))) & KEY_MASK  # (chain_hashes' key of one block)
+                key: Any = hash((parent, tuple(tokens))) & KEY_MASK  # (chain_hashes' key of one block)
                 engine[engine_hash] = key
                 if key in keys:
                     extra[key] = extra.get(key, 0) + 1
@@ -100,17 +102,16 @@ class BlockIndex:
                 if len(engine) > self.max_blocks:
                     self._evict()
             elif type(event) is BlockRemoved:
-                hashes = event.block_hashes
-                units += len(hashes) + 1
-                for engine_hash in hashes:
-                    found = engine.pop(engine_hash & KEY_MASK, None)
-                    if found is not None:
-                        key = found
+                removing: Any = event.block_hashes
+                units += len(removing) + 1
+                for named in removing:
+                    held: Any = engine.pop(named & KEY_MASK, None)
+                    if held is not None:
                         removed += 1
-                        if key in extra:
-                            self._forget(key)
+                        if held in extra:
+                            self._forget(held)
                         else:
-                            keys.discard(key)
+                            keys.discard(held)
             else:
                 self.apply(event)
                 units += 1
@@ -126,14 +127,13 @@ class BlockIndex:
             self.block_size = size
         hashes = event.block_hashes
         engine = self._engine
-        parent = ROOT
-        parent_hash = event.parent_block_hash
+        parent: Any = ROOT
+        parent_hash: Any = event.parent_block_hash
         if parent_hash is not None:
-            found = engine.get(parent_hash & KEY_MASK)
-            if found is None:
+            parent = engine.get(parent_hash & KEY_MASK)
+            if parent is None:
                 self.orphans += len(hashes)
                 return
-            parent = found
         tokens = event.token_ids
         if len(hashes) == 1 and len(tokens) == size:  # the common event: one block (chain_hashes' first key)
             self._put(hashes[0] & KEY_MASK, hash((parent, tuple(tokens))) & KEY_MASK)
@@ -143,7 +143,7 @@ class BlockIndex:
         if len(engine) > self.max_blocks:
             self._evict()
 
-    def _put(self, engine_hash: int, key: int) -> None:
+    def _put(self, engine_hash: Any, key: Any) -> None:
         engine = self._engine
         if engine_hash in engine:  # stored again: now the newest
             engine[engine_hash] = engine.pop(engine_hash)
@@ -163,8 +163,8 @@ class BlockIndex:
         if order is None:
             order = self._order = deque(engine)
         while len(engine) > self.max_blocks and order:
-            engine_hash = order.popleft()
-            key = engine.pop(engine_hash, None)  # (one removed since, or stored again later, is passed over)
+            engine_hash: Any = order.popleft()
+            key: Any = engine.pop(engine_hash, None)  # (one removed since, or stored again later, is passed over)
             if key is not None:
                 self._forget(key)
                 self.evicted += 1
@@ -173,13 +173,14 @@ class BlockIndex:
 
     def remove(self, engine_hashes: Sequence[int]) -> None:
         engine = self._engine
-        for engine_hash in engine_hashes:
-            key = engine.pop(engine_hash & KEY_MASK, None)
+        named: Any
+        for named in engine_hashes:
+            key: Any = engine.pop(named & KEY_MASK, None)
             if key is not None:
                 self._forget(key)
                 self.removed += 1
 
-    def _forget(self, key: int) -> None:
+    def _forget(self, key: Any) -> None:
         extra = self._extra.get(key)
         if extra is None:
             self._keys.discard(key)
@@ -206,21 +207,24 @@ class BlockIndex:
         a gap: once it has forgotten blocks, the prompt is scanned block by block."""
         held = self._keys
         n = len(keys)
-        if not n or keys[0] not in held:
+        probe: Any = keys[0] if n else None  # (Any: compiled, not boxed anew for each lookup)
+        if not n or probe not in held:
             return 0
         if self.evicted:
             m = 0
-            for key in keys:
-                if key not in held:
+            for probe in keys:
+                if probe not in held:
                     break
                 m += 1
             return m
-        if keys[n - 1] in held:
+        probe = keys[n - 1]
+        if probe in held:
             return n
         low, high = 1, n - 1  # keys[low - 1] held, keys[high] not
         while low < high:
             middle = (low + high) // 2
-            if keys[middle] in held:
+            probe = keys[middle]
+            if probe in held:
                 low = middle + 1
             else:
                 high = middle
