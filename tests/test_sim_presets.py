@@ -47,5 +47,5 @@ def test_the_two_gpu_preset_inherits_only_what_a_second_gpu_leaves_alone():
         "list them in INHERITED with the reason a second GPU leaves them alone")
     # the fields that define it as a 2-GPU preset are its own
     for name in ("kv_bandwidth_gbps", "kv_latency_ms", "kv_pull_stalls_decode", "shared_gpu", "gpu_share",
-                 "kv_together_gbps"):
+                 "kv_together_gbps", "kv_pair_gbps"):
         assert name not in shared, name

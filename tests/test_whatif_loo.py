@@ -57,7 +57,7 @@ def test_two_records_one_fit_each_replayed_and_each_predicted_from_the_other(tmp
     assert w["error_source"] == "leave-one-out"
     assert w["expected_error"] == loo.stated_errors(rows) == w["leave_one_out"]["stated_error"]
     # the 1P1D predicted from the single alone: no KV moved there, so its link is the preset's, and it says so
-    assert "kv_bandwidth_gbps" in w["leave_one_out"]["fits"]["pd"]["unfitted"]
+    assert "kv_pair_gbps" in w["leave_one_out"]["fits"]["pd"]["unfitted"]
     ttft = next(x for x in rows if x.left_out == "pd" and x.figure == "TTFT p50")
     assert abs(ttft.error) > abs(ttft.in_sample_error)  # out of sample is further off than in sample
     assert f"±{w['expected_error']['TTFT p50']:.0%}" in text
@@ -77,10 +77,10 @@ def _target(name: str, setup: str) -> fitrun.Target:
 
 
 @pytest.mark.parametrize("recorded, fitted, unfitted", [
-    (["4xsingle"], {"gpu_share", "frontend_stream_ms"}, {"kv_bandwidth_gbps", "kv_together_gbps"}),
-    (["3P1D"], {"kv_bandwidth_gbps"}, {"gpu_share", "kv_together_gbps"}),  # one decode reads
-    (["2P2D"], {"kv_together_gbps"}, {"gpu_share", "kv_bandwidth_gbps"}),  # several decodes read at once
-    (["2P2D", "3P1D", "4xsingle"], {"gpu_share", "kv_bandwidth_gbps", "kv_together_gbps", "frontend_stream_ms"},
+    (["4xsingle"], {"gpu_share", "frontend_stream_ms"}, {"kv_pair_gbps", "kv_together_gbps"}),
+    (["3P1D"], {"kv_pair_gbps"}, {"gpu_share", "kv_together_gbps"}),  # one decode reads
+    (["2P2D"], {"kv_together_gbps"}, {"gpu_share", "kv_pair_gbps"}),  # several decodes read at once
+    (["2P2D", "3P1D", "4xsingle"], {"gpu_share", "kv_pair_gbps", "kv_together_gbps", "frontend_stream_ms"},
      set()),
 ])
 def test_each_parameter_is_fitted_on_the_recordings_that_show_it(recorded, fitted, unfitted):
@@ -127,7 +127,7 @@ def test_one_recording_says_what_it_cannot_tell_and_a_verdict_across_an_slo_cann
                        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "COLUMNS": "200"})
     assert r.returncode == 0, r.stderr
     w = json.loads(out.read_text())["whatif"]
-    assert w["unknowns"]["parameters"] == ["gpu_share", "kv_bandwidth_gbps"]  # no singles, no lone decode
+    assert w["unknowns"]["parameters"] == ["gpu_share", "kv_pair_gbps"]  # no singles, no lone decode
     lo, hi = w["unknowns"]["ranges"]["3P1D"]["TTFT p99"]
     assert lo < 5.0 < hi, (lo, hi)
     v = json.loads(out.read_text())["verdicts"][0]

@@ -88,8 +88,8 @@ def test_fit_run_reproduces_run_a_2p2d_within_the_goal():
     for name in fitrun.GOAL:
         assert abs(got[name] - want[name]) / want[name] <= predict.REPLAY_TOLERANCE[name], (name, got, want)
     p = fit.params.preset
-    assert p.kv_bandwidth_gbps == base.preset.kv_bandwidth_gbps and p.gpu_share == base.preset.gpu_share
-    assert set(fit.unfitted) == {"kv_bandwidth_gbps", "gpu_share"}
+    assert p.kv_pair_gbps == base.preset.kv_pair_gbps and p.gpu_share == base.preset.gpu_share
+    assert set(fit.unfitted) == {"kv_pair_gbps", "gpu_share"}
     assert "kv_together_gbps" not in fit.unfitted
 
 

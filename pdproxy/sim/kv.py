@@ -278,8 +278,10 @@ class SharedKVPath:
     so a read slows and speeds up as other decodes start and stop reading.
     """
 
-    def __init__(self, together_bytes_per_s: float, clock: PreciseClock, gpu: SharedGPU | None = None) -> None:
+    def __init__(self, together_bytes_per_s: float, clock: PreciseClock, gpu: SharedGPU | None = None,
+                 pair_bytes_per_s: float = 0.0) -> None:
         self.together = together_bytes_per_s  # all reads at once while several decodes read (0: no such limit)
+        self.pair = pair_bytes_per_s  # one decode's reads from one prefill (0: the prefill link's bandwidth)
         # the copies take their share of the GPU: each prefill sending counts as one more instance busy (SharedGPU)
         self.gpu = gpu if gpu is not None and gpu.weight > 0 else None
         self._slots: dict[int, int] = {}  # link id -> its GPU slot
@@ -348,7 +350,8 @@ class SharedKVPath:
         readers = {c.reader for c in self.active} | {c.reader for q in self.queued.values() for c in q}
         share = self.together / len(self.active) if len(readers) > 1 and self.together > 0 else math.inf
         for c in self.active:
-            c.rate = min(c.link.bandwidth if c.link.bandwidth > 0 else math.inf, share)
+            lane = self.pair if self.pair > 0 else c.link.bandwidth if c.link.bandwidth > 0 else math.inf
+            c.rate = min(lane, share)
         soonest = min(max(c.left, 0.0) / c.rate if c.rate < math.inf else 0.0 for c in self.active)
         self._timer = asyncio.get_running_loop().call_later(soonest, self._tick)
         if self.gpu is not None:  # each sending link busy until the next change, then marked again

@@ -103,6 +103,9 @@ class Preset:
     # reads from each prefill at kv_bandwidth_gbps, side by side; pdproxy/sim/kv.py `SharedKVPath`, the what-if's
     # cluster of instances sharing a GPU). 0: no such limit.
     kv_together_gbps: float = 0.0
+    # instances on one GPU: one decode's reads from one prefill, GB/s, in a running cluster (0: the prefill's link,
+    # kv_bandwidth_gbps, which lone transfers measure); the what-if's `SharedKVPath` only
+    kv_pair_gbps: float = 0.0
     # decode: its intake of a remote KV while several prefills feed it at once (GB/s; 0 = no such intake).
     # A KV that lands while a pull from another prefill is still in the decode's hands (in flight or being
     # taken in) is taken in one at a time, at this rate, before its request may step; with
@@ -175,6 +178,10 @@ H200_LLAMA8B = Preset(
     # docs/explanation/whatif.md "Validation"), the link staying the lone measurement above
     kv_intake_gbps=0.0,
     kv_together_gbps=0.15,
+    # one decode reading from one prefill while the cluster runs: 0.236 and 0.245 GB/s fitted on the two one-H200
+    # clusters (run A's with the ratio runs; vllm023's 1P1D), each the other's out-of-sample figure, against the
+    # 0.341 GB/s of a lone transfer (kv_bandwidth_gbps, what `pdproxy sim` moves)
+    kv_pair_gbps=0.24,
     # instances on one GPU time-share it fully (two busy instances each at half speed): a prior, not a fit (the same
     # cluster's singles fit 0.95); `--fit-run` fits it on a recording of several single instances
     gpu_share=1.0,
@@ -207,6 +214,7 @@ H200_LLAMA8B_2GPU = replace(
     shared_gpu=False,
     gpu_share=0.0,
     kv_together_gbps=0.0,
+    kv_pair_gbps=0.0,
     # no decode intake: it was fitted on one shared H200's 2P2D runs, and no recording has several prefills
     # feeding one decode across GPUs (inherited, it took 25 GB/s links' KV in at 0.13 GB/s)
     kv_intake_gbps=0.0,

@@ -260,7 +260,8 @@ class _Cluster:
         # instances on one GPU: their KV reads, each decode's from each prefill in turn, sharing one rate while several
         # decodes read (preset kv_together_gbps); on GPUs of their own, each prefill's outgoing link
         self.kv_path = SharedKVPath(preset.kv_together_gbps * 1e9 / params.time_scale, clock,
-                                    self.gpu if preset.kv_link_shares_gpu else None) if preset.shared_gpu else None
+                                    self.gpu if preset.kv_link_shares_gpu else None,
+                                    preset.kv_pair_gbps * 1e9 / params.time_scale) if preset.shared_gpu else None
         if setup.chunk is not None:
             preset = replace(preset, enable_chunked_prefill=True, max_num_batched_tokens=setup.chunk)
         self.preset = preset

@@ -18,13 +18,13 @@ from pdproxy.whatif.model import ModelParams
 from pdproxy.whatif.setups import Setup
 
 FACTOR = 2.0  # each way: how far a parameter no recording shows is moved (the presets were measured elsewhere)
-MOVED = ("kv_bandwidth_gbps", "kv_together_gbps", "gpu_share")
+MOVED = ("kv_bandwidth_gbps", "kv_pair_gbps", "kv_together_gbps", "gpu_share")
 
 
 def matters(knob: str, setup: Setup, params: ModelParams) -> bool:
     """Whether `knob` moves a prediction of `setup` at all."""
     p = params.preset
-    if knob == "kv_bandwidth_gbps":
+    if knob in ("kv_bandwidth_gbps", "kv_pair_gbps"):
         return setup.mode == "pd"
     if knob == "kv_together_gbps":
         return p.shared_gpu and setup.mode == "pd" and setup.decodes >= 2
@@ -71,7 +71,7 @@ def next_run(knobs: list[str], chosen: list[Setup]) -> str:
     if "kv_together_gbps" in knobs:
         several = next((s.name for s in chosen if s.mode == "pd" and s.decodes >= 2), "a split with two decodes or more")
         wants.append(f"{several} (several decodes reading KV at once)")
-    if "kv_bandwidth_gbps" in knobs:
+    if "kv_bandwidth_gbps" in knobs or "kv_pair_gbps" in knobs:
         one = next((s.name for s in chosen if s.mode == "pd" and s.decodes == 1), "a split with one decode")
         wants.append(f"{one} (one decode reading KV)")
     if "gpu_share" in knobs:
