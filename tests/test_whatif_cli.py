@@ -75,8 +75,9 @@ def test_instances_that_shared_one_gpu_are_replayed_first(tmp_path):
     assert fit["gpu_share"] > 0 and fit["recordings"] == ["pd"]
     assert "gpu_share" in fit["unfitted"]  # one P/D recording: its instances' sharing is not what it shows (fitrun)
     errors = {row["figure"]: row["error"] for row in rep["whatif"]["self_replay"]["rows"]}
-    for figure in ("TTFT p50", "TTFT p99", "tail ITL p99"):  # issue 56's goal, in-sample
-        assert abs(errors[figure]) <= predict.REPLAY_TOLERANCE[figure], (figure, errors)
+    rows = {row["figure"]: row for row in rep["whatif"]["self_replay"]["rows"]}
+    for figure in ("TTFT p50", "TTFT p99", "tail ITL p99"):  # issue 56's goal in-sample, or vLLM's own spread
+        assert rows[figure]["fits"], (figure, errors)
 
 
 def test_trace_files_alone(tmp_path):
