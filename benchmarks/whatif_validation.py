@@ -103,7 +103,7 @@ def main() -> int:
         return 0
     print("| cluster | recording | set-up | figure | recorded | leave-one-out | error | in-sample | LOO in the band |")
     print("|---|---|---|---|---:|---:|---:|---:|:---:|")
-    goals_in, goals_loo, pairs = [], [], []
+    goals_in, goals_loo, pairs, slos = [], [], [], []
     worst: dict[str, float] = {}
     fitted_lines = []
     for name in args.cluster or list(CLUSTERS):
@@ -137,13 +137,23 @@ def main() -> int:
             if r["figure"] in GOAL_LOO and r["error"] is not None:
                 goals_loo.append((name, r["left_out"], r["figure"], r["error"], GOAL_LOO[r["figure"]],
                                   within(r["figure"], r["predicted"], r["recorded"], GOAL_LOO[r["figure"]])))
-        by_run: dict[str, dict[str, tuple[float, float]]] = {}
+        by_run: dict[str, dict[str, tuple[str, float, float]]] = {}
         for r in rows:
             if r["predicted"] is not None and r["recorded"] is not None:
-                by_run.setdefault(r["figure"], {})[r["left_out"]] = (r["recorded"], r["predicted"])
-        for fig in ("TTFT p50", "tail ITL p99"):
-            for (a, (ra, pa)), (b, (rb, pb)) in itertools.combinations(by_run.get(fig, {}).items(), 2):
-                if ra != rb:
+                by_run.setdefault(r["figure"], {})[r["left_out"]] = (r["setup"], r["recorded"], r["predicted"])
+        # SLO verdicts: at an SLO between each two neighbouring recorded figures of different set-ups, does the
+        # left-out prediction meet it exactly when the recording did?
+        for fig in ("TTFT p99", "tail ITL p99"):
+            got = sorted(by_run.get(fig, {}).values(), key=lambda x: x[1])
+            for lo, hi in zip(got, got[1:]):
+                if lo[0] == hi[0] or lo[1] == hi[1]:
+                    continue
+                slo_value = (lo[1] * hi[1]) ** 0.5
+                right = all((rec <= slo_value) == (pred <= slo_value) for _, rec, pred in got)
+                slos.append((name, fig, slo_value, right))
+        for fig in ("TTFT p50", "tail ITL p99"):  # pairs of different set-ups (repeats of one differ by noise)
+            for (a, (sa, ra, pa)), (b, (sb, rb, pb)) in itertools.combinations(by_run.get(fig, {}).items(), 2):
+                if sa != sb and ra != rb:
                     pairs.append((name, fig, a, b, (ra < rb) == (pa < pb)))
         print(f"<!-- {name}: {time.perf_counter() - t:.0f} s -->", file=sys.stderr)
     print()
@@ -156,7 +166,11 @@ def main() -> int:
           + ", ".join(f"{c}/{r} {f} {e:+.0%}" for c, r, f, e, ok in goals_in if not ok))
     print(f"leave-one-out within the goal: {len(ok_loo)} of {len(goals_loo)} ({len(ok_spread)} with vLLM's own spread); "
           "missed: " + ", ".join(f"{c}/{r} {f} {e:+.0%}" for c, r, f, e, g, _ in goals_loo if abs(e) > g))
-    print(f"pairs ordered as measured (leave-one-out, within each cluster): {sum(p[4] for p in pairs)} of {len(pairs)}")
+    print(f"pairs of set-ups ordered as measured (leave-one-out, within each cluster): {sum(p[4] for p in pairs)} of "
+          f"{len(pairs)}; missed: " + ", ".join(f"{c} {f} {a}/{b}" for c, f, a, b, ok in pairs if not ok))
+    print(f"SLO verdicts (an SLO between each two neighbouring set-ups' recorded p99s): {sum(x[3] for x in slos)} of "
+          f"{len(slos)} right for every left-out run; wrong: " + ", ".join(
+              f"{c} {f} SLO {v * 1e3:.0f} ms" for c, f, v, ok in slos if not ok))
     print("worst leave-one-out |error| per figure: " + ", ".join(f"{k} {v:.0%}" for k, v in worst.items()))
     return 0
 

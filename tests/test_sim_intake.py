@@ -7,7 +7,7 @@ prefill's link and lands one KV at a time, the intake never engages (one source:
 runs show no intake wait). The same four requests split over TWO prefills: the links run side by side, yet
 the decode's KV wait grows, one intake time per KV, and a stream running on the decode meanwhile stalls
 for the intake (the recorded 2P2D runs' decodes waited 3-16 s before their engine queue once a second
-prefill fed them; docs/explanation/whatif.md, "the decode's intake").
+prefill fed them; docs/notes/whatif-issue40.md, "the decode's intake").
 """
 
 from __future__ import annotations

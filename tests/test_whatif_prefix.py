@@ -1,5 +1,5 @@
 """With `prefixes_as_counted` (`pdproxy whatif --prefixes-as-counted`), a shared prefix is replayed at the size the
-server counted, not the size its draw asked for. Not the default: docs/explanation/whatif.md, "Spread".
+server counted, not the size its draw asked for. The default of `pdproxy whatif` since issue 56 (docs/explanation/whatif.md, "Input"); docs/notes/whatif-issue40.md, "Spread".
 
 Run A (tests/fixtures/real-xpyd-2026-12-01b) was recorded by a bench that asked for the agent class's own 900
 tokens only and sized the five system prompts in words: vLLM counted 2,085-3,114 prompt tokens, one count per
@@ -47,7 +47,7 @@ def test_a_prefix_sized_in_words_is_replayed_at_the_servers_count():
 
 
 def test_the_workload_reads_a_prefix_as_its_draw_unless_asked():
-    """`workload.from_bench` keeps the draw unless asked (`pdproxy whatif` asks by default: docs/explanation/whatif.md, "Spread")."""
+    """`workload.from_bench` keeps the draw unless asked (`pdproxy whatif` asks by default: docs/notes/whatif-issue40.md, "Spread")."""
     agents = _agents(workload.from_bench(DP))
     assert len(agents) > 100
     assert all(500 < r.prefix_tokens < 900 for r in agents), {r.prefix_tokens for r in agents}

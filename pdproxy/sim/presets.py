@@ -83,7 +83,7 @@ class Preset:
     # (tests/fixtures/vllm023, `llm_request` spans): a cached prompt's scheduled-to-first-token is 9.1-9.8 ms
     # at p10 beside running streams (two decode steps of 4.9-5.2 ms). Off in the presets: with it, the fitted
     # self-replays of the singles move TTFT p50 -28 -> -6 % (vllm023 2-GPU) but -2 -> +30 % (1-GPU) and
-    # +26 -> +31 % (run A), docs/explanation/whatif.md "Async scheduling".
+    # +26 -> +31 % (run A), docs/notes/whatif-issue40.md "Async scheduling".
     async_scheduling: bool = False
     # decode: while a remote KV pull is in flight no engine step starts for the transfer's own link time
     # (latency + bytes / bandwidth, queueing on the link not counted), so the decode's other streams
@@ -120,7 +120,7 @@ class Preset:
     # (run A, tests/fixtures/real-xpyd-2026-12-01b): its engine core added no new request for 8-13 s at a time, then
     # released five to nine KV loads in one step. A KV arriving while a batch is copied joins the next batch; a batch
     # is released when its last KV is in. Off in every preset: it fits run A's completed requests (+70 % -> +20 %)
-    # but not run B's TTFT (docs/explanation/whatif.md, "The decode's intake").
+    # but not run B's TTFT (docs/notes/whatif-issue40.md, "The decode's intake").
     kv_intake_bursts: bool = False
     # several instances time-sharing one GPU's compute: each other instance stepping at the same time
     # stretches a step by this fraction (0: a GPU per instance; 1: full time-slicing). The simulator applies
@@ -135,7 +135,7 @@ class Preset:
     # stretched by, the steps beside them, as one more busy instance), or run beside the steps untouched (a copy
     # engine of its own). Which one a recording shows is fitted by `pdproxy whatif --fit-run` where the first
     # does not reproduce it: vllm023's 1-GPU 1P1D (tests/fixtures/vllm023) fits the second, run A and run B's
-    # 2P2D on one H200 the first (docs/explanation/whatif.md, "The link's copies and the compute").
+    # 2P2D on one H200 the first (docs/notes/whatif-issue40.md, "The link's copies and the compute").
     kv_link_shares_gpu: bool = True
     # vLLM's API server under load (pdproxy/sim/timing.py `FrontEnd`): each request's intake work, one at a
     # time (requests arriving together queue for it), and the extra intake time per stream the server is
@@ -147,7 +147,7 @@ class Preset:
     # in one engine step reach their clients this far apart, and so do their clients' next prompts. vLLM 0.23's
     # last tokens of one step: 1.31 / 0.96 ms apart (median; 1-GPU / 2-GPU single, tests/fixtures/vllm023), where
     # the other tokens of a step arrive 0.05 ms apart. Off in every preset: at 1.0-1.3 ms the fitted singles do
-    # not fit better, with or without async scheduling (docs/explanation/whatif.md, "Async scheduling").
+    # not fit better, with or without async scheduling (docs/notes/whatif-issue40.md, "Async scheduling").
     frontend_finish_ms: float = 0.0
     # each intake up to this much longer, uniformly at random (vLLM 0.23's lone requests' API-server time, arrival to
     # the engine's queue, spans 9.9-10.7 ms at p10-p90 beside four streams, tests/fixtures/vllm023). Off in every

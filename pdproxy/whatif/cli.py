@@ -72,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i.add_argument("--prefixes-as-counted", action=argparse.BooleanOptionalAction, default=True,
                    help="replay a shared prefix at the size the server counted (what it counted beyond the tokens "
                         "a request asked for, where more than the re-drawn prefix; default), or at its draw's "
-                        "size (--no-prefixes-as-counted); docs/explanation/whatif.md, \"Spread\"")
+                        "size (--no-prefixes-as-counted); docs/explanation/whatif.md, \"Input\"")
     i.add_argument("--recorded-gpus", type=int, metavar="N",
                    help="the GPUs the recorded instances ran on, where the records' gpu.count says otherwise (run A's "
                         "bench named 4 for four instances on one H200)")

@@ -112,7 +112,7 @@ def _prefix_tokens(drawn: int, record: dict[str, Any]) -> int:
     tests/fixtures/real-xpyd-2026-12-01b) asked for the class's own 900 tokens only and sized the system prompt
     in words: vLLM counted 2,085-3,114 tokens, so the prefix was 1,185-2,214 tokens where its draw says 517-897,
     and a replay by the draw prefilled 2.4 times the new tokens the recording did. Not the default yet
-    (`from_bench`'s `prefixes_as_counted`): docs/explanation/whatif.md, "Spread"."""
+    (`from_bench`'s `prefixes_as_counted`): docs/notes/whatif-issue40.md, "Spread"."""
     asked, counted = record.get("prompt_tokens_requested"), record.get("prompt_tokens")
     if isinstance(asked, int) and isinstance(counted, int):
         return max(drawn, counted - asked)
