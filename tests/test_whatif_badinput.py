@@ -1,5 +1,6 @@
 """Malformed records and flags (issue 56): exit 2 and one line naming the file, the line and the field, never a
-traceback; `--json` into a directory that does not exist yet creates it."""
+traceback; `--json` into a directory that does not exist yet creates it. The command's own entry point in this
+process (`pdproxy.cli.main`: what `python -m pdproxy` runs) for the cases, one real process for the exit code."""
 
 from __future__ import annotations
 
@@ -21,6 +22,18 @@ SINGLE = V / "bench-1gpu-single.jsonl.gz"  # 135 requests, one instance: cheap t
 def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pdproxy", *args], capture_output=True, text=True, timeout=100,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "COLUMNS": "80"})
+
+
+def main(capsys: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
+    """`pdproxy ARGS` in this process: its exit code, standard output and error, as `cli` gives them."""
+    from pdproxy.cli import main as pdproxy_main
+
+    try:
+        code = pdproxy_main(list(args))
+    except SystemExit as exc:  # argparse's own refusals
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), code, out, err)
 
 
 def broken(tmp_path: Path, change) -> Path:  # type: ignore[no-untyped-def]
@@ -52,14 +65,14 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_malformed_record_is_one_line_naming_file_line_and_field(tmp_path, case):
+def test_a_malformed_record_is_one_line_naming_file_line_and_field(tmp_path, capsys, case):
     change, message = CASES[case]
     path = broken(tmp_path, change)
     cmds = [("whatif", "--records", str(path), "--preset", "h200-llama8b", "--setup", "1xsingle")]
     if case == "a request without request_id":  # one reader (bench/records.py) for both commands
         cmds.append(("report", str(path)))
     for cmd in cmds:
-        r = cli(*cmd)
+        r = cli(*cmd) if case == "a request without request_id" else main(capsys, *cmd)
         assert r.returncode == 2, (cmd, r.stdout, r.stderr)
         err = r.stderr.strip()
         assert "Traceback" not in err and len(err.splitlines()) == 1, err
@@ -70,16 +83,16 @@ def test_a_malformed_record_is_one_line_naming_file_line_and_field(tmp_path, cas
 
 @pytest.mark.parametrize("flag, value", [("--gpus", "0"), ("--jobs", "0"), ("--chunk", "0"), ("--recorded-gpus", "-1"),
                                          ("--slo-ttft-ms", "-5"), ("--max-error-rate", "2")])
-def test_a_bad_flag_is_one_line(flag, value):
-    r = cli("whatif", "--records", str(SINGLE), "--preset", "h200-llama8b", flag, value)
+def test_a_bad_flag_is_one_line(capsys, flag, value):
+    r = main(capsys, "whatif", "--records", str(SINGLE), "--preset", "h200-llama8b", flag, value)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and flag in r.stderr, r.stderr
 
 
-def test_json_into_a_missing_directory_is_created(tmp_path):
+def test_json_into_a_missing_directory_is_created(tmp_path, capsys):
     for cmd in (("whatif", "--records", str(SINGLE), "--preset", "h200-llama8b", "--setup", "1xsingle",
                  "--no-fit-run", "--jobs", "1", "--no-table"), ("report", str(SINGLE), "--no-table")):
         out = tmp_path / cmd[0] / "nested" / "r.json"
-        r = cli(*cmd, "--json", str(out))
+        r = main(capsys, *cmd, "--json", str(out))
         assert r.returncode == 0, r.stderr
         assert json.loads(out.read_text())["runs"], cmd

@@ -30,14 +30,30 @@ def whatif(*args: str) -> subprocess.CompletedProcess:
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "COLUMNS": "300"})
 
 
-def test_a_two_gpu_recording_gets_the_two_gpu_preset():
+@pytest.fixture()
+def inproc(capsys, monkeypatch):  # type: ignore[no-untyped-def]
+    """`pdproxy whatif` through its own entry point in this process (what `python -m pdproxy` runs): no interpreter
+    start-up per call."""
+    from pdproxy.cli import main
+
+    monkeypatch.setenv("COLUMNS", "300")
+
+    def call(*args: str) -> subprocess.CompletedProcess:
+        code = main(["whatif", "--no-fit-run", "--jobs", "1", "--no-table", *args])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, out, err)
+
+    return call
+
+
+def test_a_two_gpu_recording_gets_the_two_gpu_preset(inproc):
     """vllm023's 1P1D on two H200s (gpu.count 2, its traces say H200): the preset measured with a GPU per instance,
     never the one of two instances sharing one GPU (whose 0.34 GB/s link put its TTFT p50 off by +176-386 %)."""
-    r = whatif("--records", str(V / "bench-2gpu-pd.jsonl.gz"), "--traces", str(V / "vllm023-pd-2gpu.otlp.jsonl.gz"),
+    r = inproc("--records", str(V / "bench-2gpu-pd.jsonl.gz"), "--traces", str(V / "vllm023-pd-2gpu.otlp.jsonl.gz"),
                "--setup", "1P1D")
     assert r.returncode == 0, r.stderr
     assert "preset h200-llama8b-2gpu: measured on the recording's card (H200), one GPU per instance" in r.stdout
-    r = whatif("--records", str(V / "bench-1gpu-pd.jsonl.gz"), "--traces", str(V / "vllm023-pd-1gpu.otlp.jsonl.gz"),
+    r = inproc("--records", str(V / "bench-1gpu-pd.jsonl.gz"), "--traces", str(V / "vllm023-pd-1gpu.otlp.jsonl.gz"),
                "--setup", "1P1D")
     assert r.returncode == 0, r.stderr
     assert "preset h200-llama8b: measured on the recording's card (H200), instances sharing one GPU" in r.stdout
@@ -84,13 +100,13 @@ def _lone_requests(path: Path, kind: str) -> Path:
     return path
 
 
-def test_a_simulated_recording_replays_at_its_time_scale(tmp_path):
+def test_a_simulated_recording_replays_at_its_time_scale(tmp_path, inproc):
     """`pdproxy demo` names its instances' preset and time scale in gpu.kind: lone requests replayed at scale 4
     take about four times as long as at scale 1 (the HTTP hops are real time either way)."""
     ttft = {}
     for scale in (1, 4):
         rec = _lone_requests(tmp_path / f"s{scale}.jsonl", f"simulated (h200-llama8b, time scale {scale})")
-        r = whatif("--records", str(rec), "--setup", "1xsingle", "--json", "-")
+        r = inproc("--records", str(rec), "--setup", "1xsingle", "--json", "-")
         assert r.returncode == 0, r.stderr
         rep = json.loads(r.stdout[r.stdout.index("{"):])
         ttft[scale] = rep["runs"][0]["stats"]["ttft"]["p50"]
@@ -100,9 +116,9 @@ def test_a_simulated_recording_replays_at_its_time_scale(tmp_path):
     assert 3.3 < ttft[4] / ttft[1] < 4.0, ttft
 
 
-def test_a_record_without_its_set_up_gets_it_from_the_proxys_spans(tmp_path):
+def test_a_record_without_its_set_up_gets_it_from_the_proxys_spans(tmp_path, inproc):
     rec = _record(tmp_path, "nomode.jsonl", None)
-    r = whatif("--records", str(rec), "--traces", str(V / "vllm023-pd-1gpu.otlp.jsonl.gz"), "--json", "-")
+    r = inproc("--records", str(rec), "--traces", str(V / "vllm023-pd-1gpu.otlp.jsonl.gz"), "--json", "-")
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout[r.stdout.index("{"):])
     assert rep["whatif"]["self_replay"]["setup"] == "1P1D (recorded)"  # not "not among the candidates"
