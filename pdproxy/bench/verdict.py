@@ -260,6 +260,8 @@ def _conclude(gates: list[dict[str, Any]], outcomes: list[tuple[str, dict[str, A
                                  ("trade-off", "trade-off", "failed while another figure improved")):
         if kind in kinds:
             decided = next(c for o, c in outcomes if o == kind)
+            if kind == "unknown":
+                return decision, decided, f"{decided['detail']} ({_name(decided)})" if decided else "cannot tell"
             return decision, decided, f"{_name(decided)} {verb}: {decided['detail'] if decided else ''}"
     won = [c for o, c in outcomes if o == "won" and c is not None]
     if won:

@@ -464,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
                 loo_rows = loo.rows(targets, left, fitted, bands)
         errors = loo.stated_errors(loo_rows) if loo_rows else predict.EXPECTED_ERROR
         rep = predict.build_report(wl, preds, slo=slo, recorded=first.entry, replayed=replayed, spreads=spreads,
-                                   errors=errors)
+                                   errors=errors, error_source="leave-one-out" if loo_rows else "validation")
         w = rep["whatif"]
         if calibration is not None:
             w["calibration"] = calibration.to_dict()
@@ -485,7 +485,7 @@ def run(args: argparse.Namespace) -> int:
                                   "lines": loo.table_lines(loo_rows), "fits": loo_fits}
             w["error_source"] = "leave-one-out"
         else:
-            w["error_source"] = "validation" if fitted is None or len(targets) < 2 else "in-sample"
+            w["error_source"] = "validation"
     except (WorkloadError, setups.SetupError, records.RecordError, traces.TraceError, OSError, ValueError) as e:
         err.print(f"[red]pdproxy whatif: {escape(str(e))}[/]", soft_wrap=True)
         return 2

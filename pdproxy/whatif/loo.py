@@ -83,10 +83,13 @@ def rows(targets: list[fitrun.Target], left_out: list[dict[str, float | None] | 
 
 
 def stated_errors(loo: list[Row], default: dict[str, float] = predict.EXPECTED_ERROR) -> dict[str, float]:
-    """Per figure, the largest leave-one-out miss rounded up to 5 %; a figure no left-out run has keeps `default`."""
+    """Per figure, the largest leave-one-out miss rounded up to 5 %, and no less than the fit's own miss (two
+    recordings may predict each other by luck closer than the model reproduces either); a figure no left-out run
+    has keeps `default`."""
     out = dict(default)
     for name in default:
-        errs = [abs(e) for r in loo if r.figure == name and (e := r.error) is not None]
+        errs = [abs(e) for r in loo if r.figure == name
+                for e in (r.error, r.in_sample_error) if e is not None]
         if errs:
             out[name] = max(0.05, math.ceil(max(errs) * 20 - 1e-9) / 20)
     return out

@@ -98,10 +98,17 @@ def overlap(a: float, b: float, err: float) -> bool:
     return a * (1 - err) <= b * (1 + err) and b * (1 - err) <= a * (1 + err)
 
 
-def error_text(errors: dict[str, float] = EXPECTED_ERROR) -> str:
+ERROR_SOURCES = {
+    "validation": "the largest leave-one-out miss over the development set's recorded vLLM 0.23 runs, "
+                  "docs/explanation/whatif.md \"Validation\"",
+    "leave-one-out": "the largest miss of each given recording predicted by the model fitted to the others "
+                     "(leave-one-out), at least the fit's own miss",
+}
+
+
+def error_text(errors: dict[str, float] = EXPECTED_ERROR, source: str = "validation") -> str:
     parts = ", ".join(f"{k} ±{v:.0%}" for k, v in errors.items())  # tail ITL = per-request max ITL
-    return (f"This is {PREDICTION}. Expected error per figure (largest seen against recorded vLLM 0.23 runs with "
-            f"the model fitted to them, docs/explanation/whatif.md): {parts}.")
+    return f"This is {PREDICTION}. Expected error per figure ({ERROR_SOURCES[source]}): {parts}."
 
 
 @dataclass
@@ -348,7 +355,8 @@ def replay_entry(pred: Prediction) -> dict[str, Any]:
 def build_report(workload: Workload, predictions: list[Prediction], slo: Slo | None = None,
                  errors: dict[str, float] = EXPECTED_ERROR, recorded: dict[str, Any] | None = None,
                  replayed: Prediction | None = None,
-                 spreads: dict[str, tuple[float, float]] | None = None) -> dict[str, Any]:
+                 spreads: dict[str, tuple[float, float]] | None = None,
+                 error_source: str = "validation") -> dict[str, Any]:
     """The predicted runs as `pdproxy report` builds them; `recorded` (the recording's own report entry)
     turns on the self-replay check of the recorded set-up's prediction, or of `replayed` when the recorded run
     lost instances (the recorded set-up with those failures; the predictions compared run without them);
@@ -363,7 +371,7 @@ def build_report(workload: Workload, predictions: list[Prediction], slo: Slo | N
     report = bench_report.build([p.run for p in predictions], idx, unit="chunk", verdict=False, slo=slo, definitions={
         "itl_unit": "token", "itl_unit_note": "the model sends one token per chunk: its chunk gaps are token gaps",
         "ttft": "predicted: request sent -> first token, on the model's virtual clock",
-        "prediction": error_text(errors),
+        "prediction": error_text(errors, error_source),
         "stages": "queue = engine queue of the first leg (the model has no proxy queue); prefill, kv, decode as "
                   "pdproxy's stage spans",
     })
@@ -390,7 +398,7 @@ def build_report(workload: Workload, predictions: list[Prediction], slo: Slo | N
         report["verdicts"] = verdicts
         report["verdict"] = verdicts[0]
     report["whatif"] = {
-        "prediction": error_text(errors),
+        "prediction": error_text(errors, error_source),
         "expected_error": dict(errors),
         "workload": {"source": workload.source, "requests": len(workload.requests), "notes": workload.notes},
         "self_replay": replay,
