@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import threading
@@ -127,8 +128,8 @@ def event_path(tree: str, args: argparse.Namespace) -> dict:
             proxy = procs.pdproxy(
                 "serve", "--vllm-pd-disaggregation", "--instances-file", str(path), "--instances-file-interval",
                 "0.2", "--health-check-interval", "0", "--policy", "precise_prefix", "--load-metrics-interval",
-                "3600", "--no-tracing", "--log-level", "warning",
-                env={"PYTHONPATH": tree}, cwd=tree, log=Path(d) / "proxy.log")
+                "3600", "--no-tracing", "--log-level", os.environ.get("SCALE_LOG_LEVEL", "warning"),
+                env={"PYTHONPATH": tree}, cwd=tree, log=Path(os.environ.get("SCALE_LOG_DIR", d)) / "proxy.log")
             wait_for(lambda: sum(s["flowing"] for s in kv_status(proxy.url).values()) == len(addresses),
                      "every instance flowing", 120)
             out["discovered_s"] = time.monotonic() - started
@@ -223,34 +224,45 @@ def churn(url: str, engines: list[dict[str, str]], seconds: float, rate: float =
 
     poller = threading.Thread(target=poll)
     poller.start()
+    local = threading.local()
+
+    def change(k: int, what: str) -> None:
+        """One admin change, on its own connection (changes are issued on time, not after the previous answer)."""
+        client = getattr(local, "client", None)
+        if client is None:
+            client = local.client = httpx.Client(timeout=30)
+        member, address = members[k], members[k]["url"].removeprefix("http://")
+        asked = time.monotonic()
+        with lock:
+            if address in pending:
+                missed[pending[address][0]] += 1
+            pending[address] = (what, asked)
+        if what == "remove":
+            r = client.delete(url + "/workers/" + quote(member["url"], safe=""))
+        else:
+            r = client.post(url + "/workers", json=member)
+        with lock:
+            times[f"{what} answered"].append(time.monotonic() - asked)
+            if r.status_code != 200:
+                errors.append(f"{what} {address}: {r.status_code} {r.text[:200]}")
+
+    errors: list[str] = []
     n = 0
-    with httpx.Client(timeout=30) as client:
+    started = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
         while time.monotonic() < stop:
             k = n % len(members)
-            member, address = members[k], members[k]["url"].removeprefix("http://")
-            asked = time.monotonic()
-            if k in inside:
-                r = client.delete(url + "/workers/" + quote(member["url"], safe=""))
-                what = "remove"
-                inside.discard(k)
-            else:
-                r = client.post(url + "/workers", json=member)
-                what = "add"
-                inside.add(k)
-            answered = time.monotonic()
-            assert r.status_code == 200, r.text
-            times[f"{what} answered"].append(answered - asked)
-            with lock:
-                if address in pending:
-                    missed[pending[address][0]] += 1
-                pending[address] = (what, asked)
+            what = "remove" if k in inside else "add"
+            (inside.discard if what == "remove" else inside.add)(k)
+            pool.submit(change, k, what)
             n += 1
-            time.sleep(max(0.0, asked + 1 / rate - time.monotonic()))
+            time.sleep(max(0.0, started + n / rate - time.monotonic()))
     poller.join()
     with httpx.Client(timeout=30) as client:
         for k in list(inside):
             client.delete(url + "/workers/" + quote(members[k]["url"], safe=""))
-    return {"changes": n, "seconds": seconds, "unseen": len(pending), "missed": missed, "times": times}
+    return {"changes": n, "seconds": seconds, "unseen": len(pending), "missed": missed, "times": times,
+            "errors": errors}
 
 
 # Runs in a child process with the tree under test first on sys.path (pure or compiled): the index's memory at
@@ -391,9 +403,15 @@ def main() -> None:
     print(f"pdproxy, {args.instances} engines per replica ({harness.machine()}; load {os.getloadavg()[0]:.1f})")
     print(f"each engine: {args.rate:,.0f} events/s in {args.batches:g} batches/s; {args.fleets} publisher processes")
     parts = set(args.parts.split(","))
+    rows: dict[str, dict[str, str]] = {}
     for label, tree in trees:
+        row = rows[label] = {}
         if "index" in parts:
             d = index_and_decisions(tree, args)
+            row["index memory (MiB)"] = f"{d['bytes'] / 2**20:.0f}"
+            row["precise decision added at p99 (ms)"] = (
+                f"{(d['precise_typical']['p99_us'] - d['round_robin']['p99_us']) / 1000:.2f}")
+            row["worst-case decision p99 (ms)"] = f"{d['precise_worst']['p99_us'] / 1000:.2f}"
             rr, typ, worst = d["round_robin"], d["precise_typical"], d["precise_worst"]
             print(f"[{label}: index {d['form']}, policy {d['policy_form']}] index of {d['instances']} instances x "
                   f"{args.index_blocks:,} blocks ({d['blocks']:,} held): {d['bytes'] / 2**20:.0f} MiB, "
@@ -406,6 +424,8 @@ def main() -> None:
             continue
         r = event_path(tree, args)
         net = r["busy_core"] - r["idle_core"]
+        row["event path (cores per 100k events/s)"] = f"{net / (r['events_per_s'] / 1e5):.2f}"
+        row["/health p99 meanwhile (ms)"] = f"{r['health_ms'][1]:.0f}"
         print(f"[{label}: {r['form']}] discovered and flowing in {r['discovered_s']:.1f} s; CPU idle "
               f"{r['idle_core'] * 100:.1f} %, busy {r['busy_core'] * 100:.1f} % of a core at "
               f"{r['events_per_s']:,.0f} events/s: event path {net * 100:.1f} % -> "
@@ -418,9 +438,23 @@ def main() -> None:
             c = r["churn"]
             print(f"   churn while the engines publish: {c['changes']} admin changes in {c['seconds']:.0f} s "
                   f"({c['changes'] / c['seconds']:.1f}/s; /status read 5 times a second), not seen done before the "
-                  f"instance's next change {c['missed']}, by the end {c['unseen']}; p50 / p99 / max ms: " +
+                  f"instance's next change {c['missed']}, by the end {c['unseen']}, errors {c['errors'][:2]}; "
+                  f"p50 / p99 / max ms: " +
                   "; ".join(f"{k} {pct(v, 50):.0f} / {pct(v, 99):.0f} / {max(v, default=0) * 1000:.0f}"
                             for k, v in c["times"].items()))
+            row["churn: changes/s done"] = f"{c['changes'] / c['seconds']:.1f}"
+            row["churn: add -> flowing p99 (ms)"] = f"{pct(c['times']['add -> flowing'], 99):.0f}"
+            row["churn: remove -> gone p99 (ms)"] = f"{pct(c['times']['remove -> gone'], 99):.0f}"
+    budget = {"event path (cores per 100k events/s)": "0.25", "index memory (MiB)": "1024",
+              "precise decision added at p99 (ms)": "1", "churn: changes/s done": "10",
+              "churn: add -> flowing p99 (ms)": "1000", "churn: remove -> gone p99 (ms)": "1000"}
+    keys = list(dict.fromkeys(k for row in rows.values() for k in row))
+    if keys:
+        print()
+        print(f"{'':<40}" + "".join(f"{label[:16]:>18}" for label in rows) + f"{'budget':>10}")
+        for key in keys:
+            print(f"{key:<40}" + "".join(f"{row.get(key, '-'):>18}" for row in rows.values())
+                  + f"{budget.get(key, ''):>10}")
 
 
 if __name__ == "__main__":

@@ -348,7 +348,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "decode already holds (from its KV events) goes straight to the decode, no prefill leg "
                          "(default 0: off)")
     kv.add_argument("--kv-events-max-blocks", type=int,
-                    help="blocks kept in each instance's event index, oldest forgotten first; ~230 bytes each (default 262144)")
+                    help="blocks kept in each instance's event index, oldest forgotten first; ~140 bytes each (default 262144)")
 
     dns = parser.add_argument_group("instances from DNS (a headless Service's records; docs/reference/membership.md)")
     dns.add_argument("--dns-prefill", nargs="+", metavar="NAME[:PORT]",

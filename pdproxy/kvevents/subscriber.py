@@ -139,6 +139,7 @@ class Subscription:
         self._ctx: zmq.asyncio.Context | None = None
         self._dealer: zmq.asyncio.Socket | None = None
         self._dealer_monitor: zmq.asyncio.Socket | None = None  # its connection's events: a refused answer
+        self._dealer_sync: zmq.Socket | None = None  # the same replay socket, read without asyncio
         self._dropped_at: float | None = None  # monotonic: the replay socket disconnected, not retried since
         self._woken: asyncio.Future[None] | None = None  # wakes the task: (re)connected, a message, a hand-over
         self._sub: zmq.Socket | None = None
@@ -543,6 +544,7 @@ class Subscription:
     def _open_dealer(self, endpoint: str) -> zmq.asyncio.Socket:
         """The replay socket, and a monitor of its connection (how a refused answer is told from silence)."""
         dealer = self._dealer = self._socket(zmq.DEALER)
+        self._dealer_sync = zmq.Socket.shadow(dealer.underlying)  # (read directly while answers wait)
         self._dealer_monitor = dealer.get_monitor_socket(_MONITORED)
         self._dropped_at = None
         dealer.connect(endpoint)
@@ -554,11 +556,20 @@ class Subscription:
                 self._dealer.disable_monitor()
                 self._dealer_monitor.close(0)
             self._dealer.close(0)
-        self._dealer = self._dealer_monitor = None
+        self._dealer = self._dealer_monitor = self._dealer_sync = None
 
     async def _answer(self, dealer: zmq.asyncio.Socket) -> list[bytes]:
         """The replay's next answer. TimeoutError after `replay_timeout` of silence; _Refused as soon as ZMQ has
         dropped the connection for good instead (an answer over MAXMSGSIZE, refused before it is kept)."""
+        waiting = self._dealer_sync
+        if waiting is not None:  # an answer already here (a replay's come in a burst): no future, no timer
+            try:
+                frames = [waiting.recv(_NOBLOCK)]
+                while waiting.getsockopt(_RCVMORE):
+                    frames.append(waiting.recv(_NOBLOCK))
+                return frames
+            except zmq.Again:
+                pass
         deadline = time.monotonic() + self.replay_timeout
         while True:
             try:

@@ -83,6 +83,8 @@ class Reconciler:
         self._lock = asyncio.Lock()
         self._pass: asyncio.Task | None = None
         self._dirty = False
+        self._published = self._applied = 0  # changes published, and those a finished pass has applied
+        self._waiting: list[asyncio.Future[None]] = []  # settled() callers, woken after each pass
         self._drains: set[asyncio.Task] = set()
 
     # -- what the sources say ----------------------------------------------------------------------
@@ -100,14 +102,19 @@ class Reconciler:
         self._kick()
 
     def _kick(self) -> None:
+        self._published += 1
         self._dirty = True
         if self._pass is None or self._pass.done():
             self._pass = asyncio.get_running_loop().create_task(self._reconcile(), name="membership-reconcile")
 
     async def settled(self) -> None:
-        """Return once everything published so far is applied."""
-        while self._pass is not None and not self._pass.done():
-            await asyncio.shield(self._pass)
+        """Return once everything published so far is applied (not what is published meanwhile: under churn a
+        pass follows another, and waiting for the reconciler to go idle made an admin change wait for later ones)."""
+        target = self._published
+        while self._applied < target and self._pass is not None and not self._pass.done():
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiting.append(waiter)
+            await waiter
 
     def desired(self) -> dict[tuple[str, str], tuple[Member, tuple[str, ...]]]:
         """The union: per key, the description of the highest-ranked source listing it as not terminating,
@@ -133,10 +140,22 @@ class Reconciler:
     # -- bringing the pools in step ----------------------------------------------------------------
 
     async def _reconcile(self) -> None:
-        while self._dirty:
-            self._dirty = False
-            async with self._lock:
-                await self._apply(self.desired())
+        try:
+            while self._dirty:
+                self._dirty = False
+                published = self._published
+                async with self._lock:
+                    await self._apply(self.desired())
+                self._applied = published
+                self._wake()
+        finally:
+            self._wake()
+
+    def _wake(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def _apply(self, desired: dict[tuple[str, str], tuple[Member, tuple[str, ...]]]) -> None:
         for key, (member, sources) in desired.items():
