@@ -8,6 +8,12 @@ import procs
 from procs import start_proxy, start_scripted
 from waits import SCALE
 
+# grpcio >= 1.81 restarts its poller in a child forked while a channel or server of this process is open, and
+# the child aborts on the closed epoll fd before it execs (grpc/grpc#43055): tests that run an in-process gRPC
+# receiver beside the processes they start (test_collector_e2e) lost a simulated instance that way. Fork
+# support is only for children that go on using gRPC; every child here execs.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):

@@ -70,17 +70,11 @@ def test_the_tokenizer_file_help_says_where_text_and_chat_go_without_it():
     serve = next(a for a in parser._actions if a.dest == "command").choices["serve"]
     help_text = next(a.help for a in serve._actions if "--tokenizer-file" in a.option_strings)
     assert "/tokenize" in help_text and "only token-id" not in help_text, help_text
+    from pdproxy.pool import Pool  # a real one: compiled, the router takes nothing else
     from pdproxy.routing import build
-
-    class Pool:
-        def __init__(self, role: str) -> None:
-            self.role, self.instances = role, []
-            self.policy = type("P", (), {"name": "precise_prefix"})()
-
-        def __len__(self) -> int:
-            return 1
 
     settings = type("S", (), {"pd_min_prefill_tokens": 0, "tokenizer_file": None})()
     metrics = type("M", (), {"tokenize_failure": staticmethod(lambda address, reason: None)})()
-    router = build(settings, None, None, Pool("decode"), object(), metrics, {})
+    router = build(settings, None, None, Pool("decode", ["http://127.0.0.1:1"], "precise_prefix"), object(), metrics,
+                   {})
     assert type(router.tokens).__name__ == "RemoteTokenizer"  # what the help says
