@@ -1,6 +1,8 @@
+import functools
 import json
 import os
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -25,13 +27,30 @@ def pytest_configure(config):
 
 
 OWN_PROCS = pytest.StashKey[list]()
-# session fixtures whose Go-built tools .ci/run builds last, beside the suite: their tests run at the end
-LATE_TOOLS = ("kube_apiserver",)
+# The Go-built tools in the order .ci/run builds them in the background, each with what names it in a test
+# module; a module runs after the tests needing none, in the order of the last tool it names (see go_rank).
+GO_TOOLS = (("collector", ("gotools", "collector_binary", "running_collector")),
+            ("grafana-schema", ("build-grafana-schema",)),
+            ("jaeger", ("jaeger",)),
+            ("prometheus 3", ("build-prometheus", "prometheus3")),
+            ("kube-apiserver", ("kube_apiserver", "build-kube-apiserver")))
+GO_WAIT_TIMEOUT = 1800  # seconds: a test that needs a tool may first wait for its cold build
+
+
+@functools.cache
+def go_rank(path: str) -> int:
+    """0 for a test module that needs no Go-built tool, else 1 + the place of the last tool it names."""
+    text = Path(path).read_text(errors="replace")
+    return max((rank for rank, (_, names) in enumerate(GO_TOOLS, 1) if any(n in text for n in names)), default=0)
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Tests needing the last tools built run last, so the suite does not wait for those builds to start."""
-    items.sort(key=lambda item: any(name in getattr(item, "fixturenames", ()) for name in LATE_TOOLS))
+    """The tests needing a Go-built tool run last, in the order the tools are built, so the suite does not wait
+    for the builds (.ci/run); their bound covers a wait for a cold build."""
+    items.sort(key=lambda item: go_rank(str(item.path)))
+    for item in items:
+        if go_rank(str(item.path)):
+            item.add_marker(pytest.mark.timeout(GO_WAIT_TIMEOUT))
 
 
 @pytest.fixture(scope="session", autouse=True)
