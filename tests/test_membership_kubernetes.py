@@ -444,7 +444,7 @@ def test_a_bad_annotation_leaves_the_pod_out_with_a_warning(caplog):
                 await run.published.until("b only", lambda s: list(s) == [("decode", "http://127.0.0.12:80")])
                 await until("re-listed", lambda: fake.lists() >= 3)
                 assert run.source.status()["roles"]["decode"]["without_member"] == {
-                    "default/a": "annotation pdproxy.io/port='eighty' is not a port number"}
+                    "default/a": "annotation pdproxy.io/port 'eighty' is not a port number"}
         warned = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
         assert len(warned) == 1, warned
 

@@ -56,7 +56,7 @@ import aiohttp
 import orjson
 import yaml
 
-from pdproxy.membership.model import DECODE, PREFILL, Member, MemberError, Publish, member
+from pdproxy.membership.model import DECODE, PREFILL, Member, MemberError, Publish, member, port_number
 
 log = logging.getLogger("pdproxy.membership.kubernetes")
 
@@ -269,15 +269,7 @@ def pod_member(pod: dict[str, Any], role: str, port: int | None = None) -> PodVi
 
 
 def _port(value: Any, what: str) -> int | None:
-    if value is None or value == "":
-        return None
-    try:
-        port = int(value)
-    except (TypeError, ValueError):
-        raise MemberError(f"annotation {what}={value!r} is not a port number") from None
-    if not 0 < port < 65536:
-        raise MemberError(f"annotation {what}={value!r} is not a port number (1-65535)")
-    return port
+    return port_number(value, f"annotation {what}")
 
 
 def selector_text(labels: dict[str, str]) -> str:

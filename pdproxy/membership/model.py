@@ -82,7 +82,7 @@ def member(role: Any, url: Any, *, kv_events_endpoint: Any = None, kv_events_rep
     if role not in ROLES:
         raise MemberError(f"role {role!r} is not one of {', '.join(ROLES)}")
     return Member(role, normalise_url(url), _endpoint(kv_events_endpoint, "kv_events_endpoint"),
-                  _endpoint(kv_events_replay_endpoint, "kv_events_replay_endpoint"), _bootstrap(bootstrap_port),
+                  _endpoint(kv_events_replay_endpoint, "kv_events_replay_endpoint"), port_number(bootstrap_port, "bootstrap_port"),
                   None if identity is None else str(identity), bool(ready), bool(terminating))
 
 
@@ -126,13 +126,14 @@ def _endpoint(value: Any, what: str) -> str | None:
     return value
 
 
-def _bootstrap(value: Any) -> int | None:
+def port_number(value: Any, what: str) -> int | None:
+    """A port (1-65535) from a number or its text (None for nothing given), or MemberError naming `what`."""
     if value is None or value == "" or value == "none":
         return None
     try:
         port = int(value)
     except (TypeError, ValueError):
-        raise MemberError(f"bootstrap_port {value!r} is not a port number") from None
+        raise MemberError(f"{what} {value!r} is not a port number") from None
     if isinstance(value, bool) or not 0 < port < 65536:
-        raise MemberError(f"bootstrap_port {value!r} is not a port number (1-65535)")
+        raise MemberError(f"{what} {value!r} is not a port number (1-65535)")
     return port
